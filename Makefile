@@ -1,0 +1,39 @@
+# `make demo` and `make test` (CONTRACT §1). Both create .venv when missing and reuse it after.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.warmstart-stamp
+TORCHREC := torchrec==1.9.2
+
+.PHONY: demo test setup system-deps clean-venv
+
+setup: $(STAMP) system-deps
+
+$(STAMP): requirements-cpu.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(TORCHREC)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+# redis-server (and chromium, for the HTML report test) from Debian when running as root.
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing$$missing"; \
+	    (apt-get install -y -q $$missing >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null)); \
+	  else echo "missing:$$missing (install them, e.g. apt-get install$$missing)"; fi; \
+	fi
+	@command -v redis-server >/dev/null || { echo "redis-server is required"; exit 1; }
+
+demo: setup
+	$(VENV)/bin/warmstart bench cold-vs-warm --json warmstart-demo.json --html warmstart-demo.html
+
+test: setup
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)
