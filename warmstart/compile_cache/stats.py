@@ -1,0 +1,107 @@
+"""Counters per (tier, artifact kind), merged across processes like sccache's server stats.
+
+Counting happens in memory; each process adds its counts to ``stats.json`` in the local cache
+directory at exit (under a file lock), which is what ``warmstart cache stats`` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+FIELDS = ("hits", "misses", "writes", "errors", "timeouts", "rejected", "dropped",
+          "bytes_read", "bytes_written", "read_s", "saved_s")
+
+
+@dataclasses.dataclass
+class Counts:
+    """What one tier did for one artifact kind."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    rejected: int = 0
+    """Entries whose signature or checksum did not verify: never handed to torch."""
+    dropped: int = 0
+    """Background writes dropped because the write queue was full or the tier was off."""
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0
+    saved_s: float = 0.0
+    """Estimated compile seconds saved by hits (producer's cost minus our read time)."""
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts(**{f: getattr(self, f) + getattr(other, f) for f in FIELDS})
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {f: getattr(self, f) for f in FIELDS}
+
+
+class Stats:
+    """Thread-safe counters keyed by ``(tier, kind)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], Counts] = defaultdict(Counts)
+
+    def add(self, tier: str, kind: str, **deltas: float) -> None:
+        with self._lock:
+            counts = self._counts[(tier, kind)]
+            for field, delta in deltas.items():
+                setattr(counts, field, getattr(counts, field) + delta)
+
+    def get(self, tier: str, kind: str) -> Counts:
+        with self._lock:
+            return dataclasses.replace(self._counts.get((tier, kind), Counts()))
+
+    def items(self) -> list[tuple[tuple[str, str], Counts]]:
+        with self._lock:
+            return [(k, dataclasses.replace(v)) for k, v in sorted(self._counts.items())]
+
+    def to_dict(self) -> dict[str, dict[str, dict[str, float | int]]]:
+        """``{tier: {kind: counts}}``."""
+        out: dict[str, dict[str, dict[str, float | int]]] = {}
+        for (tier, kind), counts in self.items():
+            out.setdefault(tier, {})[kind] = counts.to_dict()
+        return out
+
+    def take(self) -> "Stats":
+        """Return the counts so far and reset them (for merging into the shared file)."""
+        with self._lock:
+            taken = Stats()
+            taken._counts, self._counts = self._counts, defaultdict(Counts)
+            return taken
+
+    def merge_into(self, path: Path) -> None:
+        """Add these counts to the JSON file at ``path`` (created if missing), under a lock."""
+        if not self._counts:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            total = load(path)
+            for (tier, kind), counts in self.items():
+                total.add(tier, kind, **counts.to_dict())
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(total.to_dict(), indent=1))
+            os.replace(tmp, path)
+
+
+def load(path: Path) -> Stats:
+    """Read a stats file written by :meth:`Stats.merge_into`; missing or unreadable means empty."""
+    stats = Stats()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return stats
+    for tier, kinds in data.items():
+        for kind, counts in kinds.items():
+            stats.add(tier, kind, **{f: counts.get(f, 0) for f in FIELDS})
+    return stats

@@ -1,0 +1,41 @@
+"""The storage interface every tier implements, and the artifact kinds warmstart caches.
+
+Read this first. A tier maps ``(kind, key)`` to bytes. ``get`` never raises: any failure is a miss
+that is counted in the tier's stats with its reason. Only the tiered store decides about read-only
+mode and background writes; tiers just store.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+#: Artifact kinds, as shown in ``warmstart cache stats``.
+KINDS: dict[str, str] = {
+    "fx_graph": "fx graph",
+    "aot_autograd": "aot autograd",
+    "autotune": "autotune",
+    "pgo": "pgo",
+    "triton_kernel": "triton kernel",
+    "cpp_object": "compiled C++ object",
+    "sharding_plan": "sharding plan",
+}
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A byte store keyed by artifact kind and key."""
+
+    name: str
+    """Short tier name used in stats: ``local`` or ``remote``."""
+
+    def get(self, kind: str, key: str) -> bytes | None:
+        """Return the value, or ``None`` on a miss or any error (counted, never raised)."""
+        ...
+
+    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
+        """Store ``value``; ``cost_s`` is what producing it cost (for "seconds saved").
+
+        Returns:
+            True if stored (or already present), False if the tier refused or failed (counted).
+        """
+        ...

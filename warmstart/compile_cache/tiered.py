@@ -1,0 +1,130 @@
+"""The store jobs use: the local tier first, then the remote tier, with backfill and background writes.
+
+Reads go local, then remote; a remote hit is copied into the local tier so the next read on this
+machine is local. Writes go to the local tier at once and to the remote tier from a background thread,
+so compilation never waits on the network; ``flush`` (also run at exit, bounded) drains them.
+Read-only mode (``WARMSTART_CACHE_MODE=ro``) writes to no tier at all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+from warmstart.compile_cache.local import LocalTier
+from warmstart.compile_cache.remote import RemoteTier
+from warmstart.compile_cache.stats import Stats
+
+log = logging.getLogger("warmstart.cache")
+
+_QUEUE_ITEMS = 1024
+_EXIT_FLUSH_S = 30.0
+
+
+class TieredStore:
+    """Local tier plus optional remote tier, as one store.
+
+    Args:
+        local: the local tier (``None`` for none).
+        remote: the remote tier (``None`` for local only).
+        mode: ``rw`` or ``ro``.
+        stats_file: where this process's counts are merged at exit (``None``: not persisted).
+    """
+
+    def __init__(self, local: LocalTier | None, remote: RemoteTier | None, *, mode: str = "rw",
+                 stats: Stats | None = None, stats_file: Path | None = None) -> None:
+        self.local = local
+        self.remote = remote
+        self.mode = mode
+        self.stats = stats or Stats()
+        self.stats_file = stats_file
+        self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_ITEMS)
+        self._writer: threading.Thread | None = None
+        self._writer_pid = 0
+        self._closed = False
+        atexit.register(self.close)
+
+    @property
+    def tiers(self) -> list:
+        return [t for t in (self.local, self.remote) if t is not None]
+
+    def get(self, kind: str, key: str) -> bytes | None:
+        """The value from the nearest tier that has it, or ``None``. Never raises."""
+        if self.local is not None and (value := self.local.get(kind, key)) is not None:
+            return value
+        if self.remote is None:
+            return None
+        found = self.remote.fetch(kind, key)
+        if found is None:
+            return None
+        value, cost_s = found
+        if self.local is not None and self.mode == "rw":
+            self.local.put(kind, key, value, cost_s=cost_s)
+        return value
+
+    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> None:
+        """Store ``value`` in every tier (remote in the background unless ``sync``). Never raises."""
+        if self.mode != "rw":
+            return
+        if self.local is not None:
+            self.local.put(kind, key, value, cost_s=cost_s)
+        if self.remote is None:
+            return
+        if sync:
+            self.remote.put(kind, key, value, cost_s=cost_s)
+            return
+        self._ensure_writer()
+        try:
+            self._queue.put_nowait((kind, key, value, cost_s))
+        except queue.Full:
+            self.stats.add("remote", kind, dropped=1)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued remote writes are done; False if ``timeout`` ran out first."""
+        if self._writer is None or self._writer_pid != os.getpid():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _ensure_writer(self) -> None:
+        # After a fork the parent's thread does not exist in the child: start a new one there.
+        if self._writer is not None and self._writer_pid == os.getpid():
+            return
+        self._queue = queue.Queue(maxsize=_QUEUE_ITEMS)
+        self._writer_pid = os.getpid()
+        self._writer = threading.Thread(target=self._write_loop, name="warmstart-cache-writer", daemon=True)
+        self._writer.start()
+
+    def _write_loop(self) -> None:
+        q = self._queue
+        while True:
+            kind, key, value, cost_s = q.get()
+            try:
+                assert self.remote is not None
+                self.remote.put(kind, key, value, cost_s=cost_s)
+            except Exception:  # put never raises by contract; this guards the thread regardless
+                log.debug("background write failed", exc_info=True)
+            finally:
+                q.task_done()
+
+    def close(self) -> None:
+        """Drain background writes (bounded) and persist this process's stats."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.flush(timeout=_EXIT_FLUSH_S):
+            log.warning("warmstart: gave up waiting for %d remote cache writes at exit", self._queue.qsize())
+        if self.stats_file is not None:
+            try:
+                self.stats.take().merge_into(self.stats_file)
+            except Exception:
+                log.debug("could not write cache stats", exc_info=True)
