@@ -1,0 +1,245 @@
+"""The ETT event format of CONTRACT §4: the schema, the JSON-lines writer and the reader.
+
+This module is the interface file of ``warmstart.metrics``: what a line holds, how it is written (one
+``write`` per batch of whole lines, appended, so several writers never clobber each other) and how a
+run directory is read back (a torn last line is skipped with a warning; any other malformed line is an
+:class:`EventFormatError` naming the file and line). It knows nothing about buckets or reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from warmstart.errors import WarmstartError
+
+ATTEMPT_START = "attempt_start"
+BEGIN = "begin"
+END = "end"
+STEP = "step"
+CHECKPOINT_COMMITTED = "checkpoint_committed"
+FAILURE = "failure"
+TRAIN_END = "train_end"
+ATTEMPT_END = "attempt_end"
+
+EVENT_KINDS = (ATTEMPT_START, BEGIN, END, STEP, CHECKPOINT_COMMITTED, FAILURE, TRAIN_END, ATTEMPT_END)
+FAILURE_CATEGORIES = ("infra", "preemption", "user")
+
+# Span names CONTRACT §4 lists; any other name is accepted too (it becomes its own bucket unless the
+# event maps it with ``bucket``).
+KNOWN_SPANS = ("compile", "sharding_plan", "process_group_init", "data_loader_init", "model_transform",
+               "checkpoint_load", "checkpoint_save", "eval")
+
+
+class EventFormatError(WarmstartError, ValueError):
+    """A line of an event file is not a valid CONTRACT §4 event. The message names file and line."""
+
+    def __init__(self, path: str | os.PathLike, line: int, problem: str) -> None:
+        self.path, self.line, self.problem = str(path), line, problem
+        super().__init__(f"{path}:{line}: {problem}")
+
+
+class TornLineWarning(UserWarning):
+    """The last line of an event file was cut short (the writer died mid-write) and was skipped."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """One validated event line; the optional fields are set only for the kinds that carry them."""
+
+    ts: float
+    job: str
+    attempt: int
+    rank: int
+    event: str
+    span: str | None = None
+    bucket: str | None = None
+    step: int | None = None
+    samples: int | None = None
+    devices: int | None = None
+    reason: str | None = None
+    category: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as the JSON object of its line (optional fields left out when unset)."""
+        out: dict[str, Any] = {"ts": self.ts, "job": self.job, "attempt": self.attempt, "rank": self.rank,
+                               "event": self.event}
+        for key in ("span", "bucket", "step", "samples", "devices", "reason", "category"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+def _int(obj: dict, key: str, required: bool, minimum: int | None = None) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"missing field {key!r}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        # 3.0 written by a tool that only has floats is still an integer.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValueError(f"field {key!r} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"field {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _str(obj: dict, key: str, required: bool) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"missing field {key!r}")
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"field {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def parse_event(obj: Any) -> Event:
+    """Validate one decoded JSON line and return it as an :class:`Event`.
+
+    Unknown extra fields are allowed (writers may add their own) and ignored.
+
+    Raises:
+        ValueError: a required field is missing or a field has the wrong type or value.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    ts = obj.get("ts")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise ValueError("missing field 'ts'" if ts is None else f"field 'ts' must be a number, got {ts!r}")
+    kind = obj.get("event")
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"field 'event' must be one of {', '.join(EVENT_KINDS)}, got {kind!r}")
+    job = obj.get("job")
+    if not isinstance(job, str):
+        raise ValueError("missing field 'job'" if job is None else f"field 'job' must be a string, got {job!r}")
+    attempt = _int(obj, "attempt", True, 0)
+    rank = _int(obj, "rank", True, -1)
+    fields: dict[str, Any] = {}
+    if kind in (BEGIN, END):
+        fields["span"] = _str(obj, "span", True)
+        fields["bucket"] = _str(obj, "bucket", False)
+    elif kind == STEP:
+        fields["step"] = _int(obj, "step", True)
+        fields["samples"] = _int(obj, "samples", False, 0)
+    elif kind == CHECKPOINT_COMMITTED:
+        fields["step"] = _int(obj, "step", True)
+    elif kind == ATTEMPT_START:
+        fields["devices"] = _int(obj, "devices", False, 1)
+    elif kind == FAILURE:
+        reason = obj.get("reason", "")
+        if not isinstance(reason, str):
+            raise ValueError(f"field 'reason' must be a string, got {reason!r}")
+        category = obj.get("category")
+        if category not in FAILURE_CATEGORIES:
+            raise ValueError(f"field 'category' must be one of {', '.join(FAILURE_CATEGORIES)}, got {category!r}")
+        fields["reason"], fields["category"] = reason, category
+    return Event(float(ts), job, attempt, rank, kind, **fields)  # type: ignore[arg-type]
+
+
+def read_events(path: str | os.PathLike) -> list[Event]:
+    """Read one JSON-lines event file.
+
+    Blank lines are ignored. A last line without its newline that does not parse is a torn write: it is
+    skipped with a :class:`TornLineWarning`.
+
+    Raises:
+        EventFormatError: any other line is not valid JSON or not a valid event (file and line named).
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise EventFormatError(path, 0, f"cannot read: {exc.strerror}") from None
+    lines = data.split(b"\n")
+    torn_candidate = len(lines) - 1 if lines and lines[-1] else -1  # last line lacks its newline
+    events: list[Event] = []
+    loads, parse = json.loads, parse_event
+    for index, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            obj = loads(raw)
+        except ValueError as exc:
+            if index == torn_candidate:
+                warnings.warn(f"{path}:{index + 1}: torn last line skipped (the writer died mid-write)",
+                              TornLineWarning, stacklevel=2)
+                continue
+            raise EventFormatError(path, index + 1, f"not valid JSON ({exc})") from None
+        try:
+            events.append(parse(obj))
+        except ValueError as exc:
+            raise EventFormatError(path, index + 1, str(exc)) from None
+    return events
+
+
+def event_files(run_dir: str | os.PathLike) -> list[Path]:
+    """The ``*.jsonl`` files of a run directory (searched recursively), sorted by path.
+
+    Raises:
+        EventFormatError: ``run_dir`` is not a directory.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise EventFormatError(run_dir, 0, "not a run directory (expected a directory of *.jsonl event files)")
+    return sorted(run_dir.rglob("*.jsonl"))
+
+
+def encode_events(events: Iterable[Event | dict[str, Any]]) -> bytes:
+    """Encode events as JSON lines, each ending with a newline."""
+    parts = []
+    for ev in events:
+        obj = ev.to_dict() if isinstance(ev, Event) else ev
+        parts.append(json.dumps(obj, separators=(",", ":")))
+    return ("\n".join(parts) + "\n").encode() if parts else b""
+
+
+class EventWriter:
+    """Appends whole lines to one event file with a single ``write`` per batch.
+
+    The file is opened ``O_APPEND`` and only when the first batch arrives, so a process that records
+    nothing leaves no empty file, and several processes writing the same file never overwrite each
+    other's lines.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` (whole lines) to the file, creating it and its directory on first use."""
+        if not data:
+            return
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        view = memoryview(data)
+        while view:  # a regular file takes it all at once; loop for the rare short write
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def close(self) -> None:
+        """Close the file; a later :meth:`write` reopens it."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def write_events(path: str | os.PathLike, events: Sequence[Event | dict[str, Any]]) -> None:
+    """Append ``events`` to the JSON-lines file ``path`` (for schedulers, tools and tests)."""
+    writer = EventWriter(path)
+    try:
+        writer.write(encode_events(events))
+    finally:
+        writer.close()

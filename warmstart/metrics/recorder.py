@@ -1,0 +1,425 @@
+"""The recorder: what a training process calls to write its ETT events (CONTRACT §4).
+
+It owns the in-process side only: cheap calls that append a tuple to a buffer, a background thread
+that serializes and appends the buffer to this rank's and attempt's file every
+``FLUSH_INTERVAL_S``, and the last words of a dying process (flush at exit; an uncaught exception or
+SIGTERM writes a ``failure`` first, then the previous hook or the default action runs). It never
+blocks training on I/O and never raises into it over a write error. It computes nothing: that is
+``calculator.py``. :func:`get_recorder` is the process-wide instance built from the environment; a
+:class:`NullRecorder` (every call a no-op) when neither ``WARMSTART_RUN_DIR`` nor ``WARMSTART=1`` is set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+from warmstart import _defaults
+from warmstart.config import new_job_id
+from warmstart.errors import ConfigError
+from warmstart.metrics.events import FAILURE_CATEGORIES, EventWriter
+
+log = logging.getLogger(__name__)
+
+# Buffered records are (ts, kind, a, b) tuples; the kind codes index _KIND_NAMES.
+_ATTEMPT_START, _BEGIN, _END, _STEP, _CKPT, _FAILURE, _TRAIN_END, _ATTEMPT_END = range(8)
+_KIND_NAMES = ("attempt_start", "begin", "end", "step", "checkpoint_committed", "failure", "train_end",
+               "attempt_end")
+_INFRA_ERRORS = frozenset({"ConnectionError", "TimeoutError", "DistError", "DistBackendError",
+                           "DistNetworkError", "DistStoreError", "BrokenPipeError"})
+
+_live: weakref.WeakSet[Recorder] = weakref.WeakSet()
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+class _Span:
+    """Context manager returned by :meth:`Recorder.span`."""
+
+    __slots__ = ("_rec", "_name", "_bucket")
+
+    def __init__(self, rec: Recorder | NullRecorder, name: str, bucket: str | None) -> None:
+        self._rec, self._name, self._bucket = rec, name, bucket
+
+    def __enter__(self) -> _Span:
+        self._rec.begin(self._name, self._bucket)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._rec.end(self._name, self._bucket)
+
+
+class Recorder:
+    """Writes one rank's and one attempt's events to ``run_dir/events-r{rank}-a{attempt}.jsonl``.
+
+    Example:
+        >>> rec = Recorder("runs/job-1", job="job-1", rank=0, attempt=0)
+        >>> rec.attempt_start(devices=8)
+        >>> with rec.span("compile"):
+        ...     pass
+        >>> rec.step(0, samples=512)
+        >>> rec.checkpoint_committed(0)
+        >>> rec.train_end(); rec.attempt_end(); rec.close()
+
+    Args:
+        run_dir: directory of the run's event files (created on the first flush).
+        job: job id; default ``WARMSTART_JOB_ID``, else ``TORCHELASTIC_RUN_ID``, else a generated one.
+        rank: global rank; default ``RANK``, else 0. Use -1 for job-level writers (schedulers).
+        attempt: attempt number; default ``WARMSTART_ATTEMPT``, else ``TORCHELASTIC_RESTART_COUNT``, else 0.
+        flush_interval_s: how often the background thread writes the buffer; 0 disables the thread
+            (then only :meth:`flush`, :meth:`close`, exit and signals write).
+
+    Raises:
+        ConfigError: ``RANK``, ``WARMSTART_ATTEMPT`` or ``TORCHELASTIC_RESTART_COUNT`` is not an integer.
+    """
+
+    enabled = True
+
+    def __init__(self, run_dir: str | os.PathLike, job: str | None = None, rank: int | None = None,
+                 attempt: int | None = None, *, flush_interval_s: float = _defaults.FLUSH_INTERVAL_S) -> None:
+        env = os.environ
+        self.run_dir = Path(run_dir)
+        self.job = job or _env_job_id(env) or new_job_id()
+        self.rank = rank if rank is not None else _env_int(env, "RANK", 0)
+        self.attempt = attempt if attempt is not None else _env_attempt(env)
+        self.path = self.run_dir / f"events-r{self.rank}-a{self.attempt}.jsonl"
+        self.flush_interval_s = flush_interval_s
+        # Everything but ts and the kind-specific fields is the same on every line: serialize it once.
+        self._prefix = (f',"job":{json.dumps(self.job)},"attempt":{int(self.attempt)},'
+                        f'"rank":{int(self.rank)},"event":')
+        self._buf: deque[tuple] = deque()  # append/popleft are atomic: no lock on the hot path
+        self._append = self._buf.append
+        self._time = time.time
+        self._writer = EventWriter(self.path)
+        self._flush_lock = threading.Lock()
+        self._attempt_open = False
+        self._recorded = False
+        self._write_failed = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._inherited = False  # set in a forked child: the attempt's fate is the parent's to record
+        _live.add(self)
+        _install_process_hooks()
+        self._start_thread()
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def attempt_start(self, devices: int | None = None) -> None:
+        """Hardware is allocated to this attempt: its clock starts. ``devices``: accelerators it holds."""
+        self._attempt_open = True
+        self._append((self._time(), _ATTEMPT_START, devices, None))
+
+    def attempt_end(self) -> None:
+        """The attempt released its hardware (written automatically at exit if still open)."""
+        self._attempt_open = False
+        self._append((self._time(), _ATTEMPT_END, None, None))
+
+    def begin(self, name: str, bucket: str | None = None) -> None:
+        """Start the span ``name``; ``bucket`` maps a custom span to a known bucket."""
+        self._append((self._time(), _BEGIN, name, bucket))
+
+    def end(self, name: str, bucket: str | None = None) -> None:
+        """End the most recent open span ``name``."""
+        self._append((self._time(), _END, name, bucket))
+
+    def span(self, name: str, bucket: str | None = None) -> _Span:
+        """Context manager recording ``begin``/``end`` of ``name`` around its body."""
+        return _Span(self, name, bucket)
+
+    def step(self, n: int, samples: int | None = None) -> None:
+        """Step ``n`` starts consuming a batch (of ``samples`` samples). Costs well under 5 us."""
+        self._append((self._time(), _STEP, n, samples))
+
+    def checkpoint_committed(self, step: int) -> None:
+        """The checkpoint holding every step ``<= step`` is durable."""
+        self._append((self._time(), _CKPT, step, None))
+
+    def failure(self, reason: str, category: str) -> None:
+        """The attempt dies here; ``category`` is ``infra``, ``preemption`` or ``user``.
+
+        Raises:
+            ValueError: ``category`` is not one of those three.
+        """
+        if category not in FAILURE_CATEGORIES:
+            raise ValueError(f"failure category {category!r} is not valid: expected one of "
+                             f"{', '.join(FAILURE_CATEGORIES)}")
+        self._append((self._time(), _FAILURE, str(reason), category))
+
+    def train_end(self) -> None:
+        """The training loop finished: shutdown starts."""
+        self._append((self._time(), _TRAIN_END, None, None))
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Serialize the buffer and append it to the event file. Never raises on I/O errors."""
+        with self._flush_lock:
+            buf = self._buf
+            n = len(buf)
+            if not n:
+                return
+            self._recorded = True
+            popleft, line = buf.popleft, self._line
+            data = "".join([line(popleft()) for _ in range(n)]).encode()
+            try:
+                self._writer.write(data)
+            except OSError as exc:
+                if not self._write_failed:  # log once: a full disk must not flood the job's log
+                    self._write_failed = True
+                    log.warning("warmstart: cannot write ETT events to %s (%s); dropping them",
+                                self.path, exc)
+
+    def close(self) -> None:
+        """Flush, stop the background thread and close the file. Safe to call twice."""
+        self._stop.set()
+        self.flush()
+        with self._flush_lock:
+            self._writer.close()
+        self._closed = True
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _line(self, rec: tuple) -> str:
+        ts, kind, a, b = rec
+        head = f'{{"ts":{ts!r}{self._prefix}"{_KIND_NAMES[kind]}"'
+        if kind == _STEP:
+            return f'{head},"step":{int(a)}}}\n' if b is None else f'{head},"step":{int(a)},"samples":{int(b)}}}\n'
+        if kind in (_BEGIN, _END):
+            extra = f',"span":{json.dumps(a)}'
+            return f"{head}{extra}}}\n" if b is None else f'{head}{extra},"bucket":{json.dumps(b)}}}\n'
+        if kind == _CKPT:
+            return f'{head},"step":{int(a)}}}\n'
+        if kind == _FAILURE:
+            return f'{head},"reason":{json.dumps(a)},"category":{json.dumps(b)}}}\n'
+        if kind == _ATTEMPT_START and a is not None:
+            return f'{head},"devices":{int(a)}}}\n'
+        return head + "}\n"
+
+    def _start_thread(self) -> None:
+        if self.flush_interval_s <= 0:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="warmstart-ett-flush", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            self.flush()
+
+    def _last_words(self, reason: str, category: str) -> None:
+        """Record a failure (and the end of an open attempt) and flush: the process is dying."""
+        if self._inherited or not (self._recorded or self._buf):
+            return  # a process that recorded nothing (a compile worker, a forked helper) speaks for no attempt
+        self._append((self._time(), _FAILURE, reason, category))
+        if self._attempt_open:
+            self.attempt_end()
+        self.flush()
+
+    def _at_exit(self) -> None:
+        if self._attempt_open and not self._inherited and (self._recorded or self._buf):
+            self.attempt_end()
+        self.close()
+
+    def _after_fork_in_child(self) -> None:
+        # The child starts empty: what the parent buffered is the parent's to write. Its own events (if
+        # any) are appended to the same file at flush or exit; there is no flusher thread after fork.
+        self._inherited = True
+        self._buf.clear()
+        self._flush_lock = threading.Lock()
+        self._writer = EventWriter(self.path)
+        self._thread = None
+        self._stop = threading.Event()
+
+
+class NullRecorder:
+    """The recorder when metrics are off: every call is a no-op."""
+
+    enabled = False
+    job, rank, attempt, run_dir, path = "", 0, 0, None, None
+
+    def attempt_start(self, devices: int | None = None) -> None:
+        """No-op."""
+
+    def attempt_end(self) -> None:
+        """No-op."""
+
+    def begin(self, name: str, bucket: str | None = None) -> None:
+        """No-op."""
+
+    def end(self, name: str, bucket: str | None = None) -> None:
+        """No-op."""
+
+    def span(self, name: str, bucket: str | None = None) -> _Span:
+        """A context manager that records nothing."""
+        return _Span(self, name, bucket)
+
+    def step(self, n: int, samples: int | None = None) -> None:
+        """No-op."""
+
+    def checkpoint_committed(self, step: int) -> None:
+        """No-op."""
+
+    def failure(self, reason: str, category: str) -> None:
+        """No-op."""
+
+    def train_end(self) -> None:
+        """No-op."""
+
+    def flush(self) -> None:
+        """No-op."""
+
+    def close(self) -> None:
+        """No-op."""
+
+
+_process_recorder: Recorder | NullRecorder | None = None
+_process_lock = threading.Lock()
+
+
+def get_recorder() -> Recorder | NullRecorder:
+    """The process-wide recorder, built once from the environment.
+
+    ``WARMSTART_RUN_DIR`` (default ``./warmstart-runs/<job id>`` when ``WARMSTART=1``),
+    ``WARMSTART_JOB_ID`` / ``TORCHELASTIC_RUN_ID``, ``RANK`` and ``WARMSTART_ATTEMPT`` /
+    ``TORCHELASTIC_RESTART_COUNT``. When no job id is set, one is generated and exported as
+    ``WARMSTART_JOB_ID`` so that child processes share it. Returns a :class:`NullRecorder` when neither
+    ``WARMSTART_RUN_DIR`` nor ``WARMSTART=1`` is set.
+
+    Raises:
+        ConfigError: ``RANK`` or the attempt variable is not an integer.
+    """
+    global _process_recorder
+    rec = _process_recorder
+    if rec is not None:
+        return rec
+    with _process_lock:
+        if _process_recorder is None:
+            env = os.environ
+            run_dir = env.get("WARMSTART_RUN_DIR", "").strip()
+            if not run_dir and env.get("WARMSTART", "") != "1":
+                _process_recorder = NullRecorder()
+            else:
+                job = _env_job_id(env)
+                if not job:
+                    job = env["WARMSTART_JOB_ID"] = new_job_id()
+                _process_recorder = Recorder(run_dir or Path("warmstart-runs") / job, job=job)
+        return _process_recorder
+
+
+def reset_process_recorder() -> None:
+    """Close and forget the process-wide recorder (the next :func:`get_recorder` reads the environment again)."""
+    global _process_recorder
+    with _process_lock:
+        rec, _process_recorder = _process_recorder, None
+    if rec is not None:
+        rec.close()
+
+
+def _env_job_id(env: os._Environ[str] | dict[str, str]) -> str:
+    job = env.get("WARMSTART_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or ""
+    return "" if job == "none" else job  # torchrun sets "none" when no --rdzv-id is given
+
+
+def _env_int(env: Any, variable: str, default: int) -> int:
+    raw = env.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(variable, raw, "an integer") from None
+
+
+def _env_attempt(env: Any) -> int:
+    if env.get("WARMSTART_ATTEMPT", "").strip():
+        return _env_int(env, "WARMSTART_ATTEMPT", 0)
+    return _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+
+
+# -- process hooks: exit, uncaught exceptions, SIGTERM, fork ------------------------------------------
+
+_prev_excepthook = None
+_prev_sigterm: Any = None
+
+
+def _failure_category(exc: BaseException) -> str:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return "infra" if names & _INFRA_ERRORS else "user"
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    try:
+        reason = f"{exc_type.__name__}: {exc}"[:500]
+        for rec in list(_live):
+            rec._last_words(reason, _failure_category(exc))
+    except Exception:  # the original hook must run whatever happens here
+        pass
+    (_prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    try:
+        for rec in list(_live):
+            rec._last_words("SIGTERM", "preemption")
+    except Exception:
+        pass
+    prev = _prev_sigterm
+    if callable(prev):
+        prev(signum, frame)
+    elif prev != signal.SIG_IGN:
+        # Default action: die by the signal, so the parent sees the usual exit status.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _at_exit() -> None:
+    for rec in list(_live):
+        try:
+            rec._at_exit()
+        except Exception:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    for rec in list(_live):
+        rec._after_fork_in_child()
+
+
+def _install_process_hooks() -> None:
+    global _hooks_installed, _prev_excepthook, _prev_sigterm
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        _hooks_installed = True
+        atexit.register(_at_exit)
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _prev_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+        if threading.current_thread() is threading.main_thread():
+            try:
+                _prev_sigterm = signal.getsignal(signal.SIGTERM)
+                signal.signal(signal.SIGTERM, _on_sigterm)
+            except (ValueError, OSError):  # not allowed here (embedded interpreter): exit hooks still work
+                _prev_sigterm = None
