@@ -10,10 +10,12 @@ Example:
 """
 
 from warmstart.metrics.auto import install_compile_spans
+from warmstart.metrics.calculator import RunResult, compute, compute_runs, load_runs
 from warmstart.metrics.events import Event, EventFormatError, TornLineWarning, read_events, write_events
 from warmstart.metrics.recorder import NullRecorder, Recorder, get_recorder, reset_process_recorder
 
 __all__ = [
     "Event", "EventFormatError", "TornLineWarning", "read_events", "write_events",
+    "load_runs", "compute", "compute_runs", "RunResult",
     "Recorder", "NullRecorder", "get_recorder", "reset_process_recorder", "install_compile_spans",
 ]
