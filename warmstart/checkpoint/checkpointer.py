@@ -1,0 +1,474 @@
+"""The checkpointer: saves training state with torch.distributed.checkpoint (DCP) while training goes
+on, commits a checkpoint only once every rank has written it, and resumes from the latest commit.
+
+A save has three phases, each with its own future: *staging* copies the state to CPU memory (the
+only part training must wait for before it changes weights), *upload* writes the staged copy to the
+checkpoint folder in a thread or a separate process, and *commit* runs on every rank after the
+upload: rank 0 writes the commit marker and renames the folder (see ``layout``), then tells every
+rank the outcome, and each rank records ``checkpoint_committed``. A save first waits for the
+previous one, so at most one is in flight and staging buffers are reused. The blocking part is
+recorded as a ``checkpoint_save`` span. This module owns the save/commit/load sequence and the
+error policy; the folder protocol is in ``layout``, the state adapters in ``state``, the interval
+arithmetic in ``interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_futures
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, Mapping, MutableMapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from warmstart.checkpoint import layout
+from warmstart.checkpoint.interval import AdaptiveInterval
+from warmstart.checkpoint.state import (
+    RNG_KEY,
+    RankLocal,
+    RNGState,
+    check_entry,
+    is_stateful,
+    prepare_for_load,
+    rank_key,
+)
+from warmstart.errors import ConfigError, WarmstartError
+
+log = logging.getLogger(__name__)
+
+OnError = Literal["raise", "continue"]
+
+# A single-process checkpointer is a supported use, not an accident: DCP's warning about it is noise.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+
+class AsyncMode(str, Enum):
+    """How a save runs: ``SYNC`` blocks until written; ``ASYNC`` stages to CPU memory and writes in
+    a background thread; ``ASYNC_PROCESS`` stages to shared memory and writes in a separate process
+    (no GIL contention with training; the process starts on the first save)."""
+
+    SYNC = "sync"
+    ASYNC = "async-thread"
+    ASYNC_PROCESS = "async-process"
+
+    @classmethod
+    def parse(cls, value: AsyncMode | str) -> AsyncMode:
+        """The mode named by ``value``.
+
+        Raises:
+            ConfigError: ``value`` is not one of the modes.
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError("mode", value, "one of " + ", ".join(m.value for m in cls)) from None
+
+
+class CheckpointError(WarmstartError):
+    """A checkpoint could not be written or its directory used. One line: the directory and the
+    cause; earlier checkpoints are left intact."""
+
+
+@dataclass
+class _Pending:
+    step: int
+    staging: Future
+    upload: Future
+    commit: Future  # result: (message, cause) of a failure, or None once committed
+
+
+class Checkpointer:
+    """Saves and restores training state; one per job, constructed on every rank at the same point.
+
+    Example:
+        >>> ckpt = Checkpointer("/ckpt/run-1", mode=AsyncMode.ASYNC, keep=3)
+        >>> state = {"model": dmp, "optim": dmp_optimizer, "loader": RankLocal(loader)}
+        >>> start = ckpt.load_latest(state)          # None on a fresh start
+        >>> for step in range(0 if start is None else start + 1, steps):
+        ...     train_step()
+        ...     if step % 100 == 0:
+        ...         ckpt.save(step, state)           # returns once the state is staged
+        >>> ckpt.close()                             # waits for the last save to commit
+
+    Args:
+        directory: the checkpoint folder (shared by all ranks; created by rank 0).
+        mode: sync, async-thread or async-process (``AsyncMode`` or its value).
+        keep: how many committed checkpoints to keep (older ones are deleted after a commit).
+        recorder: where ``checkpoint_save`` / ``checkpoint_load`` spans and ``checkpoint_committed``
+            go; default ``warmstart.metrics.get_recorder()``.
+        on_error: what a failed save does: ``"raise"`` raises :class:`CheckpointError` (from the save,
+            or for an async save from the next ``save``/``wait``/``close``); ``"continue"`` logs the
+            cause once and training goes on.
+        process_group: a group used only for checkpointing (default: a new gloo group over all ranks;
+            DCP's async save needs a CPU backend and must not share a group with training collectives).
+        overlap_staging: when True, ``save`` returns before the CPU copy is done; call
+            :meth:`wait_staged` before anything changes the saved tensors (before ``optimizer.step()``;
+            for TorchRec fused optimizers, before the next backward).
+        save_rng: also save and restore each rank's RNG states (Python, NumPy, torch, CUDA).
+        interval: an :class:`AdaptiveInterval` for :meth:`maybe_save`.
+
+    Raises:
+        ConfigError: a bad ``mode``, ``keep`` or ``on_error``.
+        CheckpointError: the directory cannot be created (with ``on_error="raise"``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, mode: AsyncMode | str = AsyncMode.ASYNC, keep: int = 3,
+                 recorder: Any = None, on_error: OnError = "raise", process_group: dist.ProcessGroup | None = None,
+                 overlap_staging: bool = False, save_rng: bool = True,
+                 interval: AdaptiveInterval | None = None) -> None:
+        self.directory = Path(directory)
+        self.mode = AsyncMode.parse(mode)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError("keep", keep, "an integer >= 1")
+        if on_error not in ("raise", "continue"):
+            raise ConfigError("on_error", on_error, "'raise' or 'continue'")
+        self.keep, self.on_error = keep, on_error
+        self.overlap_staging, self.save_rng, self.interval = overlap_staging, save_rng, interval
+        if recorder is None:
+            from warmstart.metrics import get_recorder
+
+            recorder = get_recorder()
+        self._recorder = recorder
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self.mode is AsyncMode.ASYNC_PROCESS and not self._distributed:
+            raise ConfigError("mode", self.mode.value,
+                              "sync or async-thread when torch.distributed is not initialized")
+        if self._distributed:
+            self._pg = process_group if process_group is not None else dist.new_group(backend="gloo")
+            self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
+        else:
+            self._pg, self.rank, self.world_size = None, 0, 1
+        self.failures = 0
+        """Number of saves that failed (with ``on_error="continue"``)."""
+        self.last_blocking_s: float | None = None
+        """How long the last :meth:`save` blocked the caller, seconds."""
+        self.last_committed_step: int | None = None
+        """The step of the newest checkpoint known to be committed."""
+        self._stager: AsyncStager | None = None
+        self._pending: _Pending | None = None
+        self._reported: set[str] = set()
+        self._next_due: int | None = None
+        self._closed = False
+        self._commit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmstart-ckpt-commit")
+
+        failure, latest = None, None
+        session = uuid.uuid4().hex[:8]
+        if self.rank == 0:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                removed = layout.remove_stale(self.directory, session)
+                if removed:
+                    log.info("removed %d partial checkpoint folder(s) in %s: %s", len(removed), self.directory,
+                             ", ".join(sorted(removed)))
+                found = layout.latest_committed(self.directory)
+                latest = found.step if found else None
+            except OSError as e:
+                cause = _cause(e)
+                failure = (f"checkpoint directory {self.directory} is not usable: {cause}", cause)
+        # One broadcast: every rank writes into the same session's folders and fails the same way.
+        self._session, failure, self.last_committed_step = self._broadcast((session, failure, latest))
+        if failure is not None:
+            self._report(failure)
+
+    # -- saving --------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], *, block: bool = False) -> None:
+        """Checkpoints ``state`` as of the end of ``step``; a collective over all ranks.
+
+        Waits for the previous save to commit, captures ``state`` (calls ``state_dict()`` on each
+        entry), copies it to CPU memory and starts the write. ``checkpoint_committed(step)`` is
+        recorded once the checkpoint is durable on every rank.
+
+        Args:
+            step: the last step whose effect is in ``state``; :meth:`load_latest` returns it.
+            state: name -> object with ``state_dict``/``load_state_dict`` (modules, TorchRec
+                ``KeyedOptimizer``, :class:`OptimizerState`, data loaders), or a dict of tensors;
+                wrap per-rank entries in :class:`RankLocal`.
+            block: wait until this checkpoint is committed (or failed) before returning.
+
+        Raises:
+            CheckpointError: this save (sync mode, ``block=True``) or the previous async save failed,
+                with ``on_error="raise"``.
+        """
+        if self._closed:
+            raise RuntimeError("Checkpointer.save() after close()")
+        started = time.monotonic()
+        with self._recorder.span("checkpoint_save"):
+            try:
+                self._finish_pending()
+                if self.interval is not None:
+                    self._plan_next(step, started)
+                entries = self._entries(state)
+                partial = layout.partial_path(self.directory, step, self._session)
+                if self.mode is AsyncMode.SYNC:
+                    self._save_now(step, entries, partial)
+                else:
+                    self._start_async(step, entries, partial)
+                    if block:
+                        self._finish_pending()
+                    elif not self.overlap_staging:
+                        # A staging failure also fails the upload; the commit reports it, on every rank.
+                        _wait_futures([self._pending.staging])  # type: ignore[union-attr]
+            finally:
+                self.last_blocking_s = time.monotonic() - started
+
+    def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Saves when the :class:`AdaptiveInterval` says ``step`` is due; returns whether it saved.
+
+        Raises:
+            ValueError: the checkpointer has no ``interval``.
+        """
+        if self.interval is None:
+            raise ValueError("maybe_save() needs Checkpointer(..., interval=AdaptiveInterval(...))")
+        if self._next_due is None:
+            self._next_due = step + self.interval.first_steps
+        if step < self._next_due:
+            return False
+        self.save(step, state)
+        return True
+
+    def wait_staged(self) -> None:
+        """Returns once the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
+        if self._pending is not None:
+            _wait_futures([self._pending.staging])
+
+    def wait(self) -> None:
+        """Waits until the in-flight save, if any, is committed or failed.
+
+        Raises:
+            CheckpointError: it failed and ``on_error="raise"``.
+        """
+        self._finish_pending()
+
+    # -- loading -------------------------------------------------------------------------------------
+
+    def load_latest(self, state: MutableMapping[str, Any]) -> int | None:
+        """Loads the latest committed checkpoint into ``state`` in place; a collective.
+
+        Stateful entries are loaded through their ``load_state_dict``; other top-level entries are
+        replaced in ``state``. Rank-local entries and RNG states are restored only when the world size
+        is the one that saved them (otherwise they are skipped with a warning).
+
+        Returns:
+            The step the checkpoint was saved at (training resumes at the step after it), or None
+            when there is no committed checkpoint.
+        """
+        self._finish_pending()
+        with self._recorder.span("checkpoint_load"):
+            found = layout.latest_committed(self.directory) if self.rank == 0 else None
+            found = self._broadcast(found)
+            if found is None:
+                return None
+            same_world = found.world_size == self.world_size
+            if not same_world:
+                log.warning("checkpoint %s was written by %d ranks, this job has %d: rank-local entries and RNG "
+                            "states are not restored", found.path, found.world_size, self.world_size)
+            targets: dict[str, Any] = {}
+            for key, value in state.items():
+                check_entry(key, value)
+                if isinstance(value, RankLocal):
+                    if same_world:
+                        prepare_for_load(value.obj)
+                        targets[rank_key(key, self.rank)] = value.obj
+                else:
+                    prepare_for_load(value)
+                    targets[key] = value
+            rng_key = rank_key(RNG_KEY, self.rank)
+            if self.save_rng and same_world:
+                targets[rng_key] = RNGState().state_dict()
+            dcp.load(targets, checkpoint_id=found.path, process_group=self._pg, no_dist=not self._distributed)
+            for key, value in state.items():
+                if not isinstance(value, RankLocal) and not is_stateful(value):
+                    state[key] = targets[key]
+            if rng_key in targets:
+                # Last, so that nothing in the load itself draws from the restored generators.
+                RNGState().load_state_dict(targets[rng_key])
+        self.last_committed_step = found.step
+        return found.step
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the in-flight save to commit, then releases the staging buffers and threads.
+
+        Raises:
+            CheckpointError: the last save failed and ``on_error="raise"``.
+        """
+        if self._closed:
+            return
+        try:
+            self._finish_pending()
+        finally:
+            self._closed = True
+            if self._stager is not None:
+                self._stager.close()
+            self._commit_pool.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Training is failing: do not wait on a save whose peers may be gone.
+            self._closed = True
+            self._commit_pool.shutdown(wait=False)
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _entries(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        entries: dict[str, Any] = {}
+        for key, value in state.items():
+            check_entry(key, value)
+            target = key
+            if isinstance(value, RankLocal):
+                target, value = rank_key(key, self.rank), value.obj
+            entries[target] = value.state_dict() if is_stateful(value) else value
+        if self.save_rng:
+            entries[rank_key(RNG_KEY, self.rank)] = RNGState().state_dict()
+        return entries
+
+    def _save_now(self, step: int, entries: dict[str, Any], partial: Path) -> None:
+        error: BaseException | None = None
+        try:
+            dcp.save(entries, storage_writer=FileSystemWriter(partial), process_group=self._pg,
+                     no_dist=not self._distributed)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            error = e
+        failure = self._conclude(step, partial, error)
+        if failure is not None:
+            self._report(failure)
+
+    def _start_async(self, step: int, entries: dict[str, Any], partial: Path) -> None:
+        kind = AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS else AsyncCheckpointerType.THREAD
+        response = dcp.async_save(entries, storage_writer=FileSystemWriter(partial), process_group=self._pg,
+                                  async_checkpointer_type=kind, async_stager=self._stager_for(entries),
+                                  no_dist=not self._distributed)
+        if isinstance(response, AsyncSaveResponse):
+            staging, upload = response.staging_completion, response.upload_completion
+        else:
+            staging, upload = Future(), response
+            staging.set_result(None)
+        commit = self._commit_pool.submit(self._commit_after, step, partial, upload)
+        self._pending = _Pending(step, staging, upload, commit)
+
+    def _commit_after(self, step: int, partial: Path, upload: Future) -> tuple[str, str] | None:
+        error: BaseException | None = None
+        try:
+            upload.result()
+        except (Exception, CheckpointException) as e:
+            error = e
+        return self._conclude(step, partial, error)
+
+    def _conclude(self, step: int, partial: Path, error: BaseException | None) -> tuple[str, str] | None:
+        """Runs on every rank once its write of ``step`` finished or failed. DCP already reduced the
+        write results across ranks (its last collective gathers every rank's result at the
+        coordinator and broadcasts the outcome), so all ranks get here with the same error or none."""
+        failure = None
+        if self.rank == 0:
+            if error is None:
+                try:
+                    layout.commit(partial, step, self.world_size)
+                    deleted = layout.prune(self.directory, self.keep)
+                    if deleted:
+                        log.debug("deleted checkpoints of steps %s in %s", deleted, self.directory)
+                except OSError as e:
+                    error = e
+            if error is not None:
+                layout.discard_partial(partial)
+                cause = _cause(error)
+                latest = layout.latest_committed(self.directory)
+                failure = (f"checkpoint of step {step} was not saved in {self.directory}: {cause}; earlier "
+                           f"checkpoints are intact (latest committed: "
+                           f"{'step %d' % latest.step if latest else 'none'})", cause)
+        failure = self._broadcast(failure)
+        if failure is None:
+            self.last_committed_step = step
+            self._recorder.checkpoint_committed(step)
+        return failure
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            failure = pending.commit.result()
+            if failure is not None:
+                self._report(failure)
+
+    def _report(self, failure: tuple[str, str]) -> None:
+        message, cause = failure
+        self.failures += 1
+        if self.on_error == "raise":
+            raise CheckpointError(message)
+        if cause not in self._reported:
+            self._reported.add(cause)
+            log.warning("%s; training continues (on_error='continue')", message)
+
+    def _plan_next(self, step: int, now: float) -> None:
+        assert self.interval is not None
+        due = self.interval.next_step(step, now, self.last_blocking_s) if self.rank == 0 else None
+        self._next_due = self._broadcast(due)
+
+    def _stager_for(self, entries: dict[str, Any]) -> AsyncStager:
+        if self._stager is None:
+            if _has_sharded_tensor(entries):
+                # DefaultStager cannot copy ShardedTensor (StateDictStager calls data_ptr on it).
+                log.info("state holds ShardedTensor: staging blocks for the CPU copy; build TorchRec's "
+                         "ShardingEnv with output_dtensor=True for non-blocking staging")
+                self._stager = BlockingAsyncStager()
+            else:
+                cuda = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=self.mode is AsyncMode.ASYNC_PROCESS,
+                    use_async_staging=True, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self._pg, group_src=0)
+        return box[0]
+
+
+def _cause(exc: BaseException) -> str:
+    """One line naming the root cause of a failed save, e.g. 'No space left on device (errno 28)'."""
+    if isinstance(exc, CheckpointException):
+        ranks = sorted(exc.failures)
+        inner = exc.failures[ranks[0]]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return f"{_cause(inner)} (rank {', '.join(map(str, ranks))})"
+    chain, seen = exc, set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno is not None:
+            return f"{os.strerror(chain.errno)} (errno {chain.errno})"
+        chain = chain.__cause__ or chain.__context__
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _has_sharded_tensor(obj: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(obj, ShardedTensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_sharded_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_sharded_tensor(v) for v in obj)
+    return False
