@@ -1,0 +1,215 @@
+"""``warmstart server start|status|stop``: the shared cache server (CONTRACT §3).
+
+A thin layer over :mod:`warmstart.server`. Options left out of ``start`` take the values the
+previous start from the same ``--dir`` used (kept in ``state.json``), then the defaults, so a
+plain ``warmstart server start --dir D`` brings back the same server with the same credentials.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from warmstart.cli._output import emit_json, json_option, print_table
+from warmstart.config import parse_size
+
+_DIR_OPTION = click.option(
+    "--dir", "directory", type=click.Path(path_type=Path, file_okay=False), envvar="WARMSTART_SERVER_DIR",
+    default=None, help="Server directory: config, secrets, logs, data. [default: ~/.local/state/warmstart/server]")
+
+
+@click.group()
+def group() -> None:
+    """Run the shared cache server: real Redis with LRU eviction, writer/reader credentials, TLS.
+
+    \b
+    Example:
+      warmstart server start --dir /srv/warmstart --maxmemory 8GiB --bind 0.0.0.0
+      export WARMSTART_CACHE_URL=$(cat /srv/warmstart/writer.url)
+      export WARMSTART_SECRET_FILE=/srv/warmstart/secret.key
+    """
+
+
+@group.command()
+@click.option("--port", type=int, default=None, help="Client port (a Cluster uses PORT..PORT+N-1). [default: 6379]")
+@click.option("--bind", default=None, help="Address to listen on. [default: 127.0.0.1]")
+@click.option("--maxmemory", default=None, help="Cache size in total, e.g. 8GiB; LRU eviction past it. [default: 1GiB]")
+@_DIR_OPTION
+@click.option("--cluster", type=int, default=None, help="Start N masters as a Redis Cluster (N >= 3; 0: one node).")
+@click.option("--foreground", is_flag=True, help="Stay in the foreground until SIGTERM/SIGINT (systemd, containers).")
+@click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Server certificate (PEM): TLS only, rediss:// URLs.")
+@click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Private key of --tls-cert (PEM).")
+@click.option("--tls-ca", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="CA clients verify the server with. [default: the certificate itself]")
+@click.option("--no-tls", is_flag=True, help="Turn TLS off when a previous start from --dir had it on.")
+@click.option("--aof/--no-aof", default=None, help="Persist the cache in an append-only file. [default: off]")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics at :PORT/metrics (0: off).")
+@click.option("--advertise", default=None, help="Host name put in the URLs. [default: the bind address]")
+@json_option
+def start(port, bind, maxmemory, directory, cluster, foreground, tls_cert, tls_key, tls_ca, no_tls, aof,
+          metrics_port, advertise, as_json) -> None:
+    """Start the cache server and print its writer and reader URLs.
+
+    Returns once every node answers (a Cluster: once it serves every slot). Passwords and the
+    signing secret are generated into --dir (mode 0600) and reused on later starts.
+
+    \b
+    Example:
+      warmstart server start --dir ./cache-server --port 6390 --maxmemory 4GiB
+      warmstart server start --dir ./cache-server --cluster 3 --json
+    """
+    from warmstart import server
+
+    directory = directory or server.default_dir()
+    given = {"port": port, "bind": bind, "cluster": cluster, "aof": aof, "advertise": advertise,
+             "maxmemory": parse_size(maxmemory, "--maxmemory") if maxmemory is not None else None,
+             "metrics_port": (metrics_port or None) if metrics_port is not None else _UNSET,
+             "tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": tls_ca}
+    options = _merge_with_previous(directory, given, no_tls=no_tls)
+    if foreground:
+        code = server.run_foreground(options, on_ready=lambda state: _print_started(state, as_json))
+        raise SystemExit(code)
+    _print_started(server.start(options), as_json)
+
+
+@group.command()
+@_DIR_OPTION
+@json_option
+def status(directory, as_json) -> None:
+    """Health and usage: memory, keys, evictions, hit rate, clients, bytes per namespace.
+
+    Exit code 0 when the server is up, 1 when it is down or was never started.
+
+    \b
+    Example:
+      warmstart server status --dir ./cache-server --json
+    """
+    from warmstart import server
+
+    directory = directory or server.default_dir()
+    result = server.collect(directory)
+    if result is None:
+        if as_json:
+            emit_json({"dir": str(directory), "up": False, "error": "no server was started from this directory"})
+        else:
+            click.echo(f"warmstart: no server was started from {directory}", err=True)
+        raise SystemExit(1)
+    if as_json:
+        emit_json(result.to_dict())
+    else:
+        _print_status(result)
+    raise SystemExit(0 if result.up else 1)
+
+
+@group.command()
+@_DIR_OPTION
+@json_option
+def stop(directory, as_json) -> None:
+    """Shut the server down cleanly and wait until its processes have exited.
+
+    \b
+    Example:
+      warmstart server stop --dir ./cache-server
+    """
+    from warmstart import server
+
+    directory = directory or server.default_dir()
+    stopped = server.stop(directory)
+    if as_json:
+        emit_json({"dir": str(directory), "stopped_pids": stopped})
+    elif stopped:
+        click.echo(f"stopped the server in {directory} (pids {', '.join(map(str, stopped))})")
+    else:
+        click.echo(f"no server was running from {directory}")
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+_UNSET = object()
+
+
+def _merge_with_previous(directory: Path, given: dict, *, no_tls: bool):
+    from warmstart.server import ServerOptions, ServerState
+
+    previous = ServerState.load(directory) if (directory / "state.json").exists() else None
+    values = previous.options.to_dict() if previous else {}
+    values.pop("dir", None)
+    if no_tls or given["tls_cert"] is not None:
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            values.pop(name, None)
+    for name, value in given.items():
+        if value is _UNSET:
+            continue
+        if value is not None or name == "metrics_port":
+            values[name] = value
+    if no_tls and given["tls_cert"] is not None:
+        raise click.UsageError("--no-tls and --tls-cert contradict each other")
+    return ServerOptions(dir=directory, **values)
+
+
+def _print_started(state, as_json: bool) -> None:
+    from warmstart.server import Credentials
+
+    creds = Credentials.load(state.options.dir)
+    opts = state.options
+    info = {
+        "writer_url": state.url("writer", creds),
+        "reader_url": state.url("reader", creds),
+        "secret_file": str(creds.secret_file),
+        "dir": str(opts.dir),
+        "mode": "cluster" if opts.cluster else "single",
+        "nodes": [{"host": opts.host, "port": p, "pid": pid} for p, pid in zip(opts.ports, state.pids)],
+        "maxmemory": opts.maxmemory,
+        "tls": opts.tls,
+        "aof": opts.aof,
+        "metrics_url": f"http://{opts.host}:{opts.metrics_port}/metrics" if opts.metrics_port else None,
+    }
+    if as_json:
+        emit_json(info)
+    else:
+        shape = f"Redis Cluster of {opts.cluster} masters" if opts.cluster else "one Redis node"
+        click.echo(f"warmstart cache server up: {shape} on {opts.host}:{opts.ports[0]}, maxmemory "
+                   f"{_size(opts.maxmemory)} (allkeys-lru), TLS {'on' if opts.tls else 'off'}, "
+                   f"AOF {'on' if opts.aof else 'off'}")
+        rows = [("writer URL", info["writer_url"], "WARMSTART_CACHE_URL for jobs that fill the cache"),
+                ("reader URL", info["reader_url"], "WARMSTART_CACHE_URL for read-only consumers"),
+                ("secret file", info["secret_file"], "WARMSTART_SECRET_FILE for every job"),
+                ("dir", info["dir"], f"stop with: warmstart server stop --dir {opts.dir}")]
+        if info["metrics_url"]:
+            rows.append(("metrics", info["metrics_url"], "Prometheus scrape target"))
+        for name, value, hint in rows:
+            click.echo(f"  {name:<12} {value}\n  {'':<12} ({hint})")
+    sys.stdout.flush()  # --foreground keeps running: whoever reads stdout needs the URLs now
+
+
+def _print_status(result) -> None:
+    shape = f"cluster, {result.nodes_up}/{len(result.nodes)} nodes up" if result.mode == "cluster" else "single node"
+    click.echo(f"warmstart cache server in {result.dir}: {'UP' if result.up else 'DOWN'} ({shape}, "
+               f"TLS {'on' if result.tls else 'off'})")
+    hit = "-" if result.hit_rate is None else f"{result.hit_rate * 100:.1f}%"
+    print_table(None, ["", "value"], [
+        ("memory used / max", f"{_size(result.used_memory)} / {_size(result.maxmemory)}"),
+        ("keys", result.keys), ("evicted keys", result.evicted_keys),
+        ("hit rate", f"{hit} ({result.keyspace_hits:,} hits, {result.keyspace_misses:,} misses)"),
+        ("connected clients", result.connected_clients),
+    ])
+    if result.mode == "cluster" or not result.up:
+        print_table("nodes", ["node", "up", "pid", "memory", "keys", "evicted", "clients", "error"], [
+            (f"{n.host}:{n.port}", "yes" if n.up else "NO", n.pid, _size(n.used_memory), n.keys, n.evicted_keys,
+             n.connected_clients, n.error) for n in result.nodes])
+    if result.namespace_bytes:
+        title = "bytes per namespace" + ("" if result.namespace_bytes_exact else " (sampled estimate)")
+        print_table(title, ["namespace", "bytes"], [(ns, _size(b)) for ns, b in result.namespace_bytes.items()])
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
