@@ -219,7 +219,7 @@ def compute(run: Run) -> RunResult:
     devices = max((e.devices for e in events if e.event == ATTEMPT_START and e.devices), default=1)
     if not frames:
         return RunResult(job=run.job, run_dir=run.run_dir, start_ts=0.0, end_ts=0.0, e2e_s=0.0, ett_pct=0.0,
-                         devices=devices, buckets=_ordered({}), l1=_l1([], {}), attempts=[], ranks={},
+                         devices=devices, buckets=ordered_buckets({}), l1=_l1([], {}), attempts=[], ranks={},
                          warnings=notes)
     t0, t_end = frames[0].start, max(f.end for f in frames)
 
@@ -231,12 +231,12 @@ def compute(run: Run) -> RunResult:
         else:
             own = [e for e in events if e.rank == rank]
             split = _split(frames, own, t0, t_end, notes, keep_timeline=False)
-        total = _ordered(split.total)
+        total = ordered_buckets(split.total)
         rank_results[rank] = {"e2e_s": t_end - t0, "ett_pct": _pct(total[EFFECTIVE], t_end - t0),
                               "buckets": total}
 
     attempts = [_attempt_result(f, job_split, i, len(frames)) for i, f in enumerate(frames)]
-    buckets = _ordered(job_split.total)
+    buckets = ordered_buckets(job_split.total)
     e2e = t_end - t0
     return RunResult(job=run.job, run_dir=run.run_dir, start_ts=t0, end_ts=t_end, e2e_s=e2e,
                      ett_pct=_pct(buckets[EFFECTIVE], e2e), devices=devices, buckets=buckets,
@@ -454,7 +454,7 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[tuple[floa
 
 
 def _attempt_result(frame: _Frame, split: _Split, i: int, n: int) -> AttemptResult:
-    buckets = _ordered(split.per_attempt[i])
+    buckets = ordered_buckets(split.per_attempt[i])
     e2e = sum(buckets.values())
     steps, first, last, samples = split.step_stats[i]
     failure = None
@@ -483,7 +483,8 @@ def _l1(attempts: Sequence[AttemptResult], buckets: dict[str, float]) -> dict[st
     }
 
 
-def _ordered(buckets: dict[str, float]) -> dict[str, float]:
+def ordered_buckets(buckets: dict[str, float]) -> dict[str, float]:
+    """``buckets`` with every standard bucket present (0 when absent), standard ones first."""
     out = {name: float(buckets.get(name, 0.0)) for name in STANDARD_BUCKETS}
     for name in sorted(buckets):
         if name not in out:

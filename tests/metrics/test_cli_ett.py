@@ -1,0 +1,130 @@
+"""``warmstart ett report|fleet|interval``: exit codes, stable ``--json`` keys, human tables."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from _timelines import ev, span
+from warmstart.cli import cli
+from warmstart.metrics.events import write_events
+
+L1_KEYS = {"time_to_start_s", "time_to_recover_s", "failures", "lost_progress_s", "checkpoint_blocking_s",
+           "shutdown_s"}
+
+
+def _write_run(run_dir, job="job-1", devices=2, scale=1.0):
+    write_events(run_dir / "events-r0-a0.jsonl", [
+        ev(0, "attempt_start", job=job, devices=devices), *span(0, 10 * scale, "compile", job=job),
+        ev(10 * scale, "step", job=job, step=0), ev(20 * scale, "checkpoint_committed", job=job, step=0),
+        ev(30 * scale, "step", job=job, step=1), ev(40 * scale, "failure", job=job, reason="x", category="infra"),
+    ])
+    write_events(run_dir / "events-r0-a1.jsonl", [
+        ev(50 * scale, "attempt_start", attempt=1, job=job, devices=devices),
+        ev(55 * scale, "step", attempt=1, job=job, step=1), ev(95 * scale, "train_end", attempt=1, job=job),
+        ev(100 * scale, "attempt_end", attempt=1, job=job),
+    ])
+
+
+def _invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_report_json_has_the_contract_keys(tmp_path):
+    _write_run(tmp_path)
+    result = _invoke("ett", "report", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(result.stdout)
+    assert {"job", "e2e_s", "ett_pct", "buckets", "l1", "attempts"} <= set(run)
+    assert L1_KEYS <= set(run["l1"])
+    assert math.isclose(sum(run["buckets"].values()), run["e2e_s"], abs_tol=1e-6)
+    assert run["e2e_s"] == pytest.approx(100)
+    # effective: step 0 [10,30) + step 1 of attempt 1 [55,95); lost: step 1 of attempt 0 [30,40)
+    assert run["buckets"]["effective_training"] == pytest.approx(60)
+    assert run["ett_pct"] == pytest.approx(60)
+    assert run["l1"]["lost_progress_s"] == pytest.approx(10)
+    assert run["l1"]["time_to_recover_s"] == pytest.approx(10 + 5)
+    assert [a["attempt"] for a in run["attempts"]] == [0, 1]
+    assert {"e2e_s", "ett_pct", "buckets", "lost_progress_s", "failed"} <= set(run["attempts"][0])
+
+
+def test_report_table_is_readable(tmp_path):
+    _write_run(tmp_path)
+    result = _invoke("ett", "report", str(tmp_path))
+    assert result.exit_code == 0
+    out = result.stdout
+    assert "ETT  60.0%" in out
+    for label in ("time to start", "time to recover", "lost progress", "checkpoint blocking", "shutdown",
+                  "effective_training", "recovery_wait", "end-to-end"):
+        assert label in out
+
+
+def test_report_several_runs_and_html(tmp_path):
+    _write_run(tmp_path / "a", job="a")
+    _write_run(tmp_path / "b", job="b")
+    page = tmp_path / "report.html"
+    result = _invoke("ett", "report", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--html", str(page))
+    assert result.exit_code == 0
+    assert [r["job"] for r in json.loads(result.stdout)] == ["a", "b"]
+    text = page.read_text()
+    assert "https://" not in text.split("<script")[0] and 'src="http' not in text  # nothing fetched
+    assert text.count('id="timeline-') == 2 and text.count('id="breakdown-') == 2
+
+
+def test_malformed_input_exits_2_naming_file_and_line(tmp_path):
+    (tmp_path / "events.jsonl").write_text('{"ts": 1, "job": "j", "attempt": 0, "rank": 0, "event": "nope"}\n{}\n')
+    result = CliRunner().invoke(cli, ["ett", "report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "events.jsonl:1:" in result.stderr and "field 'event'" in result.stderr
+    result = CliRunner().invoke(cli, ["ett", "report", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "not a run directory" in result.stderr
+
+
+def test_torn_line_warns_on_stderr_and_still_reports(tmp_path):
+    _write_run(tmp_path)
+    with (tmp_path / "events-r0-a1.jsonl").open("a") as f:
+        f.write('{"ts": 17')
+    result = _invoke("ett", "report", str(tmp_path), "--json")
+    assert result.exit_code == 0
+    assert "torn last line" in result.stderr
+    assert json.loads(result.stdout)[0]["e2e_s"] == pytest.approx(100)
+
+
+def test_fleet_weights_by_device_seconds(tmp_path):
+    _write_run(tmp_path / "small", job="small", devices=1)  # ETT 60% over 100 s on 1 device
+    write_events(tmp_path / "big" / "events.jsonl", [  # ETT 90% over 100 s on 9 devices
+        ev(0, "attempt_start", job="big", devices=9), ev(10, "step", job="big", step=0),
+        ev(100, "train_end", job="big"), ev(100, "attempt_end", job="big")])
+    result = _invoke("ett", "fleet", str(tmp_path / "small"), str(tmp_path / "big"), "--json")
+    assert result.exit_code == 0
+    fleet = json.loads(result.stdout)
+    assert fleet["ett_pct"] == pytest.approx((60 * 1 + 90 * 9) / (100 * 1 + 100 * 9) * 100)
+    assert fleet["jobs"] == 2 and fleet["device_seconds"] == pytest.approx(1000)
+    assert math.isclose(sum(fleet["buckets"].values()), fleet["device_seconds"], abs_tol=1e-6)
+    text = _invoke("ett", "fleet", str(tmp_path)).stdout  # one directory holding both jobs
+    assert "fleet ETT  87.0%" in text and "big" in text and "small" in text
+
+
+def test_interval_json_and_formula():
+    result = _invoke("ett", "interval", "--blocking", "30", "--failures-per-day", "2", "--json")
+    assert result.exit_code == 0
+    out = json.loads(result.stdout)
+    mtbf = 86400 / 2
+    assert out["interval_s"] == pytest.approx(math.sqrt(2 * mtbf * 30))
+    assert out["waste_pct"] == pytest.approx(100 * math.sqrt(2 * 30 / mtbf))
+    assert out["waste_pct"] == pytest.approx(out["blocked_pct"] + out["lost_pct"])
+    table = _invoke("ett", "interval", "--blocking", "30", "--failures-per-day", "2", "--current", "3600").stdout
+    assert "advised interval" in table and "26m 50s" in table and "5.00%" in table
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--blocking", "0", "--failures-per-day", "2"], "--blocking=0.0"),
+    (["--blocking", "5", "--failures-per-day", "-1"], "--failures-per-day=-1.0"),
+])
+def test_interval_rejects_bad_values_with_exit_2(args, named):
+    result = CliRunner().invoke(cli, ["ett", "interval", *args])
+    assert result.exit_code == 2
+    assert named in result.stderr and "expected a positive number" in result.stderr

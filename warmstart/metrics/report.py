@@ -1,0 +1,337 @@
+"""Reports of ETT results: terminal tables (rich), JSON and a self-contained HTML page (plotly).
+
+Every format is drawn from the same result objects (:class:`~warmstart.metrics.calculator.RunResult`,
+:class:`~warmstart.metrics.fleet.FleetResult`, :class:`~warmstart.metrics.advisor.IntervalAdvice`);
+nothing here computes a bucket. The HTML page inlines plotly.js from the installed ``plotly`` package,
+so it opens without any network.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from warmstart.metrics.advisor import IntervalAdvice
+from warmstart.metrics.calculator import (
+    CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN, AttemptTimeline, RunResult,
+)
+from warmstart.metrics.fleet import FleetResult
+
+# One colour per bucket, the same in every chart: green is what we want more of, reds are losses.
+_COLOURS = {
+    EFFECTIVE: "#2ca02c", "compile": "#1f77b4", "sharding_plan": "#9467bd", "process_group_init": "#8c564b",
+    "data_loader_init": "#e377c2", "model_transform": "#bcbd22", "checkpoint_load": "#17becf",
+    INIT_OTHER: "#c7c7c7", CHECKPOINT_BLOCKING: "#ff7f0e", "eval": "#aec7e8", LOST: "#d62728",
+    RECOVERY: "#ff9896", SHUTDOWN: "#7f7f7f",
+}
+_EXTRA_COLOURS = ("#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ffbb78")
+_L1_LABELS = (("time_to_start_s", "time to start"), ("time_to_recover_s", "time to recover"),
+              ("lost_progress_s", "lost progress"), ("checkpoint_blocking_s", "checkpoint blocking"),
+              ("shutdown_s", "shutdown"))
+
+
+def bucket_colour(name: str) -> str:
+    """The chart colour of bucket ``name`` (stable for unknown names too)."""
+    if name in _COLOURS:
+        return _COLOURS[name]
+    return _EXTRA_COLOURS[sum(name.encode()) % len(_EXTRA_COLOURS)]
+
+
+def format_duration(seconds: float) -> str:
+    """``3725.4`` -> ``1h 02m 05s``; under a minute, seconds with two decimals."""
+    if seconds < 60:
+        return f"{seconds:.2f} s"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole > 0 else "-"
+
+
+def _bar(fraction: float, width: int = 20) -> str:
+    filled = max(0, min(width, int(round(fraction * width))))
+    return "█" * filled + "·" * (width - filled)
+
+
+def _console(console: Console | None) -> Console:
+    if console is not None:
+        return console
+    probe = Console()
+    return Console(soft_wrap=False, width=max(100, probe.width))
+
+
+# -- terminal ------------------------------------------------------------------------------------------
+
+def print_run(result: RunResult, console: Console | None = None) -> None:
+    """Print one run: ETT% large, the L1 figures, the L2 buckets, the attempts, the ranks."""
+    out = _console(console)
+    e2e = result.e2e_s
+    colour = "green" if result.ett_pct >= 80 else "yellow" if result.ett_pct >= 50 else "red"
+    headline = Text.assemble(("ETT ", "bold"), (f"{result.ett_pct:5.1f}%", f"bold {colour}"), "  ",
+                             (_bar(result.ett_pct / 100, 30), colour))
+    facts = Text(f"end-to-end {format_duration(e2e)} · {result.devices} device(s) · "
+                 f"{len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)", style="dim")
+    out.print(Panel(Group(headline, facts), title=f"[bold]{result.job}[/]", subtitle=result.run_dir,
+                    expand=False))
+
+    l1 = Table(title="L1: where the time went", title_justify="left", show_edge=False, header_style="bold")
+    for col, justify in (("figure", "left"), ("time", "right"), ("% of e2e", "right")):
+        l1.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for key, label in _L1_LABELS:
+        l1.add_row(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e))
+    by_cat = ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items())
+    l1.add_row("failures", str(result.l1["failures"]), by_cat or "")
+    out.print(l1)
+
+    l2 = Table(title="L2: buckets (they sum to end-to-end)", title_justify="left", show_edge=False,
+               header_style="bold")
+    for col, justify in (("bucket", "left"), ("seconds", "right"), ("%", "right"), ("", "left")):
+        l2.add_column(col, justify=justify)  # type: ignore[arg-type]
+    hidden = 0
+    for name, seconds in result.buckets.items():
+        if seconds <= 0:
+            hidden += 1
+            continue
+        style = "green" if name == EFFECTIVE else "red" if name in (LOST, RECOVERY) else ""
+        l2.add_row(Text(name, style=style), f"{seconds:,.2f}", _pct(seconds, e2e),
+                   _bar(seconds / e2e if e2e else 0))
+    l2.add_row(Text("end-to-end", style="bold"), f"{e2e:,.2f}", "100.0%", "")
+    out.print(l2)
+    if hidden:
+        out.print(f"[dim]{hidden} empty bucket(s) hidden; --json lists all[/]")
+
+    if len(result.attempts) > 1 or any(a.failed for a in result.attempts):
+        at = Table(title="attempts", title_justify="left", show_edge=False, header_style="bold")
+        for col in ("#", "wall", "to first step", "recovery wait", "steps", "lost", "ETT%", "ended by"):
+            at.add_column(col, justify="left" if col in ("#", "ended by") else "right")
+        for a in result.attempts:
+            ended = "train_end" if not a.failed else f"{a.failure['category']}: {a.failure['reason']}"[:60]
+            at.add_row(str(a.attempt), format_duration(a.e2e_s), format_duration(a.pre_first_step_s),
+                       format_duration(a.recovery_wait_s), f"{a.steps:,}", format_duration(a.buckets[LOST]),
+                       f"{a.ett_pct:.1f}", ended)
+        out.print(at)
+    if len(result.ranks) > 1:
+        rt = Table(title="ranks", title_justify="left", show_edge=False, header_style="bold")
+        for col in ("rank", "ETT%", "largest other bucket"):
+            rt.add_column(col, justify="right" if col == "ETT%" else "left")
+        for rank, data in sorted(result.ranks.items()):
+            others = {k: v for k, v in data["buckets"].items() if k != EFFECTIVE and v > 0}
+            worst = max(others, key=others.__getitem__) if others else "-"
+            worst_txt = f"{worst} {_pct(others[worst], data['e2e_s'])}" if others else "-"
+            rt.add_row(str(rank), f"{data['ett_pct']:.1f}", worst_txt)
+        out.print(rt)
+
+
+def print_fleet(fleet: FleetResult, console: Console | None = None, top: int = 20) -> None:
+    """Print fleet ETT%, the device-second weighted buckets and the jobs with the lowest ETT%."""
+    out = _console(console)
+    total = fleet.device_seconds
+    colour = "green" if fleet.ett_pct >= 80 else "yellow" if fleet.ett_pct >= 50 else "red"
+    out.print(Panel(Group(
+        Text.assemble(("fleet ETT ", "bold"), (f"{fleet.ett_pct:5.1f}%", f"bold {colour}"), "  ",
+                      (_bar(fleet.ett_pct / 100, 30), colour)),
+        Text(f"{fleet.jobs:,} job(s) · {total / 3600:,.1f} device-hours · {fleet.failures:,} failure(s)",
+             style="dim")), title="[bold]fleet[/] (weighted by device-seconds)", expand=False))
+    table = Table(title="buckets (device-hours)", title_justify="left", show_edge=False, header_style="bold")
+    for col, justify in (("bucket", "left"), ("device-hours", "right"), ("%", "right"), ("", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, seconds in fleet.to_dict()["buckets"].items():
+        if seconds > 0:
+            table.add_row(name, f"{seconds / 3600:,.2f}", _pct(seconds, total), _bar(seconds / total if total else 0))
+    out.print(table)
+    worst = sorted(fleet.runs, key=lambda r: r["ett_pct"])[:top]
+    jobs = Table(title=f"lowest ETT% ({len(worst)} of {fleet.jobs:,})", title_justify="left", show_edge=False,
+                 header_style="bold")
+    for col in ("job", "devices", "wall", "ETT%", "failures", "run dir"):
+        jobs.add_column(col, justify="left" if col in ("job", "run dir") else "right")
+    for r in worst:
+        jobs.add_row(r["job"], str(r["devices"]), format_duration(r["e2e_s"]), f"{r['ett_pct']:.1f}",
+                     str(r["failures"]), r["run_dir"])
+    out.print(jobs)
+
+
+def print_interval(advice: IntervalAdvice, console: Console | None = None) -> None:
+    """Print the advised checkpoint interval and the waste at it."""
+    out = _console(console)
+    table = Table(title="checkpoint interval (first-order optimum sqrt(2·MTBF·blocking))", title_justify="left",
+                  show_edge=False, header_style="bold")
+    table.add_column("", justify="left")
+    table.add_column("value", justify="right")
+    rows = [("blocking per checkpoint", format_duration(advice.blocking_s)),
+            ("failures per day", f"{advice.failures_per_day:g}"),
+            ("mean time between failures", format_duration(advice.mtbf_s)),
+            ("advised interval", format_duration(advice.interval_s)),
+            ("waste at it", f"{advice.waste_pct:.2f}% ({advice.blocked_pct:.2f}% blocked + "
+                            f"{advice.lost_pct:.2f}% lost)")]
+    if advice.current_interval_s is not None:
+        rows.append((f"waste at current {format_duration(advice.current_interval_s)}",
+                     f"{advice.current_waste_pct:.2f}%"))
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+    if not advice.first_order_valid:
+        out.print("[yellow]warning:[/] the interval is not small against the time between failures; the "
+                  "first-order model is rough here")
+
+
+# -- HTML ----------------------------------------------------------------------------------------------
+
+def _timeline_figure(result: RunResult):
+    import plotly.graph_objects as go
+
+    t0 = result.start_ts
+    fig = go.Figure()
+    legend_seen: set[str] = set()
+
+    def bar(lane: str, start: float, end: float, name: str, colour: str, hover: str) -> None:
+        if end <= start:
+            return
+        fig.add_trace(go.Bar(
+            y=[lane], x=[end - start], base=[start - t0], orientation="h", name=name, legendgroup=name,
+            showlegend=name not in legend_seen, marker_color=colour, hovertemplate=hover + "<extra></extra>"))
+        legend_seen.add(name)
+
+    lanes: list[str] = []
+    for tl in result.timeline:
+        lane = f"attempt {tl.attempt}"
+        lanes.append(lane)
+        _phase_bars(tl, lane, bar)
+        names = sorted({s.name for s in tl.spans})
+        for span_name in names:
+            span_lane = f"attempt {tl.attempt} · {span_name}"
+            lanes.append(span_lane)
+            for s in tl.spans:
+                if s.name == span_name:
+                    bar(span_lane, s.start, s.end, s.bucket, bucket_colour(s.bucket),
+                        f"{html.escape(s.name)} (rank {s.rank})<br>{s.end - s.start:.3f} s from "
+                        f"{s.start - t0:.3f} s")
+        _markers(fig, tl, lane, t0, legend_seen)
+    fig.update_layout(
+        title=f"timeline of {html.escape(result.job)}", barmode="overlay", height=160 + 34 * len(lanes),
+        xaxis_title="seconds since the first attempt_start", template="plotly_white",
+        yaxis={"categoryorder": "array", "categoryarray": list(reversed(lanes))},
+        legend={"orientation": "h", "y": -0.25}, margin={"l": 200, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def _phase_bars(tl: AttemptTimeline, lane: str, bar) -> None:
+    if tl.recovery_before:
+        bar(lane, *tl.recovery_before, RECOVERY, bucket_colour(RECOVERY), "waiting to be rescheduled")
+    first = tl.first_step if tl.first_step is not None else tl.end
+    bar(lane, tl.start, first, "start-up (before first step)", "#c7c7c7", "start-up: before the first step")
+    if tl.first_step is not None and tl.loop_end is not None:
+        lost_from = tl.lost_from if tl.lost_from is not None else tl.loop_end
+        bar(lane, tl.first_step, lost_from, "training loop", bucket_colour(EFFECTIVE), "training loop")
+        bar(lane, lost_from, tl.loop_end, LOST, bucket_colour(LOST), "steps after the last committed checkpoint")
+    if tl.train_end is not None:
+        bar(lane, tl.train_end, tl.end, SHUTDOWN, bucket_colour(SHUTDOWN), "shutdown")
+    if tl.recovery_after:
+        bar(lane, *tl.recovery_after, RECOVERY, bucket_colour(RECOVERY), "after the failure")
+
+
+def _markers(fig, tl: AttemptTimeline, lane: str, t0: float, legend_seen: set[str]) -> None:
+    import plotly.graph_objects as go
+
+    groups = [
+        ("steps", [ts for ts, _ in tl.steps], [f"step {n}" for _, n in tl.steps],
+         {"symbol": "line-ns-open", "size": 9, "color": "#1b5e20"}),
+        ("checkpoint committed", [ts for ts, _ in tl.checkpoints], [f"checkpoint of step {n}" for _, n in tl.checkpoints],
+         {"symbol": "diamond", "size": 11, "color": "#ff7f0e", "line": {"width": 1, "color": "black"}}),
+    ]
+    if tl.failure:
+        groups.append(("failure", [tl.failure["ts"]],
+                       [html.escape(f"{tl.failure['category']}: {tl.failure['reason']}")],
+                       {"symbol": "x", "size": 14, "color": "#d62728", "line": {"width": 1, "color": "black"}}))
+    for name, xs, texts, marker in groups:
+        if not xs:
+            continue
+        fig.add_trace(go.Scatter(x=[x - t0 for x in xs], y=[lane] * len(xs), mode="markers", name=name,
+                                 legendgroup=name, showlegend=name not in legend_seen, marker=marker,
+                                 text=texts, hovertemplate="%{text} at %{x:.3f} s<extra></extra>"))
+        legend_seen.add(name)
+
+
+def _breakdown_figure(result: RunResult):
+    import plotly.graph_objects as go
+
+    names = [n for n, s in result.buckets.items() if s > 0]
+    fig = go.Figure()
+    for name in names:  # one stacked bar per attempt plus the whole job
+        ys = ["job"] + [f"attempt {a.attempt}" for a in result.attempts]
+        xs = [result.buckets[name]] + [a.buckets.get(name, 0.0) for a in result.attempts]
+        fig.add_trace(go.Bar(y=ys, x=xs, name=name, orientation="h", marker_color=bucket_colour(name),
+                             hovertemplate=f"{html.escape(name)}: %{{x:.3f}} s<extra></extra>"))
+    fig.update_layout(title="breakdown (seconds; the bars sum to end-to-end)", barmode="stack",
+                      template="plotly_white", height=180 + 40 * (len(result.attempts) + 1),
+                      yaxis={"autorange": "reversed"}, legend={"orientation": "h", "y": -0.3},
+                      margin={"l": 100, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def _html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _run_section(result: RunResult, index: int) -> str:
+    e2e = result.e2e_s
+    l1_rows = [(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e)) for key, label in _L1_LABELS]
+    l1_rows.append(("failures", result.l1["failures"],
+                    ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items())))
+    l2_rows = [(name, f"{s:,.3f}", _pct(s, e2e)) for name, s in result.buckets.items() if s > 0]
+    config = {"displaylogo": False, "responsive": True}
+    timeline = _timeline_figure(result).to_html(full_html=False, include_plotlyjs=False,
+                                                div_id=f"timeline-{index}", config=config)
+    breakdown = _breakdown_figure(result).to_html(full_html=False, include_plotlyjs=False,
+                                                  div_id=f"breakdown-{index}", config=config)
+    warnings_html = "".join(f"<li>{html.escape(w)}</li>" for w in result.warnings)
+    return f"""
+<section class="run">
+  <h2>{html.escape(result.job)} <small>{html.escape(result.run_dir)}</small></h2>
+  <div class="headline"><span class="ett">{result.ett_pct:.1f}%</span> ETT
+    <span class="facts">end-to-end {format_duration(e2e)} · {result.devices} device(s) ·
+    {len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)</span></div>
+  <div class="tables"><div><h3>L1</h3>{_html_table(("figure", "time", "% of e2e"), l1_rows)}</div>
+  <div><h3>L2 buckets</h3>{_html_table(("bucket", "seconds", "% of e2e"), l2_rows)}</div></div>
+  {breakdown}
+  {timeline}
+  {f'<ul class="warnings">{warnings_html}</ul>' if warnings_html else ''}
+</section>"""
+
+
+def render_html(results: Sequence[RunResult], title: str = "warmstart ETT report") -> str:
+    """One self-contained page (plotly.js inlined, no network) with a section per run."""
+    from plotly.offline import get_plotlyjs
+
+    sections = "".join(_run_section(r, i) for i, r in enumerate(results))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+h2 small {{ color: #888; font-weight: normal; font-size: 0.6em; }}
+.headline {{ margin: 0.5em 0 1em; }} .ett {{ font-size: 3em; font-weight: bold; color: #2ca02c; }}
+.facts {{ color: #666; margin-left: 1em; }}
+.tables {{ display: flex; gap: 3em; flex-wrap: wrap; }}
+table {{ border-collapse: collapse; }} th, td {{ padding: 2px 10px; text-align: right; }}
+th:first-child, td:first-child {{ text-align: left; }} thead {{ border-bottom: 1px solid #aaa; }}
+.warnings {{ color: #a60; }} section.run {{ border-top: 2px solid #eee; padding-top: 1em; }}
+</style>
+<script type="text/javascript">{get_plotlyjs()}</script>
+</head><body><h1>{html.escape(title)}</h1>{sections}
+</body></html>
+"""
+
+
+def results_json(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """The ``warmstart ett report --json`` payload: one object per run."""
+    return [r.to_dict() for r in results]
