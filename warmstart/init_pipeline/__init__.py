@@ -1,0 +1,40 @@
+"""Start-up as an overlapped dependency graph, and a sharding-plan cache (CONTRACT §5).
+
+``graph.py`` schedules start-up stages (no torch), ``plan_cache.py`` serves TorchRec sharding plans
+from warmstart's store, and ``stages.py`` has the ready-made TorchRec stages. The names below are
+imported lazily so that ``import warmstart.init_pipeline`` does not import torch.
+
+Example:
+    >>> from warmstart.init_pipeline import cached_plan
+    >>> plan = cached_plan(planner, model_on_meta, sharders, pg=dist.group.WORLD)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from warmstart.init_pipeline.graph import (
+    RUNS_ON, FailureChannel, Stage, StageFailed, StageTiming, StartupGraph, StartupResult, call_in_subprocess,
+)
+
+_LAZY = {
+    "cached_plan": "plan_cache", "plan_key": "plan_cache", "plan_key_inputs": "plan_cache",
+    "verify_plan": "plan_cache", "resolve_plan": "plan_cache", "broadcast_plan": "plan_cache",
+    "PlanMismatch": "plan_cache", "PlanningFailed": "plan_cache", "PlanOutcome": "plan_cache",
+    "PLAN_KIND": "plan_cache",
+    "TorchRecStartup": "stages", "CompileWarmup": "stages", "PrefetchedLoader": "stages",
+    "StoreFailureChannel": "stages", "torchrec_startup_graph": "stages",
+}
+
+__all__ = ["RUNS_ON", "FailureChannel", "Stage", "StageFailed", "StageTiming", "StartupGraph", "StartupResult",
+           "call_in_subprocess", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'warmstart.init_pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"warmstart.init_pipeline.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,328 @@
+"""Ready-made start-up stages for a TorchRec training job, wired into a :class:`StartupGraph`.
+
+:func:`torchrec_startup_graph` turns a :class:`TorchRecStartup` (the job's callables: model
+builder, data loader builder, planner, checkpoint hook, compile warm-up) into this graph::
+
+    process_group_init (main) ───────────────────────┐
+    model_meta (thread) ─> sharding_plan (thread; rank 0: cache or planner in a subprocess)
+                               └─> sharding_plan_broadcast (main) ─> model_transform (main: DMP)
+                                                                       └─> checkpoint_load (main: hook)
+    data_loader_init (thread: build, iter(), first batches prefetched)
+    compile_warmup (thread: torch.compile of the dense part on a synthetic batch)
+
+Rank 0 resolves the plan while every rank still waits in the rendezvous; the loader's workers boot
+and the dense part compiles while the model is planned, sharded and loaded. Collectives (the
+rendezvous, the plan broadcast, DistributedModelParallel, the checkpoint hook) run on the main
+thread in that order on every rank. :class:`StoreFailureChannel` tells the other ranks when a stage
+fails, through torch's TCPStore. This module owns the TorchRec specifics; scheduling is ``graph.py``.
+
+Example:
+    >>> spec = TorchRecStartup(build_model=lambda device: DLRM(..., device=device),  # doctest: +SKIP
+    ...                        build_loader=lambda rank, world: DataLoader(...), batch_size=512)
+    >>> result = torchrec_startup_graph(spec).run()                                  # doctest: +SKIP
+    >>> model, batches = result["model_transform"], result["data_loader_init"]       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from warmstart.init_pipeline.graph import StartupGraph
+from warmstart.init_pipeline.plan_cache import PlanOutcome, broadcast_plan, resolve_plan
+
+log = logging.getLogger("warmstart.init_pipeline")
+
+_CONNECT_RETRY_S = 1.0  # how often a channel without a store tries to reach one again
+
+
+class StoreFailureChannel:
+    """A :class:`~warmstart.init_pipeline.graph.FailureChannel` over torch's c10d store.
+
+    The first failure published wins; every rank sees that one. Under torchrun the store is the
+    agent's (``TORCHELASTIC_USE_AGENT_STORE``), reachable before the process group exists; otherwise
+    it is the default process group's store once ``init_process_group`` has returned (a failure
+    published earlier is kept and sent then).
+
+    Args:
+        store: a ``torch.distributed.Store``; default: found as described above.
+        name: the graph's name (keys are per graph and per attempt).
+        attempt: restart count; default ``TORCHELASTIC_RESTART_COUNT``, else 0.
+    """
+
+    def __init__(self, store: Any = None, *, name: str = "startup", attempt: int | None = None) -> None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if attempt is None else attempt
+        self._store = store
+        self._key = f"warmstart/{name}/attempt-{attempt}/failed"
+        self._pending: str | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def publish(self, message: str) -> None:
+        store = self._resolve()
+        if store is None:
+            self._pending = message
+            return
+        try:
+            store.compare_set(self._key, "", message)  # only the first failure is kept
+        except Exception:  # noqa: BLE001 - a channel never raises; the collective timeout still holds
+            log.warning("warmstart: could not publish the start-up failure to the other ranks", exc_info=True)
+
+    def poll(self) -> str | None:
+        store = self._resolve()
+        if store is None:
+            return None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.publish(pending)
+        try:
+            if store.check([self._key]):
+                return store.get(self._key).decode()
+        except Exception:  # noqa: BLE001
+            log.debug("warmstart: failure channel poll failed", exc_info=True)
+        return None
+
+    def _resolve(self) -> Any:
+        with self._lock:
+            if self._store is not None or time.monotonic() < self._next_try:
+                return self._store
+            self._next_try = time.monotonic() + _CONNECT_RETRY_S
+            try:
+                env = os.environ
+                if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR"):
+                    self._store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                                timeout=timedelta(seconds=5), wait_for_workers=False)
+                elif dist.is_available() and dist.is_initialized():
+                    self._store = dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001
+                log.debug("warmstart: no store for the failure channel yet", exc_info=True)
+            return self._store
+
+
+class PrefetchedLoader:
+    """An iterator over a data loader whose first batches were fetched during start-up.
+
+    ``iter(loader)`` (which starts the loader's workers) and the first ``prefetch`` batches run in
+    the ``data_loader_init`` stage; iteration then yields those batches and continues from the same
+    iterator.
+
+    Attributes:
+        loader: the data loader (for ``state_dict`` and the like).
+        prefetched: how many batches were fetched ahead.
+    """
+
+    def __init__(self, loader: Iterable[Any], prefetch: int = 3) -> None:
+        self.loader = loader
+        self._it: Iterator[Any] = iter(loader)
+        self._ready: deque[Any] = deque()
+        for _ in range(prefetch):
+            try:
+                self._ready.append(next(self._it))
+            except StopIteration:
+                break
+        self.prefetched = len(self._ready)
+
+    def __iter__(self) -> "PrefetchedLoader":
+        return self
+
+    def __next__(self) -> Any:
+        if self._ready:
+            return self._ready.popleft()
+        return next(self._it)
+
+
+@dataclasses.dataclass
+class CompileWarmup:
+    """Compile the dense part on a synthetic batch while the rest of start-up runs.
+
+    ``build(device)`` must return a module of the same class, shapes and dtypes as the one the
+    training step compiles, and the step must compile it with the same ``compile_kwargs``:
+    TorchDynamo's guards then accept the real module and the step reuses the compiled code (and on
+    another process, Inductor's caches and warmstart's store serve it). The warm-up module is a
+    separate instance, so its forward and backward never touch the model's weights, buffers or
+    gradients.
+
+    Attributes:
+        build: builds the module to compile on the given device.
+        example_inputs: builds a synthetic batch (positional arguments) on the given device.
+        backward: also compile the backward pass (``sum`` of the outputs as the loss).
+        compile_kwargs: keyword arguments of ``torch.compile``.
+    """
+
+    build: Callable[[torch.device], nn.Module]
+    example_inputs: Callable[[torch.device], Sequence[Any]]
+    backward: bool = True
+    compile_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def run(self, device: torch.device) -> float:
+        """Compile and run once; return the seconds it took."""
+        start = time.perf_counter()
+        module = self.build(device)
+        compiled = torch.compile(module, **self.compile_kwargs)
+        out = compiled(*self.example_inputs(device))
+        if self.backward:
+            tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.stack([t.float().sum() for t in tensors]).sum().backward()
+        return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class TorchRecStartup:
+    """What a TorchRec job tells :func:`torchrec_startup_graph`.
+
+    Attributes:
+        build_model: builds the unsharded model on the device it is given (``meta`` here).
+        batch_size: per-rank batch size (the planner's input and a cache-key field).
+        sharders: the sharders; default TorchRec's ``get_default_sharders()``.
+        build_planner: ``(world_size, local_world_size, compute_device) -> planner``; default an
+            ``EmbeddingShardingPlanner`` over ``Topology(world_size, compute_device,
+            local_world_size=...)`` with ``batch_size``.
+        build_loader: ``(rank, world_size) -> iterable of batches``; ``None``: no loader stage.
+        prefetch_batches: batches fetched during start-up (TorchRec's pipeline needs 3 to start).
+        load_checkpoint: ``(model) -> anything``, called after sharding with the
+            ``DistributedModelParallel`` model (a collective: every rank calls it); ``None``: no stage.
+        compile_warmup: see :class:`CompileWarmup`; ``None``: no stage.
+        device: the training device (``cpu`` or ``cuda``); the planner's compute device is its type.
+        backend: the process group backend.
+        pg_timeout_s: timeout of the process group's collectives, and of each main-thread stage.
+        plan_store: the store for sharding plans; default ``warmstart.compile_cache.get_store()``.
+        plan_in_subprocess: on a cache miss, rank 0 plans in a forked child (keeps the GIL free for
+            the other stages).
+        output_dtensor: build ``ShardingEnv(..., output_dtensor=True)`` (DTensor state dicts, which
+            DCP's async staging supports).
+        dmp_kwargs: further keyword arguments of ``DistributedModelParallel``.
+    """
+
+    build_model: Callable[[torch.device], nn.Module]
+    batch_size: int
+    sharders: list[Any] | None = None
+    build_planner: Callable[[int, int, str], Any] | None = None
+    build_loader: Callable[[int, int], Iterable[Any]] | None = None
+    prefetch_batches: int = 3
+    load_checkpoint: Callable[[nn.Module], Any] | None = None
+    compile_warmup: CompileWarmup | None = None
+    device: torch.device | str = "cpu"
+    backend: str = "gloo"
+    pg_timeout_s: float = 600.0
+    plan_store: Any = None
+    plan_in_subprocess: bool = True
+    output_dtensor: bool = True
+    dmp_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank: int | None = None,
+                           world_size: int | None = None, local_world_size: int | None = None,
+                           **graph_kwargs: Any) -> StartupGraph:
+    """Build the TorchRec start-up graph (see the module docstring); add stages of your own, then ``run()``.
+
+    Stage results: ``process_group_init`` (the process group), ``data_loader_init``
+    (:class:`PrefetchedLoader`), ``model_meta`` (the unsharded model), ``sharding_plan`` (rank 0: a
+    :class:`~warmstart.init_pipeline.plan_cache.PlanOutcome`; others ``None``),
+    ``sharding_plan_broadcast`` (the ``ShardingPlan``), ``model_transform`` (the
+    ``DistributedModelParallel``), ``checkpoint_load`` (the hook's return value),
+    ``compile_warmup`` (seconds).
+
+    Args:
+        spec: the job's parts.
+        name: the graph's name.
+        rank, world_size, local_world_size: default ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
+            from the environment (torchrun sets them).
+        graph_kwargs: passed to :class:`StartupGraph` (``recorder``, ``abort_grace_s``...);
+            ``channel`` defaults to a :class:`StoreFailureChannel` when ``world_size > 1``.
+
+    Returns:
+        The graph, not yet run.
+    """
+    env = os.environ
+    rank = int(env.get("RANK", "0")) if rank is None else rank
+    world_size = int(env.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(world_size))) if local_world_size is None else local_world_size
+    device = torch.device(spec.device)
+    if world_size > 1:
+        graph_kwargs.setdefault("channel", StoreFailureChannel(name=name))
+    graph_kwargs.setdefault("collective_timeout_s", spec.pg_timeout_s)
+    graph = StartupGraph(name, rank=rank, **graph_kwargs)
+    sharders = spec.sharders
+    if sharders is None:
+        from torchrec.distributed.sharding_plan import get_default_sharders
+
+        sharders = get_default_sharders()
+
+    def process_group_init() -> dist.ProcessGroup:
+        if not dist.is_initialized():
+            dist.init_process_group(backend=spec.backend, timeout=timedelta(seconds=spec.pg_timeout_s))
+        if device.type == "cuda":
+            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+        return dist.group.WORLD
+
+    def model_meta() -> nn.Module:
+        return spec.build_model(torch.device("meta"))
+
+    def sharding_plan(model_meta: nn.Module) -> PlanOutcome | None:
+        if rank != 0:
+            return None  # only rank 0 looks up or plans; the others get the plan from the broadcast
+        planner = (spec.build_planner or _default_planner(spec.batch_size))(world_size, local_world_size, device.type)
+        store = spec.plan_store
+        if store is None:
+            from warmstart.compile_cache import get_store
+
+            store = get_store()
+        outcome = resolve_plan(planner, model_meta, sharders, store=store, plan_in_subprocess=spec.plan_in_subprocess,
+                               catch=True)
+        log.info("warmstart: sharding plan from %s in %.3f s", outcome.source, outcome.seconds)
+        return outcome
+
+    def sharding_plan_broadcast(sharding_plan: PlanOutcome | None, process_group_init: dist.ProcessGroup) -> Any:
+        return broadcast_plan(sharding_plan, process_group_init)
+
+    def model_transform(model_meta: nn.Module, sharding_plan_broadcast: Any,
+                        process_group_init: dist.ProcessGroup) -> nn.Module:
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.types import ShardingEnv
+
+        pg = process_group_init
+        sharding_env = ShardingEnv(dist.get_world_size(pg), dist.get_rank(pg), pg, output_dtensor=spec.output_dtensor)
+        return DistributedModelParallel(module=model_meta, env=sharding_env, device=device,
+                                        plan=sharding_plan_broadcast, sharders=sharders, **spec.dmp_kwargs)
+
+    graph.add("process_group_init", process_group_init, collective=True)
+    graph.add("model_meta", model_meta, bucket="model_transform")
+    graph.add("sharding_plan", sharding_plan, deps=["model_meta"])
+    if spec.build_loader is not None:
+        build_loader, prefetch = spec.build_loader, spec.prefetch_batches
+        graph.add("data_loader_init", lambda: PrefetchedLoader(build_loader(rank, world_size), prefetch))
+    if spec.compile_warmup is not None:
+        warmup = spec.compile_warmup
+        graph.add("compile_warmup", lambda: warmup.run(device), bucket="compile")
+    graph.add("sharding_plan_broadcast", sharding_plan_broadcast, deps=["sharding_plan", "process_group_init"],
+              collective=True, bucket="sharding_plan")
+    graph.add("model_transform", model_transform,
+              deps=["model_meta", "sharding_plan_broadcast", "process_group_init"], collective=True)
+    if spec.load_checkpoint is not None:
+        hook = spec.load_checkpoint
+        graph.add("checkpoint_load", lambda model_transform: hook(model_transform), deps=["model_transform"],
+                  collective=True)
+    return graph
+
+
+def _default_planner(batch_size: int) -> Callable[[int, int, str], Any]:
+    def build(world_size: int, local_world_size: int, compute_device: str) -> Any:
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+        topology = Topology(world_size=world_size, compute_device=compute_device, local_world_size=local_world_size)
+        return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size)
+
+    return build
