@@ -1,1 +1,76 @@
-"""warmstart."""
+"""warmstart: win back the wall time training jobs lose outside training.
+
+Turn it on with the environment alone (``WARMSTART=1``; see CONTRACT §2), or from Python::
+
+    import warmstart
+    warmstart.enable(cache_url="redis://cache:6379/0", secret_file="/etc/warmstart/secret")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__version__ = "0.1.0"
+__all__ = ["enable", "__version__"]
+
+_ENABLE_ENV = {
+    "cache_url": "WARMSTART_CACHE_URL",
+    "cache_dir": "WARMSTART_CACHE_DIR",
+    "cache_size": "WARMSTART_CACHE_SIZE",
+    "mode": "WARMSTART_CACHE_MODE",
+    "secret_file": "WARMSTART_SECRET_FILE",
+    "namespace": "WARMSTART_NAMESPACE",
+    "run_dir": "WARMSTART_RUN_DIR",
+    "job_id": "WARMSTART_JOB_ID",
+}
+
+
+def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None = None,
+           cache_size: str | None = None, mode: str | None = None, secret: str | None = None,
+           secret_file: str | os.PathLike | None = None, namespace: str | None = None,
+           run_dir: str | os.PathLike | None = None, job_id: str | None = None) -> None:
+    """Turn warmstart on in this process and the processes it starts.
+
+    Arguments beat environment variables, which beat defaults. They are exported to the
+    environment, so torchrun workers and Inductor's compile workers use the same settings.
+
+    Raises:
+        ConfigError: a setting is malformed (one line: variable, value, what is accepted).
+    """
+    from warmstart.config import Settings, new_job_id
+
+    given = dict(cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode,
+                 secret_file=secret_file, namespace=namespace, run_dir=run_dir, job_id=job_id)
+    env = dict(os.environ)
+    env["WARMSTART"] = "1"
+    env.update({_ENABLE_ENV[k]: str(v) for k, v in given.items() if v is not None})
+    if secret is not None:
+        env["WARMSTART_SECRET"] = secret
+    Settings.from_env(env)  # validate everything before changing anything
+    os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
+    _activate(pgo_job_id=os.environ.get("WARMSTART_JOB_ID"))
+    if not os.environ.get("WARMSTART_JOB_ID") and os.environ.get("TORCHELASTIC_RUN_ID", "none") == "none":
+        os.environ["WARMSTART_JOB_ID"] = new_job_id()  # children share one generated id
+
+
+def _activate(pgo_job_id: str | None) -> None:
+    """Install the hooks for the settings in ``os.environ`` (``WARMSTART=1`` already checked).
+
+    ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
+    """
+    from warmstart import compile_cache
+    from warmstart.compile_cache import torch_hooks
+
+    torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
+    compile_cache.reset_store()  # the next get_store() builds from the settings now in force
+    # Compile spans for the ETT metrics, registered once torch's compile callbacks exist: importing
+    # them here would import all of torch into every process.
+    torch_hooks.on_import("torch._dynamo.callback", _install_compile_spans)
+    torch_hooks.install()
+
+
+def _install_compile_spans(_module: object) -> None:
+    from warmstart.metrics import install_compile_spans
+
+    install_compile_spans()

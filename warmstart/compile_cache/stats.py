@@ -50,6 +50,12 @@ class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], Counts] = defaultdict(Counts)
+        self.counters: dict[str, int] = defaultdict(int)
+        """Process-level events that are not per tier, e.g. ``recompiles``."""
+
+    def bump(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
 
     def add(self, tier: str, kind: str, **deltas: float) -> None:
         with self._lock:
@@ -72,16 +78,21 @@ class Stats:
             out.setdefault(tier, {})[kind] = counts.to_dict()
         return out
 
+    def counters_dict(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
     def take(self) -> "Stats":
         """Return the counts so far and reset them (for merging into the shared file)."""
         with self._lock:
             taken = Stats()
             taken._counts, self._counts = self._counts, defaultdict(Counts)
+            taken.counters, self.counters = self.counters, defaultdict(int)
             return taken
 
     def merge_into(self, path: Path) -> None:
         """Add these counts to the JSON file at ``path`` (created if missing), under a lock."""
-        if not self._counts:
+        if not self._counts and not self.counters:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a") as lock:
@@ -89,8 +100,10 @@ class Stats:
             total = load(path)
             for (tier, kind), counts in self.items():
                 total.add(tier, kind, **counts.to_dict())
+            for name, n in self.counters_dict().items():
+                total.bump(name, n)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(total.to_dict(), indent=1))
+            tmp.write_text(json.dumps({"tiers": total.to_dict(), "counters": total.counters_dict()}, indent=1))
             os.replace(tmp, path)
 
 
@@ -101,7 +114,9 @@ def load(path: Path) -> Stats:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return stats
-    for tier, kinds in data.items():
+    for tier, kinds in data.get("tiers", {}).items():
         for kind, counts in kinds.items():
             stats.add(tier, kind, **{f: counts.get(f, 0) for f in FIELDS})
+    for name, n in data.get("counters", {}).items():
+        stats.bump(name, int(n))
     return stats

@@ -1,0 +1,25 @@
+"""Runs at interpreter start-up (from ``warmstart.pth``) in every Python process where ``WARMSTART=1``.
+
+It must stay cheap and must never break the interpreter: it installs import hooks and reads
+settings; the store, Redis and torch are only touched when the process first compiles. A bad
+setting prints one line and leaves warmstart off in this process.
+"""
+
+import os
+import sys
+
+
+def _start() -> None:
+    try:
+        from warmstart import _activate
+        from warmstart.config import Settings
+
+        Settings.from_env()  # fail on a bad setting here, once, with one line
+        _activate(pgo_job_id=os.environ.get("WARMSTART_JOB_ID"))
+    except Exception as exc:  # never break an interpreter because of the cache
+        if not os.environ.get("WARMSTART_QUIET_ERRORS"):
+            sys.stderr.write(f"warmstart: disabled in this process: {exc}\n")
+            os.environ["WARMSTART_QUIET_ERRORS"] = "1"  # children: say it once per job, not per process
+
+
+_start()
