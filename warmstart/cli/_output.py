@@ -29,10 +29,12 @@ def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
 
     table = Table(title=title, title_justify="left", show_edge=False, header_style="bold")
     for i, col in enumerate(columns):
-        table.add_column(col, justify=(justify[i] if justify else ("left" if i == 0 else "right")))
+        table.add_column(col, justify=(justify[i] if justify else ("left" if i == 0 else "right")), no_wrap=True)
     for row in rows:
         table.add_row(*[_cell(v) for v in row])
-    Console(soft_wrap=False, width=max(100, Console().width)).print(table)
+    console = Console()
+    # Piped output (CI logs, `| less`) gets a wide virtual terminal rather than wrapped cells.
+    (console if console.is_terminal else Console(width=200)).print(table)
 
 
 def _cell(value: Any) -> str:

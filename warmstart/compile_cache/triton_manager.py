@@ -1,0 +1,145 @@
+"""Triton's kernel cache over warmstart's store, selected with
+``TRITON_CACHE_MANAGER=warmstart.compile_cache.triton_manager:WarmstartCacheManager``.
+
+An environment variable, not ``triton.knobs``, so Inductor's compile workers use it too. Unlike
+Triton's ``RemoteCacheManager``, which asks the network on every lookup, this looks on local disk
+first and goes to the store only on a local miss; fetched files are written locally so the next
+lookup is a file stat. Group files are stored with child *names* (Triton's own store absolute
+paths), so an entry is valid on any machine whatever its cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+try:  # Triton checks that the manager class has a base named ``CacheManager``.
+    from triton.runtime.cache import CacheManager
+except ImportError:  # CPU-only installs: the same interface, so the manager is usable and tested
+
+    class CacheManager(ABC):  # type: ignore[no-redef]
+        """Triton's cache-manager interface (``triton/runtime/cache.py``)."""
+
+        def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
+            pass
+
+        @abstractmethod
+        def get_file(self, filename: str) -> str | None: ...
+
+        @abstractmethod
+        def put(self, data, filename: str, binary: bool = True) -> str: ...
+
+        @abstractmethod
+        def get_group(self, filename: str) -> dict[str, str] | None: ...
+
+        @abstractmethod
+        def put_group(self, filename: str, group: dict[str, str]) -> None: ...
+
+KIND = "triton_kernel"
+
+
+def triton_cache_dir() -> Path:
+    """Triton's local cache directory: ``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache``."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    return Path(os.environ.get("TRITON_HOME") or os.path.expanduser("~")) / ".triton" / "cache"
+
+
+class WarmstartCacheManager(CacheManager):
+    """Local directory first, then warmstart's store (remote tier included).
+
+    Args:
+        key: Triton's kernel key (base32 of its hash); the local directory and the store key prefix.
+        override, dump: Triton's override and dump managers stay purely local, as in Triton.
+    """
+
+    def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
+        super().__init__(key, override, dump)
+        self.key = key
+        self._shared = not (override or dump)
+        if override:
+            base = Path(os.environ.get("TRITON_OVERRIDE_DIR") or triton_cache_dir().parent / "override")
+        elif dump:
+            base = Path(os.environ.get("TRITON_DUMP_DIR") or triton_cache_dir().parent / "dump")
+        else:
+            base = triton_cache_dir()
+        self.cache_dir = str(base / key)
+        os.makedirs(self.cache_dir, exist_ok=True)
+
+    def _store(self):
+        if not self._shared:
+            return None
+        from warmstart.compile_cache import get_store
+
+        return get_store()
+
+    def _local(self, filename: str) -> str:
+        return os.path.join(self.cache_dir, filename)
+
+    def get_file(self, filename: str) -> str | None:
+        path = self._local(filename)
+        if os.path.exists(path):
+            return path
+        store = self._store()
+        data = store.get(KIND, f"{self.key}/{filename}") if store is not None else None
+        if data is None:
+            return None
+        if filename.startswith("__grp__"):
+            data = self._localize_group(data)
+            if data is None:
+                return None
+        return self._write(filename, data)
+
+    def put(self, data, filename: str, binary: bool = True) -> str:
+        if isinstance(data, str):
+            data = data.encode()
+        path = self._write(filename, bytes(data))
+        store = self._store()
+        if store is not None:
+            store.put(KIND, f"{self.key}/{filename}", bytes(data))
+        return path
+
+    def get_group(self, filename: str) -> dict[str, str] | None:
+        grp_path = self.get_file(filename)
+        if grp_path is None:
+            return None
+        try:
+            with open(grp_path) as f:
+                children = json.load(f)["child_paths"]
+        except (OSError, ValueError, KeyError):
+            return None
+        result = {}
+        for name in children:
+            path = self.get_file(name)
+            if path is None:  # a child evicted or never written: the group is unusable
+                return None
+            result[name] = path
+        return result
+
+    def put_group(self, filename: str, group: dict[str, str]) -> None:
+        local = {"child_paths": {name: self._local(name) for name in group}}
+        self._write(filename, json.dumps(local).encode())
+        store = self._store()
+        if store is not None:
+            portable = {"child_paths": {name: os.path.basename(path) for name, path in group.items()}}
+            store.put(KIND, f"{self.key}/{filename}", json.dumps(portable).encode())
+
+    def _localize_group(self, data: bytes) -> bytes | None:
+        try:
+            children = json.loads(data)["child_paths"]
+        except (ValueError, KeyError):
+            return None
+        return json.dumps({"child_paths": {name: self._local(name) for name in children}}).encode()
+
+    def _write(self, filename: str, data: bytes) -> str:
+        # Same protocol as Triton's FileCacheManager: write to a private temp file, then rename.
+        path = self._local(filename)
+        tmp = os.path.join(self.cache_dir, f"tmp.pid_{os.getpid()}_{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return path
+
