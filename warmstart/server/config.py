@@ -28,6 +28,18 @@ ACL_FILE = "users.acl"
 STATE_FILE = "state.json"
 
 
+class OptionError(ConfigError):
+    """A :class:`ConfigError` whose one-line message is written out in full, for problems that
+    the ``variable=value is not valid`` form would say badly."""
+
+    def __init__(self, variable: str, value: object, accepted: str, message: str) -> None:
+        super().__init__(variable, value, accepted)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 def default_dir(environ: dict[str, str] | None = None) -> Path:
     """``$WARMSTART_SERVER_DIR``, else ``$XDG_STATE_HOME/warmstart/server``, else ``~/.local/state/warmstart/server``."""
     env = os.environ if environ is None else environ
@@ -79,8 +91,9 @@ class ServerOptions:
         if self.maxmemory < MIN_MAXMEMORY * max(1, self.cluster):
             raise ConfigError("--maxmemory", self.maxmemory, "at least 1MiB per node")
         if (self.tls_cert is None) != (self.tls_key is None):
-            flag = "--tls-key" if self.tls_key is None else "--tls-cert"
-            raise ConfigError(flag, None, "both --tls-cert and --tls-key, or neither")
+            given, missing = ("--tls-cert", "--tls-key") if self.tls_key is None else ("--tls-key", "--tls-cert")
+            raise OptionError(missing, None, "both --tls-cert and --tls-key, or neither",
+                              f"{given} needs {missing} too: TLS takes both a certificate and its key")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ConfigError("--tls-ca", str(self.tls_ca), "--tls-ca together with --tls-cert and --tls-key")
         for name in ("tls_cert", "tls_key", "tls_ca"):

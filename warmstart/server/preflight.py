@@ -17,19 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from warmstart.errors import ConfigError
-from warmstart.server.config import CLUSTER_BUS_OFFSET, ServerOptions
+from warmstart.server.config import CLUSTER_BUS_OFFSET, OptionError, ServerOptions
 from warmstart.server.state import ServerState
-
-
-class PreflightError(ConfigError):
-    """A :class:`ConfigError` whose one-line message is written out in full."""
-
-    def __init__(self, variable: str, value: object, accepted: str, message: str) -> None:
-        super().__init__(variable, value, accepted)
-        self.args = (message,)
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 def redis_binary(name: str = "redis-server", environ: Mapping[str, str] | None = None) -> str:
@@ -54,7 +43,7 @@ def redis_binary(name: str = "redis-server", environ: Mapping[str, str] | None =
             return str(sibling)
     found = shutil.which(name, path=env.get("PATH"))
     if not found:
-        raise PreflightError(variable, None, name, f"{name} not found on PATH: install it (Debian: apt-get install "
+        raise OptionError(variable, None, name, f"{name} not found on PATH: install it (Debian: apt-get install "
                              f"redis-server) or set {variable}=/path/to/{name}")
     return found
 
@@ -72,7 +61,7 @@ def check_dir(directory: Path) -> None:
         probe.unlink()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise PreflightError("--dir", str(directory), "a writable directory",
+        raise OptionError("--dir", str(directory), "a writable directory",
                              f"--dir={str(directory)!r} is not writable ({reason}): expected a directory "
                              "this user can create files in") from None
 
@@ -86,7 +75,7 @@ def check_not_running(directory: Path) -> None:
     state = ServerState.load(directory)
     alive = state.running_pids() if state else []
     if alive:
-        raise PreflightError("--dir", str(directory), "a directory no running server uses",
+        raise OptionError("--dir", str(directory), "a directory no running server uses",
                              f"--dir={str(directory)!r} is in use: a server started from it is running (pid "
                              f"{', '.join(map(str, alive))}); stop it first: warmstart server stop --dir {directory}")
 
@@ -108,11 +97,11 @@ def check_ports(options: ServerOptions) -> None:
         error = _bind_error(address, port)
         if error == errno.EADDRINUSE:
             what = "Cluster bus port" if port not in options.ports and flag == "--port" else "port"
-            raise PreflightError(flag, port, "a free port",
+            raise OptionError(flag, port, "a free port",
                                  f"{flag}: {what} {port} on {address} is already in use; choose another "
                                  f"{flag} or stop what listens there")
         if error is not None:
-            raise PreflightError("--bind", options.bind, "an address of this machine",
+            raise OptionError("--bind", options.bind, "an address of this machine",
                                  f"--bind={options.bind!r} cannot be listened on ({os.strerror(error)}): "
                                  "expected an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
 
@@ -130,10 +119,10 @@ def check_tls_files(options: ServerOptions) -> None:
             with open(path, "rb") as handle:
                 head = handle.read(4096)
         except OSError as exc:
-            raise PreflightError(flag, str(path), "a readable PEM file",
+            raise OptionError(flag, str(path), "a readable PEM file",
                                  f"{flag}={str(path)!r} cannot be read ({exc.strerror}): expected a PEM file") from None
         if b"-----BEGIN" not in head:
-            raise PreflightError(flag, str(path), "a PEM file", f"{flag}={str(path)!r} is not a PEM file")
+            raise OptionError(flag, str(path), "a PEM file", f"{flag}={str(path)!r} is not a PEM file")
 
 
 def run_all(options: ServerOptions) -> tuple[str, str | None]:

@@ -73,11 +73,15 @@ class ServerState:
     def client(self, port: int, user: str = "admin", credentials: Credentials | None = None):
         """A redis-py client of the node on ``port``, authenticated as ``user``."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         creds = credentials or Credentials.load(self.options.dir)
+        # No retries: redis-py's default retries with backoff for seconds, and a node that does
+        # not answer (or one we just shut down) should be reported at once.
         kwargs: dict[str, Any] = dict(host=self.options.host, port=port, username=user,
                                       password=creds.passwords[user], socket_timeout=_CLIENT_TIMEOUT_S,
-                                      socket_connect_timeout=_CLIENT_TIMEOUT_S)
+                                      socket_connect_timeout=_CLIENT_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
         if self.options.tls:
             # Our own node, found through our own state file: verify the chain, not the name
             # (the certificate may name the public host while we dial the bind address).

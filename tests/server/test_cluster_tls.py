@@ -1,0 +1,90 @@
+"""A ``--cluster 3`` server serves hits to the store across its nodes; TLS works and a plaintext
+client is refused when TLS is on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import redis
+from click.testing import CliRunner
+from conftest import free_port_block
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from warmstart.cli import cli
+from warmstart.compile_cache.remote import RemoteTier
+from warmstart.server import Credentials, ServerState
+
+
+def _start_json(*args: str) -> dict:
+    result = CliRunner().invoke(cli, ["server", "start", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_cluster_of_three_serves_store_hits(server_dir):
+    base = free_port_block(3, bus=True)
+    info = _start_json("--dir", str(server_dir), "--port", str(base), "--cluster", "3", "--maxmemory", "48MiB")
+    hosts = ",".join(f"127.0.0.1:{base + i}" for i in range(3))
+    assert info["writer_url"].startswith("redis+cluster://writer:") and info["writer_url"].endswith("@" + hosts)
+    assert info["reader_url"].startswith("redis+cluster://reader:")
+    secret = open(info["secret_file"], "rb").read().strip()
+
+    values = {f"k{i}": os.urandom(500 + 3000 * i) for i in range(30)}
+    writer = RemoteTier(info["writer_url"], secret=secret, namespace="cluster-test")
+    for key, value in values.items():
+        assert writer.put("fx_graph", key, value)
+    # A different client (another job) reads every entry back with the read-only credentials.
+    reader = RemoteTier(info["reader_url"], secret=secret, namespace="cluster-test")
+    for key, value in values.items():
+        assert reader.get("fx_graph", key) == value
+    counts = reader.stats.to_dict()["remote"]["fx_graph"]
+    assert counts["hits"] == 30 and counts["misses"] == 0 and counts["errors"] == 0
+    assert reader.put("fx_graph", "k-new", b"x") is False
+
+    status = json.loads(CliRunner().invoke(cli, ["server", "status", "--dir", str(server_dir), "--json"]).stdout)
+    assert status["up"] is True and status["mode"] == "cluster" and status["nodes_up"] == 3
+    assert status["keys"] == 60 and sum(n["keys"] > 0 for n in status["nodes"]) >= 2  # spread over the nodes
+    assert status["maxmemory"] == 48 * 1024**2 and all(n["maxmemory"] == 16 * 1024**2 for n in status["nodes"])
+    assert status["namespace_bytes"]["cluster-test"] > sum(map(len, values.values()))
+
+    # The writer's rights are the same on every node: no FLUSHALL, no CLUSTER RESET.
+    state = ServerState.load(server_dir)
+    creds = Credentials.load(server_dir)
+    for port in state.options.ports:
+        client = state.client(port, "writer", creds)
+        for command in (("FLUSHALL",), ("CLUSTER", "RESET"), ("CONFIG", "GET", "*")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+
+    result = CliRunner().invoke(cli, ["server", "stop", "--dir", str(server_dir)])
+    assert result.exit_code == 0 and all(str(p) in result.stdout for p in state.pids)
+    assert ServerState.load(server_dir).running_pids() == []
+
+
+def test_tls_works_and_plaintext_is_refused(server_dir, tls_files):
+    cert, key = tls_files
+    port = free_port_block(1)
+    info = _start_json("--dir", str(server_dir), "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key))
+    assert info["tls"] is True
+    assert info["writer_url"].startswith("rediss://writer:") and f"ssl_ca_certs={cert}" in info["writer_url"]
+    secret = open(info["secret_file"], "rb").read().strip()
+    writer = RemoteTier(info["writer_url"], secret=secret, namespace="tls")
+    assert writer.put("fx_graph", "k", b"over tls" * 100)
+    assert RemoteTier(info["reader_url"], secret=secret, namespace="tls").get("fx_graph", "k") == b"over tls" * 100
+
+    no_retry = dict(retry=Retry(NoBackoff(), 0), socket_timeout=2, socket_connect_timeout=2)
+    password = Credentials.load(server_dir).passwords["writer"]
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, username="writer", password=password, **no_retry).ping()
+    # TLS without credentials is still anonymous: refused.
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port, ssl=True, ssl_ca_certs=str(cert), **no_retry).get("ws:x")
+    # A client that does not trust the certificate does not connect.
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, ssl=True, username="writer", password=password, **no_retry).ping()
+
+    status = json.loads(CliRunner().invoke(cli, ["server", "status", "--dir", str(server_dir), "--json"]).stdout)
+    assert status["up"] is True and status["tls"] is True and status["keys"] == 2

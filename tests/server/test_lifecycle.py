@@ -1,0 +1,194 @@
+"""``warmstart server start|status|stop`` on real servers: status answers, stop stops, a restart from
+the same directory keeps credentials (and, with AOF, data), foreground mode and the Prometheus
+exporter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import redis
+from click.testing import CliRunner
+from conftest import free_port_block
+
+from warmstart.cli import cli
+from warmstart.compile_cache.remote import RemoteTier
+from warmstart.server import Credentials, ServerState
+from warmstart.server.state import pid_alive
+
+
+def _run(*args: str):
+    result = CliRunner().invoke(cli, ["server", *args])
+    return result
+
+
+def _start_json(*args: str) -> dict:
+    result = _run("start", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_start_status_stop(server_dir):
+    port = free_port_block(1)
+    info = _start_json("--dir", str(server_dir), "--port", str(port), "--maxmemory", "16MiB")
+    assert set(info) >= {"writer_url", "reader_url", "secret_file", "dir"}
+    assert info["writer_url"].startswith(f"redis://writer:") and info["writer_url"].endswith(f"@127.0.0.1:{port}/0")
+    assert info["reader_url"].startswith("redis://reader:")
+    assert info["dir"] == str(server_dir)
+    secret = open(info["secret_file"], "rb").read().strip()
+    assert len(secret) == 64
+    # Fill it through the store, read some back twice, miss once: the hit rate reflects it.
+    tier = RemoteTier(info["writer_url"], secret=secret, namespace="team-a")
+    for i in range(5):
+        assert tier.put("fx_graph", f"k{i}", os.urandom(20_000))
+    assert tier.get("fx_graph", "k0") is not None and tier.get("fx_graph", "missing") is None
+    other = RemoteTier(info["writer_url"], secret=secret, namespace="team-b")
+    assert other.put("autotune", "k", os.urandom(1000))
+
+    result = _run("status", "--dir", str(server_dir), "--json")
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    assert status["up"] is True and status["mode"] == "single"
+    assert status["maxmemory"] == 16 * 1024**2
+    assert status["keys"] == 12  # 6 pointers + 6 blobs
+    assert 0 < status["used_memory"]
+    assert status["keyspace_hits"] >= 2 and status["keyspace_misses"] >= 1
+    assert 0 < status["hit_rate"] < 1
+    assert status["evicted_keys"] == 0
+    assert status["connected_clients"] >= 1
+    assert status["namespace_bytes_exact"] is True
+    assert status["namespace_bytes"]["team-a"] > 5 * 20_000 > status["namespace_bytes"]["team-b"] > 1000
+    human = _run("status", "--dir", str(server_dir))
+    assert human.exit_code == 0 and "UP" in human.stdout and "team-a" in human.stdout
+
+    pid = ServerState.load(server_dir).pids[0]
+    result = _run("stop", "--dir", str(server_dir))
+    assert result.exit_code == 0 and str(pid) in result.stdout
+    assert not pid_alive(pid)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, socket_connect_timeout=0.5).ping()
+    down = _run("status", "--dir", str(server_dir), "--json")
+    assert down.exit_code == 1 and json.loads(down.stdout)["up"] is False
+    again = _run("stop", "--dir", str(server_dir))
+    assert again.exit_code == 0 and "no server was running" in again.stdout
+
+
+def test_status_of_a_directory_never_used(tmp_path):
+    result = _run("status", "--dir", str(tmp_path / "nothing"))
+    assert result.exit_code == 1
+    assert "no server was started" in result.stderr
+
+
+def test_restart_with_same_dir_keeps_credentials_and_options(server_dir):
+    port = free_port_block(1)
+    first = _start_json("--dir", str(server_dir), "--port", str(port), "--maxmemory", "8MiB")
+    passwords = Credentials.load(server_dir).passwords
+    secret = open(first["secret_file"], "rb").read()
+    assert _run("stop", "--dir", str(server_dir)).exit_code == 0
+    second = _start_json("--dir", str(server_dir))  # port and maxmemory come from the last start
+    assert second["writer_url"] == first["writer_url"] and second["reader_url"] == first["reader_url"]
+    assert Credentials.load(server_dir).passwords == passwords
+    assert open(second["secret_file"], "rb").read() == secret
+    assert second["maxmemory"] == 8 * 1024**2
+    tier = RemoteTier(second["writer_url"], secret=secret.strip(), namespace="n")
+    assert tier.put("pgo", "k", b"v" * 100) and tier.get("pgo", "k") == b"v" * 100
+
+
+def test_aof_keeps_the_cache_across_a_restart(server_dir):
+    info = _start_json("--dir", str(server_dir), "--port", str(free_port_block(1)), "--aof")
+    secret = open(info["secret_file"], "rb").read().strip()
+    assert RemoteTier(info["writer_url"], secret=secret, namespace="n").put("fx_graph", "k", b"kept" * 1000)
+    assert _run("stop", "--dir", str(server_dir)).exit_code == 0
+    info = _start_json("--dir", str(server_dir))
+    assert RemoteTier(info["reader_url"], secret=secret, namespace="n").get("fx_graph", "k") == b"kept" * 1000
+
+
+def test_second_start_from_the_same_dir_is_refused(server_dir):
+    _start_json("--dir", str(server_dir), "--port", str(free_port_block(1)))
+    result = _run("start", "--dir", str(server_dir), "--port", str(free_port_block(1)))
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "is in use" in result.stderr and "warmstart server stop" in result.stderr
+
+
+def test_metrics_endpoint_serves_prometheus_text(server_dir):
+    port, metrics_port = free_port_block(1), free_port_block(1)
+    info = _start_json("--dir", str(server_dir), "--port", str(port), "--metrics-port", str(metrics_port))
+    assert info["metrics_url"] == f"http://127.0.0.1:{metrics_port}/metrics"
+    secret = open(info["secret_file"], "rb").read().strip()
+    tier = RemoteTier(info["writer_url"], secret=secret, namespace="metrics-ns")
+    assert tier.put("fx_graph", "k", b"x" * 5000) and tier.get("fx_graph", "k")
+    with urllib.request.urlopen(info["metrics_url"], timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    node = f'{{node="127.0.0.1:{port}"}}'
+    assert samples["warmstart_server_up" + node] == 1
+    assert samples["warmstart_server_keys" + node] == 2
+    assert samples["warmstart_server_maxmemory_bytes" + node] == 1024**3
+    assert samples["warmstart_server_keyspace_hits_total" + node] >= 2
+    assert samples['warmstart_server_namespace_bytes{namespace="metrics-ns"}'] > 0
+    assert samples["warmstart_server_cluster_ok"] == 1
+    exporter = ServerState.load(server_dir).exporter_pid
+    assert pid_alive(exporter)
+    assert _run("stop", "--dir", str(server_dir)).exit_code == 0
+    assert not pid_alive(exporter)
+
+
+def test_foreground_runs_until_sigterm(server_dir):
+    port = free_port_block(1)
+    proc = _start_foreground(server_dir, port)
+    try:
+        info = json.loads(_read_json_object(proc.stdout))
+        state = ServerState.load(server_dir)
+        assert state.supervisor_pid == proc.pid and pid_alive(state.pids[0])
+        creds = Credentials.load(server_dir)
+        assert state.client(port, "writer", creds).set("ws:fg", b"1")
+        assert info["writer_url"] == state.url("writer", creds)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert not pid_alive(state.pids[0])
+        assert ServerState.load(server_dir).running_pids() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_stop_ends_a_foreground_server(server_dir):
+    proc = _start_foreground(server_dir, free_port_block(1))
+    try:
+        _read_json_object(proc.stdout)
+        node_pid = ServerState.load(server_dir).pids[0]
+        result = _run("stop", "--dir", str(server_dir))
+        assert result.exit_code == 0, result.output
+        assert proc.wait(15) == 0
+        assert not pid_alive(node_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _start_foreground(server_dir, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "warmstart", "server", "start", "--foreground", "--json",
+                             "--dir", str(server_dir), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _read_json_object(stream) -> str:
+    deadline = time.monotonic() + 30
+    lines = []
+    for line in stream:
+        lines.append(line)
+        if line.startswith("}"):
+            return "".join(lines)
+        assert time.monotonic() < deadline
+    raise AssertionError("the foreground server printed no JSON: " + "".join(lines))
