@@ -16,6 +16,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is valid and free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 def _wait_ping(port: int, timeout: float = 10.0, password: str | None = None) -> None:
     import redis
 
@@ -91,7 +106,7 @@ class RedisCluster:
 
     def start(self) -> "RedisCluster":
         for i in range(self.size):
-            node = RedisNode(self.workdir / f"node{i}")
+            node = RedisNode(self.workdir / f"node{i}", port=free_cluster_port())
             node.extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                           "--cluster-node-timeout", "2000"]
             self.nodes.append(node.start())

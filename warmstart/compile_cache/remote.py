@@ -152,6 +152,8 @@ class RemoteTier:
             return None
         except Exception as exc:
             self._failed(kind, exc)
+            # Time lost waiting on a failing server is part of what the cache cost the job.
+            self.stats.add(self.name, kind, read_s=time.perf_counter() - start)
             return None
         elapsed = time.perf_counter() - start
         self.stats.add(self.name, kind, hits=1, bytes_read=len(blob), read_s=elapsed,

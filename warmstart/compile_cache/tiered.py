@@ -42,6 +42,9 @@ class TieredStore:
         self.remote = remote
         self.mode = mode
         self.stats = stats or Stats()
+        for tier in (local, remote):  # one set of counters for the whole store
+            if tier is not None:
+                tier.stats = self.stats
         self.stats_file = stats_file
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_ITEMS)
         self._writer: threading.Thread | None = None

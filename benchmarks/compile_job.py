@@ -1,0 +1,122 @@
+"""One "job" for the compile-cache benchmark and tests: compile a model, run forward and backward,
+print one JSON line with the loss, the time to compile and run the first step, and cache counters.
+
+    python benchmarks/compile_job.py --model mlp [--steps 1] [--kill-redis-pid PID]
+
+Run it with WARMSTART=1 (and WARMSTART_CACHE_URL, WARMSTART_SECRET) to use warmstart; the
+environment decides everything else, as it would for a user's job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+T_START = time.perf_counter()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+T_IMPORTED = time.perf_counter()
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.head = nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.head(self.conv(x).flatten(1))
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0,
+                                                batch_first=True)
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.out(self.block(x).mean(1))
+
+
+class Tiny(nn.Module):
+    """Smallest useful model: what the tests compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)).sum(1, keepdim=True)
+
+
+class Tiny2(Tiny):
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * 2).mean(1, keepdim=True)
+
+
+MODELS = {
+    "mlp": (MLP, lambda: torch.randn(32, 64)),
+    "conv": (ConvNet, lambda: torch.randn(8, 3, 16, 16)),
+    "attention": (Attention, lambda: torch.randn(4, 16, 32)),
+    "tiny": (Tiny, lambda: torch.randn(8, 16)),
+    "tiny2": (Tiny2, lambda: torch.randn(8, 16)),
+}
+
+
+def run_model(name: str) -> float:
+    torch.manual_seed(0)
+    cls, make_input = MODELS[name]
+    model = cls()
+    x = make_input()
+    loss = torch.compile(model)(x).float().pow(2).mean()
+    loss.backward()
+    return float(loss.detach())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", action="append", required=True, choices=sorted(MODELS),
+                        help="model(s) to compile, in order")
+    parser.add_argument("--kill-redis-pid", type=int, default=None,
+                        help="SIGKILL this redis-server after the first model (a server dying mid-job)")
+    args = parser.parse_args()
+    losses = {}
+    t0 = time.perf_counter()
+    for i, name in enumerate(args.model):
+        losses[name] = run_model(name)
+        if i == 0 and args.kill_redis_pid:
+            os.kill(args.kill_redis_pid, signal.SIGKILL)
+    compile_s = time.perf_counter() - t0
+    from torch._dynamo.utils import counters
+
+    result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compile_s": compile_s,
+              "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"])}
+    if os.environ.get("WARMSTART") == "1":
+        from warmstart.compile_cache import get_store
+
+        store = get_store()
+        if store is not None:
+            store.flush(timeout=30)
+            result["store"] = store.stats.to_dict()
+            result["counters"] = store.stats.counters_dict()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The store against real redis-server processes: tiers, signing, chunking, races, failure modes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import redis
+
+from warmstart.compile_cache import LocalTier, RemoteTier, TieredStore, open_store
+from warmstart.compile_cache.stats import Stats
+from warmstart.config import Settings
+
+SECRET = b"test-secret"
+
+
+def _remote(url: str, secret: bytes = SECRET, ns: str = "t", **kw) -> RemoteTier:
+    return RemoteTier(url, secret=secret, namespace=ns, **kw)
+
+
+def test_remote_round_trip_and_backfill(redis_node, tmp_path):
+    writer = TieredStore(LocalTier(tmp_path / "a", 1 << 30), _remote(redis_node.url))
+    payload = os.urandom(50_000) + b"x" * 200_000
+    writer.put("fx_graph", "k1", payload, cost_s=3.0)
+    assert writer.flush(timeout=10)
+    reader = TieredStore(LocalTier(tmp_path / "b", 1 << 30), _remote(redis_node.url))
+    assert reader.get("fx_graph", "k1") == payload
+    assert reader.stats.get("remote", "fx_graph").hits == 1
+    assert reader.get("fx_graph", "k1") == payload  # now from the local tier
+    assert reader.stats.get("local", "fx_graph").hits == 1
+    assert reader.stats.get("remote", "fx_graph").hits == 1
+    assert reader.stats.get("remote", "fx_graph").saved_s > 2.9
+
+
+def test_large_values_are_chunked_and_identical_blobs_stored_once(redis_node):
+    tier = _remote(redis_node.url, chunk_bytes=64 * 1024)
+    payload = os.urandom(300 * 1024)  # incompressible: 5 chunks
+    assert tier.put("cpp_object", "a", payload)
+    assert tier.put("cpp_object", "b", payload)  # same content under another key
+    client = redis.Redis.from_url(redis_node.url)
+    blob_keys = [k for k in client.scan_iter("ws:t:b:*")]
+    assert len(blob_keys) == 5
+    assert _remote(redis_node.url).get("cpp_object", "b") == payload
+
+
+def test_first_writer_wins(redis_node):
+    a, b = _remote(redis_node.url), _remote(redis_node.url)
+    assert a.put("pgo", "k", b"first")
+    assert b.put("pgo", "k", b"second")
+    assert _remote(redis_node.url).get("pgo", "k") == b"first"
+
+
+def test_pointer_to_evicted_blob_is_a_miss_and_is_repaired(redis_node):
+    tier = _remote(redis_node.url)
+    tier.put("fx_graph", "k", b"v" * 5000)
+    client = redis.Redis.from_url(redis_node.url)
+    for key in client.scan_iter("ws:t:b:*"):
+        client.delete(key)
+    assert tier.get("fx_graph", "k") is None
+    assert tier.put("fx_graph", "k", b"w" * 5000)
+    assert tier.get("fx_graph", "k") == b"w" * 5000
+
+
+@pytest.mark.parametrize("target", ["pointer", "blob"])
+def test_flipped_byte_is_rejected(redis_node, target):
+    tier = _remote(redis_node.url)
+    tier.put("fx_graph", "k", os.urandom(4000))
+    client = redis.Redis.from_url(redis_node.url)
+    key = next(client.scan_iter(f"ws:t:{'p' if target == 'pointer' else 'b'}:*"))
+    value = bytearray(client.get(key))
+    value[len(value) // 2] ^= 0x01
+    client.set(key, bytes(value))
+    reader = _remote(redis_node.url)
+    assert reader.get("fx_graph", "k") is None
+    counts = reader.stats.get("remote", "fx_graph")
+    assert (counts.rejected, counts.misses, counts.hits) == (1, 1, 0)
+
+
+def test_wrong_secret_never_returns_the_entry(redis_node):
+    _remote(redis_node.url).put("aot_autograd", "k", b"payload" * 100)
+    intruder = _remote(redis_node.url, secret=b"another-secret")
+    assert intruder.get("aot_autograd", "k") is None
+    assert intruder.stats.get("remote", "aot_autograd").rejected == 1
+
+
+def test_pointer_cannot_be_replayed_under_another_key(redis_node):
+    tier = _remote(redis_node.url)
+    tier.put("fx_graph", "good", b"a" * 3000)
+    client = redis.Redis.from_url(redis_node.url)
+    client.set("ws:t:p:fx_graph:evil", client.get("ws:t:p:fx_graph:good"))
+    assert tier.get("fx_graph", "evil") is None
+    assert tier.stats.get("remote", "fx_graph").rejected == 1
+
+
+def test_missing_secret_refuses_remote_tier_with_one_warning(redis_node, tmp_path, caplog):
+    settings = Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url,
+                                  "WARMSTART_CACHE_DIR": str(tmp_path)})
+    store = open_store(settings, persist_stats=False)
+    assert store.remote is None and store.local is not None
+    assert any("no WARMSTART_SECRET" in r.message for r in caplog.records)
+
+
+def test_read_only_mode_never_writes(redis_node, tmp_path):
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_SECRET": "s",
+           "WARMSTART_CACHE_DIR": str(tmp_path / "ro"), "WARMSTART_CACHE_MODE": "ro"}
+    store = open_store(Settings.from_env(env), persist_stats=False)
+    store.put("fx_graph", "k", b"x" * 1000, sync=True)
+    store.put("fx_graph", "k2", b"y" * 1000)
+    store.flush(timeout=5)
+    assert redis.Redis.from_url(redis_node.url).dbsize() == 0
+    assert len(store.local) == 0
+    # and it still reads what a writer stored
+    writer_env = dict(env, WARMSTART_CACHE_MODE="rw", WARMSTART_CACHE_DIR=str(tmp_path / "rw"))
+    writer = open_store(Settings.from_env(writer_env), persist_stats=False)
+    writer.put("fx_graph", "k", b"x" * 1000, sync=True)
+    assert store.get("fx_graph", "k") == b"x" * 1000
+    assert len(store.local) == 0
+
+
+def test_dead_server_costs_one_failure_then_breaker(tmp_path):
+    from tests_helpers import closed_port_url
+
+    tier = _remote(closed_port_url())
+    start = time.perf_counter()
+    for i in range(50):
+        assert tier.get("fx_graph", f"k{i}") is None
+        assert tier.put("fx_graph", f"k{i}", b"v") is False
+    elapsed = time.perf_counter() - start
+    counts = tier.stats.get("remote", "fx_graph")
+    assert counts.errors == 1  # only the first call reached the network
+    assert counts.misses == 50 and counts.dropped == 50
+    assert elapsed < 1.0
+    assert tier.breaker.is_open
+
+
+def test_server_killed_mid_job_then_breaker_then_recovery(redis_node):
+    tier = _remote(redis_node.url)
+    tier.breaker._cooldown_s = 0.2
+    assert tier.put("pgo", "k", b"v")
+    redis_node.kill()
+    assert tier.get("pgo", "k") is None
+    assert tier.breaker.is_open
+    assert tier.get("pgo", "k") is None
+    assert tier.stats.get("remote", "pgo").errors == 1
+    redis_node.start()  # same port, empty
+    deadline = time.monotonic() + 10
+    while tier.breaker.is_open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tier.breaker.is_open
+    assert tier.put("pgo", "k", b"again") and tier.get("pgo", "k") == b"again"
+
+
+def test_local_size_limit_holds(tmp_path):
+    limit = 2 * 1024 * 1024
+    tier = LocalTier(tmp_path, limit)
+    for i in range(60):
+        tier.put("cpp_object", f"k{i}", os.urandom(100 * 1024))
+    assert tier.volume() <= limit * 1.1  # diskcache culls on write; its SQLite file is counted too
+    assert tier.get("cpp_object", "k59") is not None  # most recent kept
+    assert tier.get("cpp_object", "k0") is None  # least recent evicted
+
+
+def test_cluster_hits(redis_cluster, tmp_path):
+    writer = TieredStore(LocalTier(tmp_path / "a", 1 << 30), _remote(redis_cluster.url, ns="cl",
+                                                                      chunk_bytes=32 * 1024))
+    payloads = {f"k{i}": os.urandom(100_000) for i in range(10)}
+    for key, value in payloads.items():
+        writer.put("fx_graph", key, value)
+    assert writer.flush(timeout=20)
+    reader = TieredStore(LocalTier(tmp_path / "b", 1 << 30), _remote(redis_cluster.url, ns="cl"))
+    for key, value in payloads.items():
+        assert reader.get("fx_graph", key) == value
+    assert reader.stats.get("remote", "fx_graph").hits == 10
+    # keys really are spread over the cluster's nodes
+    assert sum(1 for n in redis_cluster.nodes if redis.Redis(port=n.port).dbsize() > 0) >= 2
+
+
+def _racer(url: str, barrier, results, i: int) -> None:
+    tier = _remote(url)
+    barrier.wait()
+    ok = tier.put("fx_graph", "same", f"value-{i}".encode() * 500)
+    results.put((i, ok, tier.get("fx_graph", "same")))
+
+
+def test_racing_writers_all_succeed_and_agree(redis_node):
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(8), ctx.Queue()
+    procs = [ctx.Process(target=_racer, args=(redis_node.url, barrier, results, i)) for i in range(8)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(10)
+    assert all(ok for _, ok, _ in outcomes)
+    values = {v for _, _, v in outcomes}
+    assert len(values) == 1 and values.pop() is not None
+
+
+def test_stats_merge_across_processes(tmp_path):
+    path = tmp_path / "stats.json"
+    for _ in range(3):
+        s = Stats()
+        s.add("remote", "fx_graph", hits=2, bytes_read=10)
+        s.bump("recompiles")
+        s.merge_into(path)
+    from warmstart.compile_cache.stats import load
+
+    total = load(path)
+    assert total.get("remote", "fx_graph").hits == 6
+    assert total.counters_dict() == {"recompiles": 3}
