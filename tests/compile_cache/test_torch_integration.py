@@ -1,0 +1,188 @@
+"""Real torch.compile jobs in subprocesses, each on a "new machine" (fresh HOME, TMPDIR and cache
+directories), sharing a real redis-server. Compiled models are shared: one producer fills the cache
+and the consumers reuse it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from _redis import RedisNode
+from tests_helpers import closed_port_url
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "benchmarks" / "compile_job.py"
+SECRET = "integration-secret"
+
+
+def run_job(tmp: Path, *models: str, url: str | None = None, secret: str | None = SECRET, extra_env=None,
+            extra_args=(), pch: bool = False, warmstart: bool = True) -> tuple[dict, str]:
+    """Run the compile job on a fresh "machine" under ``tmp``; return its result and stderr."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
+    env.update(HOME=str(tmp / "home"), TMPDIR=str(tmp / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+               TRITON_CACHE_DIR=str(tmp / "triton"), WARMSTART_CACHE_DIR=str(tmp / "warmstart"),
+               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1",
+               TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1" if pch else "0")
+    (tmp / "tmp").mkdir(exist_ok=True)
+    if warmstart:
+        env["WARMSTART"] = "1"
+        if url:
+            env["WARMSTART_CACHE_URL"] = url
+        if secret:
+            env["WARMSTART_SECRET"] = secret
+    env.update(extra_env or {})
+    args = [sys.executable, str(JOB)] + [a for m in models for a in ("--model", m)] + list(extra_args)
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), proc.stderr
+
+
+def remote(result: dict, kind: str) -> dict:
+    return result.get("store", {}).get("remote", {}).get(kind, {})
+
+
+def total(result: dict, tier: str, field: str) -> float:
+    return sum(c.get(field, 0) for c in result.get("store", {}).get(tier, {}).values())
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """A redis-server filled by one producer job (tiny model, precompiled headers on)."""
+    node = RedisNode(tmp_path_factory.mktemp("redis")).start()
+    result, _ = run_job(tmp_path_factory.mktemp("producer"), "tiny", url=node.url, pch=True)
+    yield node, result
+    node.stop()
+
+
+def test_producer_stores_every_kind(shared_cache):
+    node, produced = shared_cache
+    kinds = {k.decode().split(":")[3] for k in redis.Redis.from_url(node.url).scan_iter("ws:*:p:*")}
+    assert {"fx_graph", "aot_autograd", "cpp_object", "pgo"} <= kinds
+    assert produced["inductor"].get("fxgraph_cache_miss", 0) >= 1
+
+
+def test_hit_across_processes_with_fresh_local_dirs(shared_cache, tmp_path):
+    node, produced = shared_cache
+    result, _ = run_job(tmp_path, "tiny", url=node.url, pch=True)
+    assert result["losses"] == produced["losses"]
+    assert remote(result, "fx_graph").get("hits", 0) >= 1
+    assert remote(result, "aot_autograd").get("hits", 0) == 1
+    assert remote(result, "cpp_object").get("hits", 0) >= 1
+    assert remote(result, "cpp_object").get("misses", 0) == 0  # g++ never ran
+    assert result["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert result["aot_autograd"].get("autograd_cache_hit") == 1
+    assert not list((tmp_path / "tmp").rglob("*.gch"))  # the precompiled header was never needed
+
+
+def test_read_only_mode_reads_but_never_writes(shared_cache, tmp_path):
+    node, produced = shared_cache
+    before = redis.Redis.from_url(node.url).dbsize()
+    result, _ = run_job(tmp_path, "tiny", "tiny2", url=node.url, extra_env={"WARMSTART_CACHE_MODE": "ro"})
+    assert result["losses"]["tiny"] == produced["losses"]["tiny"]
+    assert remote(result, "fx_graph").get("hits", 0) >= 1
+    assert redis.Redis.from_url(node.url).dbsize() == before
+    assert total(result, "remote", "writes") == 0 and total(result, "local", "writes") == 0
+
+
+def test_flipped_byte_is_rejected_and_compilation_goes_on(shared_cache, tmp_path):
+    node, produced = shared_cache
+    client = redis.Redis.from_url(node.url)
+    flipped = {}
+    for key in list(client.scan_iter("ws:*:p:fx_graph:*")) + list(client.scan_iter("ws:*:p:cpp_object:*"))[:1]:
+        value = client.get(key)
+        broken = bytearray(value)
+        broken[-3] ^= 0x20
+        client.set(key, bytes(broken))
+        flipped[key] = value
+    try:
+        result, _ = run_job(tmp_path, "tiny", url=node.url)
+    finally:
+        for key, value in flipped.items():
+            client.set(key, value)
+    assert result["losses"] == produced["losses"]
+    assert remote(result, "fx_graph").get("rejected", 0) >= 1
+    assert remote(result, "fx_graph").get("hits", 0) == 0
+
+
+def test_wrong_secret_never_loads_and_job_runs(shared_cache, tmp_path):
+    node, produced = shared_cache
+    result, _ = run_job(tmp_path, "tiny", url=node.url, secret="not-the-secret")
+    assert result["losses"] == produced["losses"]
+    assert total(result, "remote", "hits") == 0
+    assert total(result, "remote", "rejected") >= 2
+
+
+def test_missing_secret_warns_once_and_runs_local_only(shared_cache, tmp_path):
+    node, produced = shared_cache
+    result, stderr = run_job(tmp_path, "tiny", url=node.url, secret=None)
+    assert result["losses"] == produced["losses"]
+    assert "remote" not in result.get("store", {})
+    assert stderr.count("no WARMSTART_SECRET") == 1
+
+
+def test_unreachable_server_from_the_start_adds_under_a_second(tmp_path):
+    result, stderr = run_job(tmp_path, "tiny", url=closed_port_url())
+    assert "losses" in result
+    assert total(result, "remote", "read_s") < 1.0
+    assert total(result, "remote", "errors") == 1  # then the breaker kept it off
+    assert stderr.count("cache tier unavailable") == 1
+
+
+def test_server_killed_mid_job_adds_under_a_second(redis_node, tmp_path, shared_cache):
+    _, produced = shared_cache
+    result, _ = run_job(tmp_path, "tiny", "tiny2", url=redis_node.url,
+                        extra_args=["--kill-redis-pid", str(redis_node.proc.pid)])
+    assert result["losses"]["tiny"] == produced["losses"]["tiny"]
+    assert "tiny2" in result["losses"]
+    assert total(result, "remote", "read_s") < 1.0
+
+
+def test_results_match_plain_torch(shared_cache, tmp_path):
+    _, produced = shared_cache
+    result, _ = run_job(tmp_path, "tiny", warmstart=False)
+    assert result["losses"] == produced["losses"]
+
+
+@pytest.mark.slow
+def test_eight_processes_compile_at_once_against_an_empty_cache(redis_node, tmp_path):
+    env = dict(os.environ)
+    procs = []
+    for i in range(8):
+        machine = tmp_path / f"m{i}"
+        procs.append(machine)
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda m: run_job(m, "tiny", url=redis_node.url)[0], procs))
+    assert len({json.dumps(r["losses"]) for r in results}) == 1
+    from warmstart.compile_cache import RemoteTier
+    from warmstart.compile_cache.namespace import namespace
+
+    ns = namespace()
+    client = redis.Redis.from_url(redis_node.url)
+    checker = RemoteTier(redis_node.url, secret=SECRET.encode(), namespace=ns)
+    pointers = [k.decode() for k in client.scan_iter(f"ws:{ns}:p:*")]
+    assert pointers
+    for key in pointers:
+        kind, entry_key = key[len(f"ws:{ns}:p:"):].split(":", 1)
+        assert checker.get(kind, entry_key) is not None, key
+    assert checker.stats.get("remote", "fx_graph").rejected == 0
+
+
+@pytest.mark.slow
+def test_hits_against_a_redis_cluster(redis_cluster, tmp_path):
+    url = redis_cluster.url
+    produced, _ = run_job(tmp_path / "a", "tiny2", url=url, extra_env={"WARMSTART_NAMESPACE": "cluster-test"})
+    result, _ = run_job(tmp_path / "b", "tiny2", url=url, extra_env={"WARMSTART_NAMESPACE": "cluster-test"})
+    assert result["losses"] == produced["losses"]
+    assert remote(result, "fx_graph").get("hits", 0) >= 1
+    assert remote(result, "cpp_object").get("hits", 0) >= 1
+    assert remote(result, "cpp_object").get("misses", 0) == 0
