@@ -38,10 +38,11 @@ def model(configs: list[EmbeddingBagConfig] | None = None, dense: int = 8) -> Tw
     return TwoTowers(configs or tables(), torch.device("meta"), dense)
 
 
-def planner(world_size: int = 2, *, device: str = "cpu", batch_size: int = 8, **kwargs) -> EmbeddingShardingPlanner:
+def planner(world_size: int = 2, *, device: str = "cpu", batch_size: int = 8, cls: type = EmbeddingShardingPlanner,
+            **kwargs) -> EmbeddingShardingPlanner:
     topology_kwargs = {k: kwargs.pop(k) for k in ("hbm_cap", "ddr_cap", "local_world_size") if k in kwargs}
     topology = Topology(world_size=world_size, compute_device=device, **topology_kwargs)
-    return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, stats=NoopEmbeddingStats(), **kwargs)
+    return cls(topology=topology, batch_size=batch_size, stats=NoopEmbeddingStats(), **kwargs)
 
 
 def sharders(**fused_params) -> list[EmbeddingBagCollectionSharder]:

@@ -183,13 +183,15 @@ class StartupGraph:
             (here or on a peer) gets to come out of it before the process is aborted.
         abort: what aborting means; default: print the reason to stderr, record a failure, and
             ``os._exit(1)`` (a thread cannot interrupt a thread blocked in a collective).
+        failure_linger_s: with a channel, how long a rank whose own stage failed waits before
+            raising, so that its peers see the failure before a launcher tears them down.
     """
 
     def __init__(self, name: str = "startup", *, rank: int | None = None, recorder: Any = None,
                  channel: FailureChannel | None = None,
                  collective_timeout_s: float = _DEFAULT_COLLECTIVE_TIMEOUT_S,
                  abort_grace_s: float = _DEFAULT_ABORT_GRACE_S, poll_s: float = _DEFAULT_POLL_S,
-                 abort: Callable[[str], None] | None = None) -> None:
+                 abort: Callable[[str], None] | None = None, failure_linger_s: float = 1.0) -> None:
         self.name = name
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.recorder = recorder
@@ -198,6 +200,7 @@ class StartupGraph:
         self.abort_grace_s = abort_grace_s
         self.poll_s = poll_s
         self.abort = abort or _abort_process
+        self.failure_linger_s = failure_linger_s
         self._stages: dict[str, Stage] = {}
 
     # -- declaring ---------------------------------------------------------------------------------
@@ -331,6 +334,12 @@ class _Run:
                 self._wait(lambda: all(d in self.values for d in self.stages[name].deps))
                 self._run_main(name)
             self._wait(lambda: all(n in self.timings for n in self.order))
+        except StageFailed as failed:
+            if self.graph.channel is not None and failed.rank == self.graph.rank:
+                # Launchers kill the other ranks as soon as this one exits: give them time to hear
+                # (and say) which stage failed first.
+                time.sleep(self.graph.failure_linger_s)
+            raise
         finally:
             with self.cond:
                 self.finished = True

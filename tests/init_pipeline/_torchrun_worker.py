@@ -1,0 +1,174 @@
+"""One rank of the init-pipeline torchrun tests: ``_torchrun_worker.py MODE OUT_DIR [CACHE_URL SECRET]``.
+
+Modes:
+    plan   cached_plan over the process group (counted planner calls), compared with
+           collective_plan, then three training steps of DistributedModelParallel with that plan.
+    graph  the ready-made TorchRec start-up graph, then two training steps on the prefetched batches.
+    fail   the start-up graph where rank 1's data loader stage fails while rank 0 waits in a collective.
+Each rank writes ``OUT_DIR/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import _plan_models as m
+from warmstart.init_pipeline import (CompileWarmup, StageFailed, TorchRecStartup, cached_plan,
+                                     torchrec_startup_graph)
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+BATCH = 8
+
+
+class CountingPlanner(EmbeddingShardingPlanner):
+    """The real planner; counts how often this process ran it."""
+
+    calls = 0
+
+    def plan(self, module, sharders):
+        CountingPlanner.calls += 1
+        return super().plan(module, sharders)
+
+
+class Trainable(m.TwoTowers):
+    def forward(self, kjt: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
+        pooled = self.sparse["ebc"](kjt).values()
+        return (pooled.sum(dim=1) + self.dense(dense).sum(dim=1) - 1.0).pow(2).mean()
+
+
+def build_model(device: torch.device) -> Trainable:
+    return Trainable(m.tables(), device)
+
+
+def counting_planner(world_size: int = WORLD) -> CountingPlanner:
+    return m.planner(world_size, cls=CountingPlanner)
+
+
+def batch(step: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * RANK + step)
+    keys = [f"f{i}" for i in range(4)]
+    lengths = torch.randint(1, 3, (len(keys) * BATCH,), generator=g)
+    values = torch.cat([torch.randint(0, 100 * (i + 1), (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),),
+                                      generator=g) for i in range(len(keys))])
+    return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths), torch.randn(BATCH, 8, generator=g)
+
+
+def train(model: nn.Module, batches, steps: int) -> dict:
+    dense_params = [p for n, p in model.named_parameters() if "ebc" not in n]
+    table_before = {k: v.local_shards()[0].tensor.clone() if hasattr(v, "local_shards") else v.to_local().clone()
+                    for k, v in model.state_dict().items() if "embedding_bags" in k and _has_local(v)}
+    opt = torch.optim.SGD(dense_params, lr=0.05)
+    losses = []
+    for _ in range(steps):
+        kjt, dense = next(batches)
+        loss = model(kjt, dense)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    changed = 0
+    for k, before in table_before.items():
+        v = model.state_dict()[k]
+        after = v.local_shards()[0].tensor if hasattr(v, "local_shards") else v.to_local()
+        changed += int(not torch.equal(before, after))
+    return {"losses": losses, "tables_changed": changed, "tables_local": len(table_before)}
+
+
+def _has_local(v) -> bool:
+    if hasattr(v, "local_shards"):
+        return bool(v.local_shards())
+    return hasattr(v, "to_local") and v.to_local().numel() > 0
+
+
+def mode_plan(out: dict, cache_url: str, secret: str) -> None:
+    dist.init_process_group("gloo")
+    store = m.local_store(Path(os.environ["WARMSTART_CACHE_DIR"]), cache_url, secret.encode())
+    planner = counting_planner()
+    plan = cached_plan(planner, m.model(), m.sharders(), pg=dist.group.WORLD, store=store)
+    store.flush()
+    out["planner_calls"] = CountingPlanner.calls
+    expected = m.planner(WORLD).collective_plan(m.model(), m.sharders(), dist.group.WORLD)
+    out["equal_to_collective_plan"] = plan == expected
+    out["store_lookups"] = sum(c.hits + c.misses for (tier, kind), c in store.stats.items()
+                               if kind == "sharding_plan" and tier in ("local", "remote"))
+    out["hits"] = {tier: c.hits for (tier, kind), c in store.stats.items() if kind == "sharding_plan"}
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    model = DistributedModelParallel(build_model(torch.device("meta")), env=ShardingEnv.from_process_group(
+        dist.group.WORLD), device=torch.device("cpu"), plan=plan, sharders=m.sharders())
+    out.update(train(model, (batch(i) for i in range(100)), 3))
+    dist.destroy_process_group()
+
+
+class Batches(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (batch(i) for i in range(100))
+
+
+def mode_graph(out: dict, fail: bool = False) -> None:
+    def build_loader(rank: int, world_size: int):
+        if fail and rank == 1:
+            time.sleep(1.0)  # rank 0 is in the final collective by now
+            raise OSError("data loader worker died")
+        return torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=1)
+
+    def load_checkpoint(model: nn.Module) -> int:
+        total = torch.tensor([sum(p.numel() for p in model.parameters())])
+        dist.all_reduce(total)
+        return int(total)
+
+    warmup = CompileWarmup(build=lambda device: nn.Linear(8, 4, device=device),
+                           example_inputs=lambda device: (torch.randn(BATCH, 8, device=device),),
+                           compile_kwargs={"backend": "eager"})
+    spec = TorchRecStartup(build_model=build_model, batch_size=BATCH, sharders=m.sharders(),
+                           build_planner=lambda world, local, device: counting_planner(world),
+                           build_loader=build_loader, load_checkpoint=load_checkpoint, compile_warmup=warmup,
+                           pg_timeout_s=60, plan_store=m.local_store(Path(os.environ["WARMSTART_CACHE_DIR"])))
+    graph = torchrec_startup_graph(spec, abort_grace_s=1.0)
+    graph.add("first_batch_ready", lambda data_loader_init, checkpoint_load: dist.barrier(),
+              deps=["data_loader_init", "checkpoint_load"], collective=True)
+    start = time.monotonic()
+    try:
+        result = graph.run()
+    except StageFailed as exc:
+        out.update(error=str(exc), stage=exc.stage, failed_rank=exc.rank, seconds=time.monotonic() - start)
+        _write(out)
+        raise
+    out["stages"] = sorted(result.timings)
+    out["planner_calls"] = CountingPlanner.calls
+    out["plan_source"] = result["sharding_plan"].source if result["sharding_plan"] else None
+    out["plan"] = str(result["sharding_plan_broadcast"])
+    out["checkpoint_load"] = result["checkpoint_load"]
+    out["prefetched"] = result["data_loader_init"].prefetched
+    out["compile_s"] = result["compile_warmup"]
+    out.update(train(result["model_transform"], result["data_loader_init"], 2))
+
+
+def _write(out: dict) -> None:
+    Path(sys.argv[2], f"rank{RANK}.json").write_text(json.dumps(out))
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    out: dict = {"rank": RANK}
+    if mode == "plan":
+        mode_plan(out, sys.argv[3], sys.argv[4])
+    else:
+        mode_graph(out, fail=mode == "fail")
+    _write(out)
+
+
+if __name__ == "__main__":
+    main()
