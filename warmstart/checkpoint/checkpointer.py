@@ -416,7 +416,9 @@ class Checkpointer:
             raise CheckpointError(message)
         if cause not in self._reported:
             self._reported.add(cause)
-            log.warning("%s; training continues (on_error='continue')", message)
+            # Every rank holds the same message: one line in the job's log is enough.
+            log.log(logging.WARNING if self.rank == 0 else logging.DEBUG,
+                    "%s; training continues (on_error='continue')", message)
 
     def _plan_next(self, step: int, now: float) -> None:
         assert self.interval is not None

@@ -1,0 +1,174 @@
+"""A small, deterministic TorchRec trainer for the checkpoint tests, run under torchrun (gloo, CPU).
+
+Two embedding tables sharded table-wise over the ranks with a fused Adagrad (updated inside
+backward), a dense part under DDP with SGD + momentum and dropout (global torch RNG), labels with
+noise from Python's ``random`` and NumPy (their global RNGs), and a per-rank data loader position.
+Bit-identical resumption therefore needs the sharded tables, both optimizers, the loader position
+and all three RNGs of every rank restored.
+
+Writes ``<out>/report-r<rank>-a<attempt>.json`` (resumed step, folders seen at start) and, at the
+end, ``<out>/final-r<rank>.pt`` (local parameters and optimizer state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from warmstart.checkpoint import Checkpointer, RankLocal
+
+TABLES, ROWS, DIM, BATCH = 2, 512, 16, 16
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+                    for i in range(TABLES)], device=torch.device("meta"))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(TABLES * DIM + 4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def forward(self, kjt: KeyedJaggedTensor, dense: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        pooled = self.ebc(kjt)
+        x = torch.cat([pooled[f"f{i}"] for i in range(TABLES)] + [dense], dim=1)
+        x = torch.nn.functional.dropout(x, 0.2, training=True)
+        return torch.nn.functional.mse_loss(self.mlp(x).squeeze(1), label)
+
+
+class Batches:
+    """Deterministic per-rank batches; the position is the loader state to checkpoint."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.position = rank, 0
+
+    def next(self) -> tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1_000_003 * (self.rank + 1) + self.position)
+        self.position += 1
+        lengths = torch.randint(1, 4, (TABLES * BATCH,), generator=g)
+        values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(TABLES)], values=values, lengths=lengths)
+        dense = torch.randn(BATCH, 4, generator=g)
+        noise = torch.tensor([random.random() + float(np.random.rand()) for _ in range(BATCH)]) * 0.01
+        return kjt, dense, dense.sum(1) + noise
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def build(rank: int, world: int) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    torch.manual_seed(0)  # same initial weights on every run and every rank
+    model = Model()
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05})
+    sharder = EmbeddingBagCollectionSharder()
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {f"t{i}": table_wise(rank=i % world) for i in range(TABLES)},
+        local_size=world, world_size=world, device_type="cpu", sharder=sharder)})
+    env = ShardingEnv(world, rank, dist.group.WORLD, output_dtensor=True)
+    dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder], device=torch.device("cpu"))
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def local(value: object) -> object:
+    if hasattr(value, "to_local"):
+        return value.to_local().clone()  # type: ignore[attr-defined]
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: local(v) for k, v in value.items()}
+    return value
+
+
+def kill_when_writing(directory: Path, step: int, rank: int) -> None:
+    """SIGKILLs this process once its own data file of ``step`` exists in the partial folder, i.e.
+    in the middle of the async write (before this rank reports its write to the coordinator)."""
+    pattern = str(directory / f"step_{step:09d}.*.partial" / f"__{rank}_*")
+    deadline = time.monotonic() + 30
+    while not glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--mode", default="async-thread")
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--on-error", default="raise")
+    p.add_argument("--ballast-kb", type=int, default=0, help="extra rank-local state, KiB per rank")
+    p.add_argument("--ballast-kb-after", type=int, nargs=2, default=None, metavar=("STEP", "KB"),
+                   help="from STEP on, the extra state is KB KiB per rank (checkpoints grow)")
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank during the save of this step")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    seen = sorted(os.listdir(args.dir)) if args.dir.is_dir() else []
+
+    dmp, optimizer = build(rank, world)
+    loader = Batches(rank)
+    ballast = torch.arange(args.ballast_kb * 256, dtype=torch.float32) + rank
+    state = {"model": dmp, "optim": optimizer, "loader": RankLocal(loader), "ballast": RankLocal({"t": ballast})}
+    random.seed(10 + rank)
+    np.random.seed(20 + rank)
+    torch.manual_seed(30 + rank)
+
+    ckpt = Checkpointer(args.dir, mode=args.mode, keep=args.keep, on_error=args.on_error)
+    resumed = ckpt.load_latest(state)
+    report = {"rank": rank, "attempt": attempt, "seen_at_start": seen, "resumed": resumed,
+              "position": loader.position, "saved": [], "failures": 0}
+    (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
+
+    for step in range(0 if resumed is None else resumed + 1, args.steps):
+        kjt, dense, label = loader.next()
+        loss = dmp(kjt, dense, label)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if args.ballast_kb_after and step == args.ballast_kb_after[0]:
+            state["ballast"] = RankLocal({"t": torch.arange(args.ballast_kb_after[1] * 256, dtype=torch.float32)})
+        if (step + 1) % args.save_every == 0:
+            ckpt.save(step, state)
+            report["saved"].append(step)
+            if rank == args.kill_rank and step == args.kill_at and attempt == 0:
+                kill_when_writing(args.dir, step, rank)
+    ckpt.close()
+    report.update(failures=ckpt.failures, committed=ckpt.last_committed_step, position=loader.position)
+    (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
+    final = {"model": local(dmp.state_dict()), "optim": local(optimizer.state_dict())}
+    torch.save(final, args.out / f"final-r{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
