@@ -15,6 +15,8 @@ import urllib.request
 import pytest
 import redis
 from click.testing import CliRunner
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from conftest import free_port_block
 
 from warmstart.cli import cli
@@ -192,3 +194,44 @@ def _read_json_object(stream) -> str:
             return "".join(lines)
         assert time.monotonic() < deadline
     raise AssertionError("the foreground server printed no JSON: " + "".join(lines))
+
+
+def test_rotate_writer_password_and_secret_on_a_running_server(server_dir):
+    port = free_port_block(1)
+    info = _start_json("--dir", str(server_dir), "--port", str(port))
+    old = Credentials.load(server_dir)
+    old_secret = open(info["secret_file"], "rb").read().strip()
+    assert RemoteTier(info["writer_url"], secret=old_secret, namespace="n").put("fx_graph", "k", b"old" * 500)
+    no_retry = dict(retry=Retry(NoBackoff(), 0))
+    old_writer = redis.Redis(port=port, username="writer", password=old.passwords["writer"], **no_retry)
+    reader_conn = redis.Redis(port=port, username="reader", password=old.passwords["reader"], **no_retry)
+    assert old_writer.ping() and reader_conn.ping()
+
+    result = _run("rotate", "--dir", str(server_dir), "--user", "writer", "--secret", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["nodes_reloaded"] == 1
+    new = Credentials.load(server_dir)
+    assert new.passwords["writer"] != old.passwords["writer"] and new.passwords["reader"] == old.passwords["reader"]
+    new_secret = open(info["secret_file"], "rb").read().strip()
+    assert new_secret != old_secret
+
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port, username="writer", password=old.passwords["writer"], **no_retry).ping()
+    # ACL LOAD drops every connection; a client with the old password cannot come back.
+    with pytest.raises((redis.ConnectionError, redis.AuthenticationError)):
+        old_writer.ping()
+    assert reader_conn.ping()  # the reader's password did not change: it still gets in
+    writer_url = (server_dir / "writer.url").read_text().strip()
+    assert new.passwords["writer"] in writer_url
+    reader_url = (server_dir / "reader.url").read_text().strip()
+    # An entry signed with the old secret is refused under the new one, then replaced by a new write.
+    reader = RemoteTier(reader_url, secret=new_secret, namespace="n")
+    assert reader.get("fx_graph", "k") is None
+    assert reader.stats.to_dict()["remote"]["fx_graph"]["rejected"] == 1
+    assert RemoteTier(writer_url, secret=new_secret, namespace="n").put("fx_graph", "k", b"new" * 500)
+    assert reader.get("fx_graph", "k") == b"new" * 500
+
+
+def test_rotate_needs_something_to_rotate(server_dir):
+    result = _run("rotate", "--dir", str(server_dir))
+    assert result.exit_code == 2 and "nothing to rotate" in result.stderr

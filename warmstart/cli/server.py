@@ -64,7 +64,7 @@ def start(port, bind, maxmemory, directory, cluster, foreground, tls_cert, tls_k
     """
     from warmstart import server
 
-    directory = directory or server.default_dir()
+    directory = directory or _default_dir()
     given = {"port": port, "bind": bind, "cluster": cluster, "aof": aof, "advertise": advertise,
              "maxmemory": parse_size(maxmemory, "--maxmemory") if maxmemory is not None else None,
              "metrics_port": (metrics_port or None) if metrics_port is not None else _UNSET,
@@ -90,7 +90,7 @@ def status(directory, as_json) -> None:
     """
     from warmstart import server
 
-    directory = directory or server.default_dir()
+    directory = directory or _default_dir()
     result = server.collect(directory)
     if result is None:
         if as_json:
@@ -117,7 +117,7 @@ def stop(directory, as_json) -> None:
     """
     from warmstart import server
 
-    directory = directory or server.default_dir()
+    directory = directory or _default_dir()
     stopped = server.stop(directory)
     if as_json:
         emit_json({"dir": str(directory), "stopped_pids": stopped})
@@ -127,9 +127,59 @@ def stop(directory, as_json) -> None:
         click.echo(f"no server was running from {directory}")
 
 
+@group.command()
+@_DIR_OPTION
+@click.option("--user", "users", multiple=True, type=click.Choice(["writer", "reader", "admin"]),
+              help="Give this user a new password (repeatable).")
+@click.option("--secret", is_flag=True, help="Replace the signing secret (every job must get the new file).")
+@json_option
+def rotate(directory, users, secret, as_json) -> None:
+    """Replace passwords and/or the signing secret; a running server takes new passwords at once.
+
+    Old passwords stop working at once: Redis closes open connections on reload and only clients
+    with the new password get back in. Entries signed with an old secret are refused by jobs holding the new one (counted,
+    treated as misses) and replaced as jobs write them again.
+
+    \b
+    Example:
+      warmstart server rotate --dir ./cache-server --user writer
+      warmstart server rotate --dir ./cache-server --secret
+    """
+    from warmstart.server import Credentials
+    from warmstart.server.credentials import rotate as rotate_files
+    from warmstart.server.process import URL_FILES, reload_acl
+
+    directory = directory or _default_dir()
+    if not users and not secret:
+        raise click.UsageError("nothing to rotate: give --user NAME and/or --secret")
+    try:
+        old = Credentials.load(directory)
+    except OSError:
+        raise click.UsageError(f"no server credentials in {directory}") from None
+    new = rotate_files(directory, tuple(users), secret)
+    nodes = reload_acl(directory, old, new) if users else 0
+    result = {"dir": str(directory), "rotated_users": list(users), "rotated_secret": secret, "nodes_reloaded": nodes,
+              "writer_url_file": str(directory / URL_FILES["writer"]),
+              "reader_url_file": str(directory / URL_FILES["reader"]), "secret_file": str(new.secret_file)}
+    if as_json:
+        emit_json(result)
+        return
+    if users:
+        click.echo(f"new password for {', '.join(users)}; {nodes} running node(s) reloaded. New URLs: "
+                   f"{result['writer_url_file']}, {result['reader_url_file']}")
+    if secret:
+        click.echo(f"new signing secret in {new.secret_file}: give it to every job (WARMSTART_SECRET_FILE)")
+
+
 # -- helpers ----------------------------------------------------------------------------------
 
 _UNSET = object()
+
+
+def _default_dir() -> Path:
+    from warmstart.server import default_dir
+
+    return default_dir()
 
 
 def _merge_with_previous(directory: Path, given: dict, *, no_tls: bool):

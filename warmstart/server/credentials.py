@@ -3,7 +3,8 @@
 This module owns the secret files under ``--dir``: one password per ACL user and the HMAC key that
 signs cache entries (what users point ``WARMSTART_SECRET_FILE`` at). They are generated once, with
 mode 0600, and read back on every later start from the same directory, so URLs and signatures
-stay valid across restarts. It never prints or logs a secret.
+stay valid across restarts; :func:`rotate` replaces them on purpose. It never prints or logs a
+secret.
 """
 
 from __future__ import annotations
@@ -50,6 +51,25 @@ class Credentials:
         """
         passwords = {user: (directory / PASSWORD_FILE.format(user=user)).read_text().strip() for user in USERS}
         return cls(passwords=passwords, secret_file=directory / SECRET_FILE)
+
+
+def rotate(directory: Path, users: tuple[str, ...] = (), secret: bool = False) -> Credentials:
+    """Replace the passwords of ``users`` and/or the signing secret with fresh ones.
+
+    Only the files change; :func:`warmstart.server.process.reload_acl` makes a running server
+    accept the new passwords.
+
+    Raises:
+        ValueError: an unknown user name.
+        OSError: a file cannot be written.
+    """
+    for user in users:
+        if user not in USERS:
+            raise ValueError(f"unknown user {user!r}: expected one of {', '.join(USERS)}")
+        write_private(directory / PASSWORD_FILE.format(user=user), secrets.token_urlsafe(32) + "\n")
+    if secret:
+        write_private(directory / SECRET_FILE, secrets.token_hex(32) + "\n")
+    return Credentials.load(directory)
 
 
 def write_private(path: Path, text: str) -> None:

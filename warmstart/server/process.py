@@ -148,6 +148,39 @@ def stop(directory: Path, timeout: float = _STOP_TIMEOUT_S) -> list[int]:
     return running
 
 
+def reload_acl(directory: Path, old: Credentials, new: Credentials) -> int:
+    """Make the server in ``directory`` take ``new`` passwords now, without a restart: rewrite the
+    ACL file and the URL files, then ``ACL LOAD`` on every node (authenticated with ``old``).
+    Redis closes the connections of users whose rules were reloaded; clients reconnect, and
+    only those with the new password get back in. Returns the number of nodes reloaded (0 if
+    none runs).
+
+    Raises:
+        WarmstartError: a running node refused the new ACL file.
+    """
+    import redis
+
+    write_private(directory / ACL_FILE, render_acl_file(new.passwords))
+    state = ServerState.load(directory)
+    if state is None:
+        return 0
+    for user, name in URL_FILES.items():
+        write_private(directory / name, state.url(user, new) + "\n")
+    reloaded = 0
+    for port, pid in zip(state.options.ports, state.pids):
+        if not pid or not pid_alive(pid):
+            continue
+        client = state.client(port, credentials=old)
+        try:
+            client.execute_command("ACL", "LOAD")
+            reloaded += 1
+        except redis.RedisError as exc:
+            raise WarmstartError(f"node {state.options.host}:{port} did not reload the ACL file: {exc}") from None
+        finally:
+            client.close()
+    return reloaded
+
+
 # -- helpers ----------------------------------------------------------------------------------
 
 

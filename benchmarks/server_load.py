@@ -1,0 +1,439 @@
+"""Load benchmark of the shared cache server (issue 3): warmstart's store vs raw redis-py, then a
+fill to 3x ``maxmemory``.
+
+Phase 1 (throughput): a ``warmstart server`` node; N client processes (default 32) each write W
+artifact-sized values (sizes log-uniform between 1 KiB and 8 MiB), wait for each other, then run a
+mix of 3 reads (of any process's values) to 1 write. The same run does this twice with the same
+payloads: once through warmstart's store (``RemoteTier``: signed pointer + zstd + chunks) and once
+as raw redis-py ``GET``/``SET``, with the server flushed in between. Every read is checked: the
+value names its key and carries a SHA-256 digest of its body, so a corrupted, truncated or
+mixed-up read is counted, never missed. Reported: throughput (logical bytes/s and ops/s), the
+store/raw ratio, p50/p99 latency, errors, corrupted reads, unexpected misses.
+
+Phase 2 (eviction): a node with a small ``maxmemory`` (default 64 MiB); the processes write through
+the store until 3x ``maxmemory`` has been written, reading back as they go. The server must stay
+up and evict; clients must see misses, never errors or corrupted values.
+
+Run: ``.venv/bin/python benchmarks/server_load.py [--json FILE]`` (about two minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from warmstart.config import parse_size  # noqa: E402
+from warmstart.server import Credentials, ServerOptions, start, stop  # noqa: E402
+
+_HEADER_KEY = 64  # bytes of the key name at the start of every payload
+_DIGEST = 32  # SHA-256 of the body, after the key
+_KIND = "fx_graph"
+
+
+# -- payloads -----------------------------------------------------------------------------------
+
+
+def size_of(key: str, min_size: int, max_size: int) -> int:
+    """Log-uniform size in [min_size, max_size], fixed by the key."""
+    rng = random.Random(key)
+    return int(math.exp(rng.uniform(math.log(min_size), math.log(max_size))))
+
+
+_CORPUS: bytes = b""
+
+
+def corpus() -> bytes:
+    """32 MiB of what compiled artifacts are made of: Python source (generated wrapper code) and
+    machine code (compiled kernels, C++ objects), read from this machine's Python and torch."""
+    global _CORPUS
+    if not _CORPUS:
+        import importlib.util
+        import sysconfig
+
+        half = 16 * 2**20
+        sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+        text = bytearray()
+        for path in sources:
+            text += path.read_bytes()
+            if len(text) >= half:
+                break
+        spec = importlib.util.find_spec("torch")
+        libs = sorted(Path(spec.origin).parent.joinpath("lib").glob("*.so*"), key=lambda p: -p.stat().st_size) \
+            if spec and spec.origin else []
+        binary = bytearray()
+        for path in libs or [Path(sys.executable).resolve()]:
+            with open(path, "rb") as handle:
+                handle.seek(min(path.stat().st_size // 4, 64 * 2**20))
+                binary += handle.read(half - len(binary))
+            if len(binary) >= half:
+                break
+        _CORPUS = bytes(text[:half]) + bytes(binary)
+    return _CORPUS
+
+
+def payload(key: str, size: int, compressible: bool) -> bytes:
+    """``key`` (padded) + SHA-256 of the body + body. ``compressible`` bodies are a slice of
+    :func:`corpus` at an offset fixed by the key (zstd gets about 4:1); otherwise random bytes."""
+    body_len = size - _HEADER_KEY - _DIGEST
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    if compressible:
+        data = corpus()
+        offset = seed % (len(data) - body_len)
+        body = data[offset:offset + body_len]
+    else:
+        body = np.random.default_rng(seed).integers(0, 256, body_len, dtype=np.uint8).tobytes()
+    return key.encode().ljust(_HEADER_KEY) + hashlib.sha256(body).digest() + body
+
+
+def verify(key: str, size: int, value: bytes) -> bool:
+    """Whether ``value`` is exactly the payload written under ``key``."""
+    if len(value) != size or value[:_HEADER_KEY].rstrip() != key.encode():
+        return False
+    body = memoryview(value)[_HEADER_KEY + _DIGEST:]
+    return hashlib.sha256(body).digest() == value[_HEADER_KEY:_HEADER_KEY + _DIGEST]
+
+
+# -- clients ------------------------------------------------------------------------------------
+
+
+class _StoreClient:
+    """Through warmstart's store: what a job's processes do."""
+
+    def __init__(self, url: str, secret: bytes, run: str) -> None:
+        from warmstart.compile_cache.remote import RemoteTier
+
+        self.tier = RemoteTier(url, secret=secret, namespace=run)
+
+    def put(self, key: str, value: bytes) -> bool:
+        return self.tier.put(_KIND, key, value)
+
+    def get(self, key: str) -> bytes | None:
+        return self.tier.get(_KIND, key)
+
+    def errors(self) -> int:
+        counts = self.tier.stats.to_dict().get("remote", {}).get(_KIND, {})
+        return int(counts.get("errors", 0) + counts.get("timeouts", 0) + counts.get("rejected", 0)
+                   + counts.get("dropped", 0))
+
+
+class _RawClient:
+    """Plain redis-py GET/SET of the same bytes under the same credentials."""
+
+    def __init__(self, url: str, secret: bytes, run: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url, socket_timeout=60)
+        self.prefix = f"ws:{run}:"
+        self._errors = 0
+
+    def put(self, key: str, value: bytes) -> bool:
+        try:
+            return bool(self.client.set(self.prefix + key, value))
+        except Exception:
+            self._errors += 1
+            return False
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self.client.get(self.prefix + key)
+        except Exception:
+            self._errors += 1
+            return None
+
+    def errors(self) -> int:
+        return self._errors
+
+
+_CLIENTS = {"store": _StoreClient, "raw": _RawClient}
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerResult:
+    t0: float = 0.0
+    t_sync: float = 0.0
+    """When the write-only first round ended (before the barrier) and the mixed round began (after it)."""
+    t_mixed: float = 0.0
+    t1: float = 0.0
+    bytes_first: int = 0
+    get_s: list[float] = field(default_factory=list)
+    put_s: list[float] = field(default_factory=list)
+    bytes: int = 0
+    failed_puts: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    hits: int = 0
+    client_errors: int = 0
+
+
+def _throughput_worker(side, url, secret, run, index, plan, sizes, compressible, barrier, queue) -> None:
+    client = _CLIENTS[side](url, secret, run)
+    values = {key: payload(key, sizes[key], compressible) for op, key in plan if op == "put"}
+    result = WorkerResult()
+    barrier.wait()
+    result.t0 = time.monotonic()
+    for op, key in plan:
+        if op == "sync":
+            result.t_sync, result.bytes_first = time.monotonic(), result.bytes
+            barrier.wait()  # everyone's first writes are in before anyone reads them
+            result.t_mixed = time.monotonic()
+            continue
+        start = time.perf_counter()
+        if op == "put":
+            ok = client.put(key, values[key])
+            result.put_s.append(time.perf_counter() - start)
+            result.failed_puts += not ok
+            result.bytes += sizes[key] if ok else 0
+        else:
+            value = client.get(key)
+            result.get_s.append(time.perf_counter() - start)
+            if value is None:
+                result.misses += 1
+            elif verify(key, sizes[key], value):
+                result.hits += 1
+                result.bytes += len(value)
+            else:
+                result.corrupt += 1
+    result.t1 = time.monotonic()
+    result.client_errors = client.errors()
+    queue.put((index, result))
+
+
+def _fill_worker(url, secret, run, index, budget, min_size, max_size, barrier, queue) -> None:
+    client = _StoreClient(url, secret, run)
+    rng = random.Random(f"fill-{index}")
+    written: list[tuple[str, int]] = []
+    result = WorkerResult()
+    barrier.wait()
+    result.t0 = time.monotonic()
+    total, i = 0, 0
+    while total < budget:
+        key = f"fill-{index}-{i}"
+        size = size_of(key, min_size, max_size)
+        i += 1
+        start = time.perf_counter()
+        ok = client.put(key, payload(key, size, compressible=False))
+        result.put_s.append(time.perf_counter() - start)
+        result.failed_puts += not ok
+        total += size
+        written.append((key, size))
+        _read_back(client, *rng.choice(written), result)
+    for key, size in written:  # the oldest are evicted by now: misses, not errors
+        _read_back(client, key, size, result)
+    result.t1 = time.monotonic()
+    result.bytes = total
+    result.client_errors = client.errors()
+    queue.put((index, result))
+
+
+def _read_back(client, key: str, size: int, result: WorkerResult) -> None:
+    start = time.perf_counter()
+    value = client.get(key)
+    result.get_s.append(time.perf_counter() - start)
+    if value is None:
+        result.misses += 1
+    elif verify(key, size, value):
+        result.hits += 1
+    else:
+        result.corrupt += 1
+
+
+def _run_processes(target, args_for, procs: int) -> list[WorkerResult]:
+    ctx = mp.get_context("fork")
+    barrier, queue = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=target, args=(*args_for(i), barrier, queue)) for i in range(procs)]
+    for w in workers:
+        w.start()
+    results = [queue.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join(60)
+    return [r for _, r in sorted(results, key=lambda x: x[0])]
+
+
+# -- phases -------------------------------------------------------------------------------------
+
+
+def plans(procs: int, writes: int, mixed: int, seed: int) -> list[list[tuple[str, str]]]:
+    """Per process: W writes of its own keys, a barrier, then 3 reads (of anyone's first-round
+    keys) per write of a fresh key."""
+    first_round = [f"p{p}-w{i}" for p in range(procs) for i in range(writes)]
+    out = []
+    for p in range(procs):
+        rng = random.Random(f"{seed}-{p}")
+        plan = [("put", f"p{p}-w{i}") for i in range(writes)] + [("sync", "")]
+        for j in range(mixed):
+            plan.append(("put", f"p{p}-m{j}") if j % 4 == 3 else ("get", rng.choice(first_round)))
+        out.append(plan)
+    return out
+
+
+def summarize(results: list[WorkerResult]) -> dict[str, float | int]:
+    wall = max(r.t1 for r in results) - min(r.t0 for r in results)
+    gets = np.array([x for r in results for x in r.get_s]) * 1000
+    puts = np.array([x for r in results for x in r.put_s]) * 1000
+    ops = len(gets) + len(puts)
+    both = np.concatenate([gets, puts])
+    pct = lambda a, q: float(np.percentile(a, q)) if len(a) else 0.0  # noqa: E731
+    phases = {}
+    if any(r.t_sync for r in results):
+        first = max(r.t_sync for r in results) - min(r.t0 for r in results)
+        mixed = max(r.t1 for r in results) - min(r.t_mixed for r in results)
+        phases = {"write_round_mib_per_s": sum(r.bytes_first for r in results) / first / 2**20,
+                  "mixed_round_mib_per_s": sum(r.bytes - r.bytes_first for r in results) / mixed / 2**20}
+    return {
+        **phases, "wall_s": wall, "ops": ops, "ops_per_s": ops / wall, "mib_per_s": sum(r.bytes for r in results) / wall / 2**20,
+        "p50_ms": pct(both, 50), "p99_ms": pct(both, 99),
+        "get_p50_ms": pct(gets, 50), "get_p99_ms": pct(gets, 99),
+        "put_p50_ms": pct(puts, 50), "put_p99_ms": pct(puts, 99),
+        "hits": sum(r.hits for r in results), "misses": sum(r.misses for r in results),
+        "corrupt": sum(r.corrupt for r in results),
+        "errors": sum(r.client_errors for r in results) + sum(r.failed_puts for r in results),
+    }
+
+
+def phase_throughput(args, workdir: Path, console) -> dict:
+    port = _free_port()
+    directory = workdir / "throughput"
+    state = start(ServerOptions(dir=directory, port=port, maxmemory=parse_size(args.throughput_maxmemory)))
+    creds = Credentials.load(directory)
+    url, secret = state.url("writer", creds), creds.secret_file.read_bytes().strip()
+    admin = state.client(port, credentials=creds)
+    plan = plans(args.procs, args.writes, args.mixed, args.seed)
+    keys = {key for p in plan for _, key in p if key}
+    sizes = {key: size_of(key, args.min_size, args.max_size) for key in keys}
+    runs: dict[str, list[dict]] = {"store": [], "raw": []}
+    order = ["raw", "store"] * args.repeats
+    if args.repeats > 1:
+        order = [s for i in range(args.repeats) for s in (("raw", "store") if i % 2 == 0 else ("store", "raw"))]
+    try:
+        for n, side in enumerate(order):
+            admin.flushall()
+            run = f"bench{n}"
+            console.log(f"throughput: {side} run {n + 1}/{len(order)}: {args.procs} processes")
+            results = _run_processes(
+                _throughput_worker,
+                lambda i: (side, url, secret, run, i, plan[i], sizes, not args.random_payloads),
+                args.procs)
+            runs[side].append(summarize(results))
+            console.log(f"  {side}: {runs[side][-1]['mib_per_s']:.0f} MiB/s, {runs[side][-1]['ops_per_s']:.0f} ops/s")
+    finally:
+        admin.close()
+        stop(directory)
+    best = {side: max(rs, key=lambda r: r["mib_per_s"]) for side, rs in runs.items()}
+    return {"runs": runs, "best": best,
+            "ratio_bytes": best["store"]["mib_per_s"] / best["raw"]["mib_per_s"],
+            "ratio_write_round": best["store"]["write_round_mib_per_s"] / best["raw"]["write_round_mib_per_s"],
+            "ratio_mixed_round": best["store"]["mixed_round_mib_per_s"] / best["raw"]["mixed_round_mib_per_s"],
+            "ratio_ops": best["store"]["ops_per_s"] / best["raw"]["ops_per_s"],
+            "payload_bytes_total_per_run": sum(sizes[k] for p in plan for op, k in p if op in ("put", "get"))}
+
+
+def phase_fill(args, workdir: Path, console) -> dict:
+    port = _free_port()
+    directory = workdir / "fill"
+    maxmemory = parse_size(args.fill_maxmemory)
+    state = start(ServerOptions(dir=directory, port=port, maxmemory=maxmemory))
+    creds = Credentials.load(directory)
+    url, secret = state.url("writer", creds), creds.secret_file.read_bytes().strip()
+    budget = args.fill_factor * maxmemory // args.procs
+    console.log(f"fill: {args.procs} processes write {args.fill_factor}x maxmemory ({maxmemory / 2**20:.0f} MiB)")
+    admin = state.client(port, credentials=creds)
+    try:
+        results = _run_processes(
+            _fill_worker, lambda i: (url, secret, "fill", i, budget, args.min_size, args.max_size), args.procs)
+        info = admin.info()
+        up = bool(admin.ping())
+    finally:
+        admin.close()
+        stop(directory)
+    summary = summarize(results)
+    return {"maxmemory": maxmemory, "written_bytes": sum(r.bytes for r in results), "server_up": up,
+            "evicted_keys": int(info["evicted_keys"]), "used_memory_peak": int(info["used_memory_peak"]),
+            "used_memory": int(info["used_memory"]), **summary}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--procs", type=int, default=32, help="client processes")
+    parser.add_argument("--writes", type=int, default=8, help="first-round writes per process")
+    parser.add_argument("--mixed", type=int, default=24, help="mixed ops per process after the barrier (3 reads : 1 write)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating the order")
+    parser.add_argument("--min-size", type=parse_size, default=parse_size("1KiB"))
+    parser.add_argument("--max-size", type=parse_size, default=parse_size("8MiB"))
+    parser.add_argument("--random-payloads", action="store_true", help="incompressible payloads (worst case for the store)")
+    parser.add_argument("--throughput-maxmemory", default="4GiB")
+    parser.add_argument("--fill-maxmemory", default="64MiB")
+    parser.add_argument("--fill-factor", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-fill", action="store_true")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+
+    with tempfile.TemporaryDirectory(prefix="ws-server-bench-") as tmp:
+        report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+        report["throughput"] = phase_throughput(args, Path(tmp), console)
+        if not args.skip_fill:
+            report["fill"] = phase_fill(args, Path(tmp), console)
+
+    out = Console(width=160)
+    best = report["throughput"]["best"]
+    table = Table(title=f"{args.procs} processes, values {args.min_size // 1024} KiB..{args.max_size // 2**20} MiB "
+                  f"({'random' if args.random_payloads else '~2:1 compressible'}); best of {args.repeats} runs per side",
+                  title_justify="left")
+    for col in ("", "MiB/s", "write round MiB/s", "3:1 round MiB/s", "ops/s", "p50 ms", "p99 ms", "get p50/p99 ms", "put p50/p99 ms", "errors", "corrupt",
+                "misses"):
+        table.add_column(col, justify="left" if not col else "right")
+    for side in ("raw", "store"):
+        r = best[side]
+        table.add_row(side, f"{r['mib_per_s']:.0f}", f"{r['write_round_mib_per_s']:.0f}",
+                      f"{r['mixed_round_mib_per_s']:.0f}", f"{r['ops_per_s']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                      f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}", f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}",
+                      str(r["errors"]), str(r["corrupt"]), str(r["misses"]))
+    out.print(table)
+    t = report["throughput"]
+    out.print(f"store / raw throughput: {t['ratio_bytes'] * 100:.0f}% overall (bytes), {t['ratio_ops'] * 100:.0f}% (ops); "
+              f"write round {t['ratio_write_round'] * 100:.0f}%, 3:1 read/write round {t['ratio_mixed_round'] * 100:.0f}%")
+    if "fill" in report:
+        f = report["fill"]
+        out.print(f"fill: wrote {f['written_bytes'] / 2**20:.0f} MiB into maxmemory {f['maxmemory'] / 2**20:.0f} MiB; "
+                  f"server up: {f['server_up']}; evicted keys: {f['evicted_keys']}; peak memory "
+                  f"{f['used_memory_peak'] / 2**20:.0f} MiB; reads: {f['hits']} hits, {f['misses']} misses, "
+                  f"{f['errors']} errors, {f['corrupt']} corrupt")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    ok = all(best[s]["errors"] == 0 and best[s]["corrupt"] == 0 and best[s]["misses"] == 0 for s in best)
+    if "fill" in report:
+        f = report["fill"]
+        ok = ok and f["server_up"] and f["evicted_keys"] > 0 and f["errors"] == 0 and f["corrupt"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
