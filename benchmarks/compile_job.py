@@ -93,19 +93,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", action="append", required=True, choices=sorted(MODELS),
                         help="model(s) to compile, in order")
+    parser.add_argument("--mega-save", default=None, help="after compiling, save torch's Mega-Cache here")
+    parser.add_argument("--mega-load", default=None, help="before compiling, load torch's Mega-Cache from here")
     parser.add_argument("--kill-redis-pid", type=int, default=None,
                         help="SIGKILL this redis-server after the first model (a server dying mid-job)")
     args = parser.parse_args()
     losses = {}
+    mega_load_s = 0.0
+    if args.mega_load:
+        t = time.perf_counter()
+        with open(args.mega_load, "rb") as f:
+            torch.compiler.load_cache_artifacts(f.read())
+        mega_load_s = time.perf_counter() - t
     t0 = time.perf_counter()
     for i, name in enumerate(args.model):
         losses[name] = run_model(name)
         if i == 0 and args.kill_redis_pid:
             os.kill(args.kill_redis_pid, signal.SIGKILL)
     compile_s = time.perf_counter() - t0
+    if args.mega_save:
+        artifacts = torch.compiler.save_cache_artifacts()
+        with open(args.mega_save, "wb") as f:
+            f.write(artifacts[0] if artifacts else b"")
     from torch._dynamo.utils import counters
 
-    result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compile_s": compile_s,
+    result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compile_s": compile_s, "mega_load_s": mega_load_s,
               "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"])}
     if os.environ.get("WARMSTART") == "1":
         from warmstart.compile_cache import get_store

@@ -55,9 +55,9 @@ def total(result: dict, tier: str, field: str) -> float:
 
 @pytest.fixture(scope="module")
 def shared_cache(tmp_path_factory):
-    """A redis-server filled by one producer job (tiny model, precompiled headers on)."""
+    """A redis-server filled by one producer job (tiny model)."""
     node = RedisNode(tmp_path_factory.mktemp("redis")).start()
-    result, _ = run_job(tmp_path_factory.mktemp("producer"), "tiny", url=node.url, pch=True)
+    result, _ = run_job(tmp_path_factory.mktemp("producer"), "tiny", url=node.url)
     yield node, result
     node.stop()
 
@@ -71,7 +71,7 @@ def test_producer_stores_every_kind(shared_cache):
 
 def test_hit_across_processes_with_fresh_local_dirs(shared_cache, tmp_path):
     node, produced = shared_cache
-    result, _ = run_job(tmp_path, "tiny", url=node.url, pch=True)
+    result, _ = run_job(tmp_path, "tiny", url=node.url)
     assert result["losses"] == produced["losses"]
     assert remote(result, "fx_graph").get("hits", 0) >= 1
     assert remote(result, "aot_autograd").get("hits", 0) == 1
@@ -79,7 +79,16 @@ def test_hit_across_processes_with_fresh_local_dirs(shared_cache, tmp_path):
     assert remote(result, "cpp_object").get("misses", 0) == 0  # g++ never ran
     assert result["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert result["aot_autograd"].get("autograd_cache_hit") == 1
-    assert not list((tmp_path / "tmp").rglob("*.gch"))  # the precompiled header was never needed
+
+
+@pytest.mark.slow
+def test_precompiled_header_is_never_fetched_on_a_full_hit(redis_node, tmp_path):
+    produced, _ = run_job(tmp_path / "a", "tiny2", url=redis_node.url, pch=True)
+    assert list((tmp_path / "a" / "tmp").rglob("*.gch"))  # the producer built one
+    result, _ = run_job(tmp_path / "b", "tiny2", url=redis_node.url, pch=True)
+    assert result["losses"] == produced["losses"]
+    assert remote(result, "cpp_object").get("misses", 0) == 0
+    assert not list((tmp_path / "b" / "tmp").rglob("*.gch"))
 
 
 def test_read_only_mode_reads_but_never_writes(shared_cache, tmp_path):
