@@ -23,12 +23,15 @@ timeline; every rank's own spans and steps give its per-rank breakdown over that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
+import operator
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,22 +175,42 @@ def load_runs(run_dirs: Iterable[str | os.PathLike]) -> list[Run]:
     """
     runs: list[Run] = []
     for run_dir in run_dirs:
-        by_job: dict[str, list[Event]] = defaultdict(list)
-        notes: list[str] = []
-        for path in event_files(run_dir):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", TornLineWarning)
-                events = read_events(path)
-            for w in caught:
-                notes.append(str(w.message))
-                warnings.warn(str(w.message), TornLineWarning, stacklevel=2)
-            for ev in events:
-                by_job[ev.job].append(ev)
-        if not by_job:
-            notes.append(f"{run_dir}: no events")
-            runs.append(Run(job=Path(run_dir).name, run_dir=str(run_dir), events=[], warnings=notes))
-        for job, events in by_job.items():
-            runs.append(Run(job=job, run_dir=str(run_dir), events=events, warnings=list(notes)))
+        with _gc_paused():
+            runs.extend(_load_run_dir(run_dir))
+    return runs
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    # A run builds millions of small objects that hold no cycles; the cyclic collector would walk them
+    # again and again as they pile up (a third of the time of a 1M-event report).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _load_run_dir(run_dir: str | os.PathLike) -> list[Run]:
+    runs: list[Run] = []
+    by_job: dict[str, list[Event]] = defaultdict(list)
+    notes: list[str] = []
+    for path in event_files(run_dir):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TornLineWarning)
+            events = read_events(path)
+        for w in caught:
+            notes.append(str(w.message))
+            warnings.warn(str(w.message), TornLineWarning, stacklevel=2)
+        for ev in events:
+            by_job[ev.job].append(ev)
+    if not by_job:
+        notes.append(f"{run_dir}: no events")
+        runs.append(Run(job=Path(run_dir).name, run_dir=str(run_dir), events=[], warnings=notes))
+    for job, events in by_job.items():
+        runs.append(Run(job=job, run_dir=str(run_dir), events=events, warnings=list(notes)))
     return runs
 
 
@@ -210,7 +233,12 @@ class _Frame:
 
 def compute(run: Run) -> RunResult:
     """Split a job's wall time into buckets (CONTRACT §4); see the module docstring for the rules."""
-    events = sorted(run.events, key=lambda e: e.ts)
+    with _gc_paused():
+        return _compute(run)
+
+
+def _compute(run: Run) -> RunResult:
+    events = sorted(run.events, key=operator.attrgetter("ts"))
     notes = list(run.warnings)
     ranks = sorted({e.rank for e in events if e.rank >= 0})
     primary = 0 if 0 in ranks else (ranks[0] if ranks else -1)
@@ -343,6 +371,7 @@ def _split(frames: list[_Frame], events: list[Event], t0: float, t_end: float, n
 
 # Sweep marks: at equal times, spans end before steps and spans begin after them.
 _M_SPAN_END, _M_LOOP_END, _M_STEP, _M_SPAN_BEGIN = range(4)
+_mark_order = operator.itemgetter(0, 1)
 
 
 def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], notes: list[str],
@@ -350,31 +379,38 @@ def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], not
     """Sweep one attempt's window; return its pre-first-step seconds, step stats and timeline."""
     s, e = frame.start, frame.stop
     spans = _spans(evs, frame, notes)
-    steps = [(ev.ts, ev.step, ev.samples or 0) for ev in evs if ev.event == STEP and s <= ev.ts < e]
     own_train_end = next((ev.ts for ev in evs if ev.event == TRAIN_END), None)
     train_end = own_train_end if own_train_end is not None else frame.train_end
     loop_end = e if train_end is None else min(max(train_end, s), e)
-    if steps and steps[0][0] >= loop_end:
-        steps = []  # steps after train_end belong to shutdown
-    steps = [st for st in steps if st[0] < loop_end]
-    first_step = steps[0][0] if steps else None
+    # Steps after train_end belong to shutdown.
+    steps = [ev for ev in evs if ev.event == STEP and s <= ev.ts < loop_end]
+    first_step = steps[0].ts if steps else None
     committed = frame.committed
+    failed = frame.failed
 
     marks: list[tuple[float, int, Any]] = []
     for b, en, bucket, _name, _rank in spans:
         marks.append((b, _M_SPAN_BEGIN, bucket))
         marks.append((en, _M_SPAN_END, bucket))
-    for ts, n, _samples in steps:
-        marks.append((ts, _M_STEP, n))
+    # Only the steps where the training bucket changes matter to the sweep: the first one, and in a
+    # failed attempt those that cross the last committed checkpoint (a million steps, a few marks).
+    if steps and not failed:
+        marks.append((first_step, _M_STEP, EFFECTIVE))
+    elif steps:
+        current = None
+        for ev in steps:
+            bucket = LOST if committed is None or ev.step > committed else EFFECTIVE
+            if bucket is not current:
+                marks.append((ev.ts, _M_STEP, bucket))
+                current = bucket
     marks.append((loop_end, _M_LOOP_END, None))
     marks.append((e, _M_LOOP_END, None))
-    marks.sort(key=lambda m: (m[0], m[1]))
+    marks.sort(key=_mark_order)
 
     active: dict[str, int] = defaultdict(int)
     nactive = 0
     phase = 0  # 0 init, 1 loop, 2 shutdown
     train_bucket = EFFECTIVE
-    failed = frame.failed
     prev = s
     init_s = 0.0
     for t, kind, data in marks:
@@ -403,25 +439,25 @@ def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], not
             nactive -= 1
         elif kind == _M_STEP:
             phase = 1
-            train_bucket = LOST if failed and (committed is None or data > committed) else EFFECTIVE
+            train_bucket = data
         elif t >= loop_end and phase != 2 and t < e:
             phase = 2
     tl = None
     if keep_timeline:
         lost_from = None
         if failed:
-            lost_from = next((ts for ts, n, _ in steps if committed is None or n > committed), None)
+            lost_from = next((ev.ts for ev in steps if committed is None or ev.step > committed), None)
         stride = max(1, len(steps) // _MAX_TIMELINE_STEPS)
         tl = AttemptTimeline(
             attempt=frame.attempt, start=s, end=e, first_step=first_step,
             loop_end=loop_end if steps else None, train_end=train_end if train_end is not None and train_end < e else None,
             lost_from=lost_from, failure=frame.failure,
             spans=[SpanMark(name, bucket, b, en, rank) for b, en, bucket, name, rank in spans],
-            steps=[(ts, n) for ts, n, _ in steps[::stride]],
+            steps=[(ev.ts, ev.step) for ev in steps[::stride]],
             checkpoints=[(ev.ts, ev.step) for ev in evs if ev.event == CHECKPOINT_COMMITTED],
             recovery_before=None, recovery_after=None)
-    stat = (len(steps), steps[0][1] if steps else None, steps[-1][1] if steps else None,
-            sum(st[2] for st in steps))
+    stat = (len(steps), steps[0].step if steps else None, steps[-1].step if steps else None,
+            sum([ev.samples for ev in steps if ev.samples]))
     return init_s, stat, tl
 
 

@@ -8,14 +8,15 @@ run directory is read back (a torn last line is skipped with a warning; any othe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from warmstart.errors import WarmstartError
 
@@ -49,32 +50,33 @@ class TornLineWarning(UserWarning):
     """The last line of an event file was cut short (the writer died mid-write) and was skipped."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Event:
-    """One validated event line; the optional fields are set only for the kinds that carry them."""
+class Event(msgspec.Struct, frozen=True, gc=False):
+    """One validated event line; the optional fields are set only for the kinds that carry them.
 
-    ts: float
+    A msgspec struct: a well-formed file is decoded and type-checked in C (a million events in about a
+    second); :func:`parse_event` is the reference check, used line by line when that fast path refuses
+    a file, and words the error.
+    """
+
+    ts: Annotated[float, msgspec.Meta(gt=-1e300, lt=1e300)]  # the bounds refuse inf and nan
     job: str
-    attempt: int
-    rank: int
+    attempt: Annotated[int, msgspec.Meta(ge=0)]
+    rank: Annotated[int, msgspec.Meta(ge=-1)]
     event: str
     span: str | None = None
     bucket: str | None = None
     step: int | None = None
-    samples: int | None = None
-    devices: int | None = None
+    samples: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    devices: Annotated[int, msgspec.Meta(ge=1)] | None = None
     reason: str | None = None
     category: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The event as the JSON object of its line (optional fields left out when unset)."""
-        out: dict[str, Any] = {"ts": self.ts, "job": self.job, "attempt": self.attempt, "rank": self.rank,
-                               "event": self.event}
-        for key in ("span", "bucket", "step", "samples", "devices", "reason", "category"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        return out
+        return {key: value for key in self.__struct_fields__ if (value := getattr(self, key)) is not None}
+
+
+_DECODER = msgspec.json.Decoder(Event)
 
 
 def _int(obj: dict, key: str, required: bool, minimum: int | None = None) -> int | None:
@@ -113,6 +115,10 @@ def parse_event(obj: Any) -> Event:
     Raises:
         ValueError: a required field is missing or a field has the wrong type or value.
     """
+    return _parse_checked(obj)
+
+
+def _parse_checked(obj: Any) -> Event:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     ts = obj.get("ts")
@@ -162,23 +168,62 @@ def read_events(path: str | os.PathLike) -> list[Event]:
         data = path.read_bytes()
     except OSError as exc:
         raise EventFormatError(path, 0, f"cannot read: {exc.strerror}") from None
-    lines = data.split(b"\n")
-    torn_candidate = len(lines) - 1 if lines and lines[-1] else -1  # last line lacks its newline
+    cut = data.rfind(b"\n") + 1
+    if data[cut:].strip():  # the last line lacks its newline: complete, or torn?
+        try:
+            json.loads(data[cut:])
+        except ValueError:
+            line = data.count(b"\n") + 1
+            warnings.warn(f"{path}:{line}: torn last line skipped (the writer died mid-write)", TornLineWarning,
+                          stacklevel=2)
+            data = data[:cut]
+    # Fast path: decode and type-check the whole file in C, then the per-kind rules in one pass. Any
+    # refusal sends the file through the line-by-line reference check, which names the line.
+    try:
+        events = _DECODER.decode_lines(data)
+    except msgspec.DecodeError:
+        return _read_lines(path, data.split(b"\n"))
+    if _first_kind_problem(events) is not None or not _one_event_per_line(data, len(events)):
+        return _read_lines(path, data.split(b"\n"))
+    return events
+
+
+def _one_event_per_line(data: bytes, n_events: int) -> bool:
+    lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    if lines == n_events:
+        return True
+    return sum(1 for raw in data.split(b"\n") if raw.strip()) == n_events  # blank lines do not count
+
+
+def _first_kind_problem(events: list[Event]) -> int | None:
+    """Index of the first event that breaks a per-kind rule the struct types cannot express."""
+    for i, ev in enumerate(events):
+        kind = ev.event
+        if kind == STEP or kind == CHECKPOINT_COMMITTED:
+            if ev.step is None:
+                return i
+        elif kind == BEGIN or kind == END:
+            if not ev.span or ev.bucket == "":
+                return i
+        elif kind == FAILURE:
+            if ev.category not in FAILURE_CATEGORIES or ev.reason is None:
+                return i
+        elif kind not in EVENT_KINDS:
+            return i
+    return None
+
+
+def _read_lines(path: Path, lines: list[bytes]) -> list[Event]:
     events: list[Event] = []
-    loads, parse = json.loads, parse_event
     for index, raw in enumerate(lines):
         if not raw.strip():
             continue
         try:
-            obj = loads(raw)
+            obj = json.loads(raw)
         except ValueError as exc:
-            if index == torn_candidate:
-                warnings.warn(f"{path}:{index + 1}: torn last line skipped (the writer died mid-write)",
-                              TornLineWarning, stacklevel=2)
-                continue
             raise EventFormatError(path, index + 1, f"not valid JSON ({exc})") from None
         try:
-            events.append(parse(obj))
+            events.append(parse_event(obj))
         except ValueError as exc:
             raise EventFormatError(path, index + 1, str(exc)) from None
     return events

@@ -189,32 +189,40 @@ def _timeline_figure(result: RunResult):
     import plotly.graph_objects as go
 
     t0 = result.start_ts
-    fig = go.Figure()
-    legend_seen: set[str] = set()
+    # One bar trace per legend entry, however many bars it has: thousands of checkpoint spans stay
+    # one trace (a trace per bar makes a page that takes minutes to build and seconds to draw).
+    traces: dict[str, dict[str, Any]] = {}
 
     def bar(lane: str, start: float, end: float, name: str, colour: str, hover: str) -> None:
         if end <= start:
             return
-        fig.add_trace(go.Bar(
-            y=[lane], x=[end - start], base=[start - t0], orientation="h", name=name, legendgroup=name,
-            showlegend=name not in legend_seen, marker_color=colour, hovertemplate=hover + "<extra></extra>"))
-        legend_seen.add(name)
+        trace = traces.setdefault(name, {"colour": colour, "y": [], "x": [], "base": [], "text": []})
+        trace["y"].append(lane)
+        trace["x"].append(end - start)
+        trace["base"].append(start - t0)
+        trace["text"].append(hover)
 
     lanes: list[str] = []
     for tl in result.timeline:
         lane = f"attempt {tl.attempt}"
         lanes.append(lane)
         _phase_bars(tl, lane, bar)
-        names = sorted({s.name for s in tl.spans})
-        for span_name in names:
+        for span_name in sorted({s.name for s in tl.spans}):
             span_lane = f"attempt {tl.attempt} · {span_name}"
             lanes.append(span_lane)
             for s in tl.spans:
                 if s.name == span_name:
                     bar(span_lane, s.start, s.end, s.bucket, bucket_colour(s.bucket),
-                        f"{html.escape(s.name)} (rank {s.rank})<br>{s.end - s.start:.3f} s from "
-                        f"{s.start - t0:.3f} s")
-        _markers(fig, tl, lane, t0, legend_seen)
+                        f"{html.escape(s.name)} (rank {s.rank}): {s.end - s.start:.3f} s")
+    fig = go.Figure()
+    for name, trace in traces.items():
+        fig.add_trace(go.Bar(
+            y=trace["y"], x=trace["x"], base=trace["base"], orientation="h", name=name, legendgroup=name,
+            marker_color=trace["colour"], text=trace["text"], textposition="none",
+            hovertemplate="%{text}<br>from %{base:.3f} s<extra></extra>"))
+    legend_seen: set[str] = set()
+    for tl in result.timeline:
+        _markers(fig, tl, f"attempt {tl.attempt}", t0, legend_seen)
     fig.update_layout(
         title=f"timeline of {html.escape(result.job)}", barmode="overlay", height=160 + 34 * len(lanes),
         xaxis_title="seconds since the first attempt_start", template="plotly_white",
