@@ -28,6 +28,7 @@ import json
 import logging
 import pickle
 import time
+import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -347,47 +348,61 @@ def _qualname(obj: Any) -> str:
 
 def _canonical(obj: Any, depth: int = 0) -> Any:
     """JSON-ready, process-independent form of a settings object (no ids, no reprs with addresses)."""
-    if obj is None or isinstance(obj, (bool, int, str)):
+    kind = type(obj)
+    if kind in _PLAIN:  # the common case first: this runs tens of thousands of times per key
+        return obj
+    if kind is float:
+        return obj if obj == obj and obj not in (_INF, -_INF) else repr(obj)
+    if kind is list or kind is tuple:
+        return [_canonical(v, depth + 1) for v in obj]
+    if kind is dict:
+        return {str(k): _canonical(obj[k], depth + 1) for k in sorted(obj, key=str)}
+    if isinstance(obj, enum.Enum):
+        return f"{kind.__qualname__}.{obj.name}"
+    if isinstance(obj, (bool, int, str)):
         return obj
     if isinstance(obj, float):
-        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else repr(obj)
-    if isinstance(obj, enum.Enum):
-        return f"{type(obj).__qualname__}.{obj.name}"
+        return _canonical(float(obj))
     if isinstance(obj, functools.partial):
         return {"partial": _canonical(obj.func, depth + 1), "args": _canonical(obj.args, depth + 1),
                 "keywords": _canonical(obj.keywords, depth + 1)}
-    if isinstance(obj, type) or callable(obj) and not hasattr(obj, "__dict__") or _is_function(obj):
+    if isinstance(obj, (type, *_FUNCTION_TYPES)) or callable(obj) and not hasattr(obj, "__dict__"):
         return _qualname(obj)
     if depth > _MAX_DEPTH:
-        return _qualname(type(obj))
+        return _qualname(kind)
     if isinstance(obj, Mapping):
         return {str(k): _canonical(v, depth + 1) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
     if isinstance(obj, (list, tuple)):
         return [_canonical(v, depth + 1) for v in obj]
     if isinstance(obj, (set, frozenset)):
         return sorted((_canonical(v, depth + 1) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
-    type_name = type(obj).__module__
-    if type_name.startswith("torch") and hasattr(obj, "shape") and hasattr(obj, "dtype"):  # a tensor
+    module = kind.__module__
+    if module.startswith("torch") and hasattr(obj, "shape") and hasattr(obj, "dtype"):  # a tensor
         return {"tensor": [int(d) for d in obj.shape], "dtype": str(obj.dtype)}
-    if type_name == "torch" or type(obj).__name__ in ("dtype", "device"):
+    if module == "torch" or kind.__name__ in ("dtype", "device"):
         return str(obj)
-    if dataclasses.is_dataclass(obj):
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    names = _field_names(kind)
+    if names is not None:
+        fields = {name: getattr(obj, name) for name in names}
     elif hasattr(obj, "__dict__"):
-        fields = {k: v for k, v in vars(obj).items() if k not in _STATE_ATTRS}
+        fields = vars(obj)
     elif hasattr(obj, "__slots__"):
         fields = {k: getattr(obj, k) for k in obj.__slots__ if hasattr(obj, k)}
     else:
-        return _qualname(type(obj))
-    out = {k: _canonical(v, depth + 1) for k, v in sorted(fields.items()) if k not in _STATE_ATTRS}
-    out["__type__"] = _qualname(type(obj))
+        return _qualname(kind)
+    out = {k: _canonical(fields[k], depth + 1) for k in sorted(fields) if k not in _STATE_ATTRS}
+    out["__type__"] = _qualname(kind)
     return out
 
 
-def _is_function(obj: Any) -> bool:
-    import types
+_PLAIN = frozenset({type(None), bool, int, str})
+_INF = float("inf")
+_FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 
-    return isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType))
+
+@functools.lru_cache(maxsize=None)
+def _field_names(kind: type) -> tuple[str, ...] | None:
+    return tuple(f.name for f in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else None
 
 
 # -- verification --------------------------------------------------------------------------------
