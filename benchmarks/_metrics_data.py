@@ -9,7 +9,7 @@ T0 = 1_700_000_000.0
 
 
 def write_run(run_dir: Path, job: str, steps: int, *, ranks: int = 1, attempts: int = 2, devices: int = 8,
-              seed: int = 0) -> int:
+              seed: int = 0, step_s: float = 0.1) -> int:
     """Write a job of ``attempts`` attempts (all but the last fail), ``steps`` steps per rank in total,
     start-up spans, a checkpoint every 100 steps and an eval every 1000. Returns the number of events."""
     rng = random.Random(seed)
@@ -30,7 +30,7 @@ def write_run(run_dir: Path, job: str, steps: int, *, ranks: int = 1, attempts: 
             step = committed
             for _ in range(per_attempt):
                 lines.append(f'{{"ts":{t!r},{head}"step","step":{step},"samples":512}}')
-                t += rng.uniform(0.09, 0.11)
+                t += step_s * rng.uniform(0.9, 1.1)
                 if step % 100 == 99:
                     lines.append(f'{{"ts":{t!r},{head}"begin","span":"checkpoint_save"}}')
                     t += 0.5

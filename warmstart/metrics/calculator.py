@@ -204,8 +204,12 @@ def _load_run_dir(run_dir: str | os.PathLike) -> list[Run]:
         for w in caught:
             notes.append(str(w.message))
             warnings.warn(str(w.message), TornLineWarning, stacklevel=2)
-        for ev in events:
-            by_job[ev.job].append(ev)
+        jobs = set(map(operator.attrgetter("job"), events))
+        if len(jobs) == 1:  # the usual case: one job per file
+            by_job[jobs.pop()].extend(events)
+        else:
+            for ev in events:
+                by_job[ev.job].append(ev)
     if not by_job:
         notes.append(f"{run_dir}: no events")
         runs.append(Run(job=Path(run_dir).name, run_dir=str(run_dir), events=[], warnings=notes))
