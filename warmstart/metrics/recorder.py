@@ -102,7 +102,7 @@ class Recorder:
         self._append = self._buf.append
         self._time = time.time
         self._writer = EventWriter(self.path)
-        self._flush_lock = threading.Lock()
+        self._flush_lock = threading.RLock()  # re-entrant: a SIGTERM may land mid-flush on this thread
         self._attempt_open = False
         self._recorded = False
         self._write_failed = False
@@ -171,8 +171,13 @@ class Recorder:
             if not n:
                 return
             self._recorded = True
-            popleft, line = buf.popleft, self._line
-            data = "".join([line(popleft()) for _ in range(n)]).encode()
+            popleft, records = buf.popleft, []
+            try:
+                for _ in range(n):
+                    records.append(popleft())
+            except IndexError:  # a signal handler's flush on this thread took the rest
+                pass
+            data = "".join(map(self._line, records)).encode()
             try:
                 self._writer.write(data)
             except OSError as exc:
@@ -247,7 +252,7 @@ class Recorder:
         # any) are appended to the same file at flush or exit; there is no flusher thread after fork.
         self._inherited = True
         self._buf.clear()
-        self._flush_lock = threading.Lock()
+        self._flush_lock = threading.RLock()  # re-entrant: a SIGTERM may land mid-flush on this thread
         self._writer = EventWriter(self.path)
         self._thread = None
         self._stop = threading.Event()
