@@ -313,6 +313,7 @@ def phase_throughput(args, workdir: Path, console) -> dict:
     creds = Credentials.load(directory)
     url, secret = state.url("writer", creds), creds.secret_file.read_bytes().strip()
     admin = state.client(port, credentials=creds)
+    corpus()  # built once here; forked workers share it
     plan = plans(args.procs, args.writes, args.mixed, args.seed)
     keys = {key for p in plan for _, key in p if key}
     sizes = {key: size_of(key, args.min_size, args.max_size) for key in keys}
@@ -390,11 +391,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--throughput-maxmemory", default="4GiB")
     parser.add_argument("--fill-maxmemory", default="64MiB")
     parser.add_argument("--fill-factor", type=int, default=3)
+    parser.add_argument("--compress-level", default=None,
+                        help="experiment: override the store's zstd level (warmstart._defaults.COMPRESS_LEVEL), "
+                             "or 'off' to store values uncompressed, to measure what compression costs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-fill", action="store_true")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
+    if args.compress_level is not None:  # workers are forked: they inherit the override
+        from warmstart import _defaults
+        from warmstart.compile_cache import remote
+
+        if args.compress_level == "off":
+            remote._COMPRESS_MIN = 2**62
+        else:
+            _defaults.COMPRESS_LEVEL = int(args.compress_level)
 
     with tempfile.TemporaryDirectory(prefix="ws-server-bench-") as tmp:
         report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
@@ -404,8 +416,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Console(width=160)
     best = report["throughput"]["best"]
+    from warmstart import _defaults
+
     table = Table(title=f"{args.procs} processes, values {args.min_size // 1024} KiB..{args.max_size // 2**20} MiB "
-                  f"({'random' if args.random_payloads else '~2:1 compressible'}); best of {args.repeats} runs per side",
+                  f"({'random' if args.random_payloads else 'compiled code and Python source'}), store zstd level "
+                  f"{'off' if args.compress_level == 'off' else _defaults.COMPRESS_LEVEL}; best of {args.repeats} "
+                  "runs per side",
                   title_justify="left")
     for col in ("", "MiB/s", "write round MiB/s", "3:1 round MiB/s", "ops/s", "p50 ms", "p99 ms", "get p50/p99 ms", "put p50/p99 ms", "errors", "corrupt",
                 "misses"):
