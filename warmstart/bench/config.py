@@ -14,6 +14,7 @@ from pathlib import Path
 from warmstart.errors import ConfigError
 
 MODES = ("baseline", "warmstart")
+CHECKPOINT_MODES = ("async-thread", "async-process", "sync")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +50,10 @@ class JobConfig:
     """Save a checkpoint after every this many steps."""
     keep_checkpoints: int = 2
     """Committed checkpoints to keep."""
+    checkpoint_mode: str = "async-thread"
+    """warmstart mode: ``async-thread``, ``async-process`` or ``sync`` (baseline: always plain sync DCP)."""
+    collective_timeout_s: float = 600.0
+    """Timeout of the process group's collectives: a rank whose peer died does not hang for 30 min."""
     fail_at_step: int = -1
     """Attempt 0 dies at the start of this step (the injected failure); -1 never fails."""
     loader_workers: int = 1
@@ -68,6 +73,8 @@ class JobConfig:
             raise ConfigError("--rows-min", self.rows_min, f"a positive integer <= --rows-max ({self.rows_max})")
         if self.fail_at_step >= self.steps:
             raise ConfigError("--fail-at-step", self.fail_at_step, f"-1 or a step below --steps ({self.steps})")
+        if self.checkpoint_mode not in CHECKPOINT_MODES:
+            raise ConfigError("--checkpoint-mode", self.checkpoint_mode, ", ".join(CHECKPOINT_MODES))
         if self.loader_workers < 0:
             raise ConfigError("--loader-workers", self.loader_workers, "0 or more")
 

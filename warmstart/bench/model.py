@@ -82,12 +82,3 @@ def embedding_configs(tables: list[TableSpec], dim: int) -> list[EmbeddingBagCon
     """TorchRec table configs for ``tables`` (sum pooling, one feature per table)."""
     return [EmbeddingBagConfig(name=t.name, embedding_dim=dim, num_embeddings=t.num_embeddings,
                                feature_names=[t.feature], pooling=PoolingType.SUM) for t in tables]
-
-
-def build_model(tables: list[TableSpec], *, dim: int, dense_layers: list[int], over_layers: list[int],
-                seed: int = 0) -> DLRMTrain:
-    """The unsharded model: tables on the ``meta`` device (free to build; DMP materializes its
-    shards), the dense part on CPU with weights fixed by ``seed`` so every rank starts equal."""
-    torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection(tables=embedding_configs(tables, dim), device=torch.device("meta"))
-    return DLRMTrain(ebc, DenseOverArch(len(tables), dim, dense_layers, over_layers))

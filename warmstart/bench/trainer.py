@@ -15,34 +15,42 @@ This module owns the training recipe; the model, the data and the configuration 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+from torch.utils.data import DataLoader
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from warmstart.bench.config import JobConfig
 from warmstart.bench.data import NUM_DENSE, ClickLogDataset, make_loader, make_tables
-from warmstart.bench.model import DLRMTrain, build_model
-from warmstart.metrics import Recorder, NullRecorder
+from warmstart.bench.model import DenseOverArch, DLRMTrain, embedding_configs
+from warmstart.checkpoint import Checkpointer, CommittedCheckpoint, latest_committed
+from warmstart.checkpoint.state import prepare_for_load
+from warmstart.init_pipeline import CompileWarmup, TorchRecStartup, torchrec_startup_graph
+from warmstart.metrics import NullRecorder, Recorder
 
-_CKPT_RE = re.compile(r"^step-(\d+)$")
+_COMPILE_KWARGS = {"dynamic": False}  # every batch has the same shapes: one static graph, no recompiles
+_DCP_CKPT_RE = re.compile(r"^step-(\d+)$")  # the baseline's plain DCP checkpoint folders
 
 
 class Trainer:
@@ -59,6 +67,8 @@ class Trainer:
     model: DistributedModelParallel
     optimizer: CombinedOptimizer
     batches: Iterator[Batch]
+    checkpointer: Checkpointer | None
+    """warmstart's asynchronous checkpointer (``None`` in baseline mode: plain synchronous DCP)."""
 
     # -- training state
     step: int
@@ -68,116 +78,196 @@ class Trainer:
         self.cfg, self.rec = cfg, rec
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.tables = make_tables(cfg.tables, rows_min=cfg.rows_min, rows_max=cfg.rows_max, seed=cfg.seed)
-        self._loader = None
+        self.checkpointer = None
+        self._loader: DataLoader | None = None
         torch.set_num_threads(1)  # 2 ranks share 2 cores: one thread each, no oversubscription
+        self.resumed_from: int | None = None
+        self._stage_rows: list[tuple[str, str, str, str, str]] = []
+        if cfg.mode == "warmstart":
+            self._start_with_startup_graph()
+        else:
+            self._start_in_sequence()
+        self._write_startup_report()
+
+    # -- start-up, baseline: one stage after the other ----------------------------------------------
+
+    def _start_in_sequence(self) -> None:
+        cfg, rec = self.cfg, self.rec
 
         # process group: gloo, the CPU backend; every collective below runs on it
         with rec.span("process_group_init"):
-            dist.init_process_group(backend="gloo")
+            dist.init_process_group(backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout_s))
 
-        # resume point: the latest checkpoint whose commit marker exists (never a partial one)
-        self.resume_from = latest_committed(cfg.checkpoint_dir)
-        self.step = 0 if self.resume_from is None else self.resume_from[0] + 1
+        # resume point: the latest checkpoint whose DCP metadata (its commit) exists
+        resume = _latest_dcp_checkpoint(cfg.checkpoint_dir)
+        self.resumed_from = None if resume is None else resume[0]
+        self.step = 0 if resume is None else resume[0] + 1
 
         # data loader: workers start at iter(); the first batch proves they are up
         with rec.span("data_loader_init"):
-            self.batches = self._build_loader(self.step)
+            self._loader = make_loader(self._dataset(self.step), num_workers=cfg.loader_workers)
+            batches = iter(self._loader)
+            self.batches = _prepend(next(batches), batches)
 
-        # model on the meta device (free), dense part with real weights, embedding optimizer fused
-        # into the backward pass (row-wise Adagrad, applied by TorchRec's fused kernels)
+        # the model: tables on the meta device, dense part with real weights
         with rec.span("model_build", bucket="model_transform"):
-            module = self._build_module()
+            module = self._build_module(torch.device("meta"))
 
-        # compile warm-up: compile the dense part on a synthetic batch of the real shapes, so the
-        # first real step finds it compiled
+        # compile: plain torch.compile, run once on a batch of the real shapes so that the first
+        # step finds it compiled (otherwise the compile would hide inside step 0)
         with rec.span("compile"):
-            self._compile_warmup(module)
+            loss, _ = module.dense_over(*self._synthetic_dense_batch())
+            loss.backward()
+            module.dense_over.zero_grad(set_to_none=True)  # the warm-up must not leak into training
 
         # sharding plan: rank 0 plans, every rank gets the plan by broadcast
         with rec.span("sharding_plan"):
-            plan = self._plan(module)
+            plan = self._planner().collective_plan(module, self._sharders(), dist.GroupMember.WORLD)
 
         # model transform: shard the tables, DDP-wrap the dense part, build the optimizers
         with rec.span("model_transform"):
-            self.model, self.optimizer = self._shard(module, plan)
+            env = ShardingEnv(self.world_size, self.rank, dist.GroupMember.WORLD, output_dtensor=True)
+            self.model = DistributedModelParallel(module, env=env, device=torch.device("cpu"), plan=plan,
+                                                  sharders=self._sharders())
+            self.optimizer = self._build_optimizer(self.model)
 
         # checkpoint load: restore model and optimizer in place
-        if self.resume_from is not None:
+        if resume is not None:
             with rec.span("checkpoint_load"):
-                self._load_checkpoint(self.resume_from[1])
+                prepare_for_load(self.optimizer)  # Adam's lazy state must exist to load in place
+                state = self._app_state()
+                dcp.load(state, checkpoint_id=str(resume[1]))
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optim"])
 
-    # -- stages -----------------------------------------------------------------------------------
+    # -- start-up, warmstart: the same stages as a graph -------------------------------------------
 
-    def _build_loader(self, start_step: int) -> Iterator[Batch]:
-        dataset = ClickLogDataset(self.tables, self.cfg.batch_size, rank=self.rank, start_step=start_step,
-                                  seed=self.cfg.seed)
-        self._loader = make_loader(dataset, num_workers=self.cfg.loader_workers)
-        batches = iter(self._loader)
-        first = next(batches)
-        return _prepend(first, batches)
-
-    def _build_module(self) -> DLRMTrain:
+    def _start_with_startup_graph(self) -> None:
         cfg = self.cfg
-        module = build_model(self.tables, dim=cfg.dim, dense_layers=list(cfg.dense_layers),
-                             over_layers=list(cfg.over_layers), seed=cfg.seed)
-        apply_optimizer_in_backward(RowWiseAdagrad, module.sparse_arch.parameters(), {"lr": cfg.lr_sparse})
-        return module
+        # warmstart: the resume point is known before any stage runs (a directory listing), so the
+        # data loader can start at the right step while the model is still being built
+        latest = latest_committed(cfg.checkpoint_dir)
+        self.step = 0 if latest is None else latest.step + 1
 
-    def _compile_warmup(self, module: DLRMTrain) -> None:
+        def load_checkpoint(model: DistributedModelParallel) -> int | None:
+            # warmstart: asynchronous checkpoints; its own gloo group, commit marker, keep-N
+            self.optimizer = self._build_optimizer(model)
+            self.checkpointer = Checkpointer(cfg.checkpoint_dir, mode=cfg.checkpoint_mode,
+                                             keep=cfg.keep_checkpoints, recorder=self.rec)
+            return self.checkpointer.load_latest(self._app_state(model))
+
+        spec = TorchRecStartup(
+            build_model=self._build_module,
+            batch_size=cfg.batch_size,
+            sharders=self._sharders(),
+            # warmstart: the plan comes from the cache (a hit is a lookup, a miss plans in a subprocess)
+            build_planner=lambda world, local_world, device_type: self._planner(),
+            build_loader=lambda rank, world: make_loader(self._dataset(self.step), num_workers=cfg.loader_workers),
+            prefetch_batches=1,
+            load_checkpoint=load_checkpoint,
+            # warmstart: compile on a synthetic batch in a thread while the rest starts up; with
+            # WARMSTART=1 Inductor's artifacts come from the shared cache
+            compile_warmup=CompileWarmup(build=lambda device: self._build_dense_over(seeded=False),
+                                         example_inputs=lambda device: self._synthetic_dense_batch(),
+                                         compile_kwargs=_COMPILE_KWARGS),
+            pg_timeout_s=cfg.collective_timeout_s,
+            output_dtensor=True,
+        )
+        result = torchrec_startup_graph(spec, recorder=self.rec).run()
+        self.model = result["model_transform"]
+        self.batches = result["data_loader_init"]
+        self._loader = self.batches.loader
+        self.resumed_from = result["checkpoint_load"]
+        if self.resumed_from != latest_step(latest):  # a checkpoint committed while we started: impossible
+            raise RuntimeError(f"resumed from step {self.resumed_from}, expected {latest_step(latest)}")
+        self._stage_rows = result.rows()
+
+    # -- the job's parts ----------------------------------------------------------------------------
+
+    def _dataset(self, start_step: int) -> ClickLogDataset:
+        return ClickLogDataset(self.tables, self.cfg.batch_size, rank=self.rank, start_step=start_step,
+                               seed=self.cfg.seed)
+
+    def _build_dense_over(self, *, seeded: bool = True) -> DenseOverArch:
         cfg = self.cfg
-        # dynamic=False: every batch has the same shapes, so one static graph (no recompiles)
-        module.dense_over.compile(dynamic=False)
-        dense = torch.zeros(cfg.batch_size, NUM_DENSE)
-        pooled = torch.zeros(cfg.batch_size, cfg.tables * cfg.dim, requires_grad=True)
-        labels = torch.zeros(cfg.batch_size)
-        loss, _ = module.dense_over(dense, pooled, labels)
-        loss.backward()  # compiles the backward graph too
-        for p in module.dense_over.parameters():
-            p.grad = None  # the warm-up must not leak into training
+        if seeded:  # same dense weights on every rank and attempt (DDP also syncs them from rank 0)
+            torch.manual_seed(cfg.seed)
+        return DenseOverArch(cfg.tables, cfg.dim, list(cfg.dense_layers), list(cfg.over_layers))
 
-    def _plan(self, module: DLRMTrain) -> ShardingPlan:
+    def _build_module(self, device: torch.device) -> DLRMTrain:
+        """The unsharded model: tables on ``device`` (``meta``: DMP materializes only its shards),
+        the dense part compiled lazily, the embedding optimizer fused into the backward pass."""
+        cfg = self.cfg
+        ebc = EmbeddingBagCollection(tables=embedding_configs(self.tables, cfg.dim), device=device)
+        dense_over = self._build_dense_over()
+        dense_over.compile(**_COMPILE_KWARGS)
+        # row-wise Adagrad, applied by TorchRec's fused kernels during backward
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": cfg.lr_sparse})
+        return DLRMTrain(ebc, dense_over)
+
+    def _synthetic_dense_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs of ``dense_over`` with the real shapes and dtypes (what compile specializes on)."""
+        cfg = self.cfg
+        return (torch.zeros(cfg.batch_size, NUM_DENSE),
+                torch.zeros(cfg.batch_size, cfg.tables * cfg.dim, requires_grad=True),
+                torch.zeros(cfg.batch_size))
+
+    def _planner(self) -> EmbeddingShardingPlanner:
         topology = TopologyFactory.create_topology(
-            TrainerConfig(world_size=self.world_size,
-                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))),
+            TrainerConfig(world_size=self.world_size, local_world_size=self.local_world_size),
             kernel_config=KernelConfig(compute_device="cpu"),
         )
-        planner = EmbeddingShardingPlanner(topology=topology, batch_size=self.cfg.batch_size,
-                                           storage_reservation=FixedPercentageStorageReservation(0.15))
-        return planner.collective_plan(module, self._sharders(), dist.GroupMember.WORLD)
+        return EmbeddingShardingPlanner(topology=topology, batch_size=self.cfg.batch_size,
+                                        storage_reservation=FixedPercentageStorageReservation(0.15))
 
-    def _sharders(self) -> list:
+    def _sharders(self) -> list[EmbeddingBagCollectionSharder]:
         return [EmbeddingBagCollectionSharder()]
 
-    def _shard(self, module: DLRMTrain, plan: ShardingPlan) -> tuple[DistributedModelParallel, CombinedOptimizer]:
-        # output_dtensor=True: state dicts hold DTensors, which DCP's async staging can copy
-        env = ShardingEnv(self.world_size, self.rank, dist.GroupMember.WORLD, output_dtensor=True)
-        model = DistributedModelParallel(module, env=env, device=torch.device("cpu"), plan=plan,
-                                         sharders=self._sharders())
+    def _build_optimizer(self, model: DistributedModelParallel) -> CombinedOptimizer:
+        # the fused (in-backward) embedding optimizer plus Adam over the dense parameters
         dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
                                       lambda params: torch.optim.Adam(params, lr=self.cfg.lr_dense))
-        self._dense_optimizer = dense
-        return model, CombinedOptimizer([model.fused_optimizer, dense])
+        return CombinedOptimizer([model.fused_optimizer, dense])
 
-    def _app_state(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+    def _app_state(self, model: DistributedModelParallel | None = None) -> dict:
+        model = model if model is not None else self.model
+        if self.cfg.mode == "warmstart":
+            return {"model": model, "optim": self.optimizer}  # Stateful objects: the checkpointer calls state_dict()
+        return {"model": model.state_dict(), "optim": self.optimizer.state_dict()}
 
-    def _load_checkpoint(self, path: Path) -> None:
-        self._dense_optimizer.init_state()  # Adam's state is lazy: create it so it can be loaded in place
-        state = self._app_state()
-        dcp.load(state, checkpoint_id=str(path))
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+    def _write_startup_report(self) -> None:
+        """What this attempt's start-up did, next to its events: where it resumed, how its compile
+        went (torch's own cache counters) and, with the start-up graph, when each stage ran."""
+        run_dir = getattr(self.rec, "run_dir", None)
+        if run_dir is None:
+            return
+        from torch._dynamo.utils import counters
+
+        compile_counters = {key: counters[group][key] for group, key in (
+            ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"))}
+        report = {"rank": self.rank, "attempt": self.attempt, "mode": self.cfg.mode,
+                  "resumed_from_step": self.resumed_from, "compile_counters": compile_counters,
+                  "stages": [dict(zip(("stage", "runs_on", "start", "end", "seconds"), row))
+                             for row in self._stage_rows]}
+        path = Path(run_dir) / f"startup-r{self.rank}-a{self.attempt}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
 
     def _save_checkpoint(self, step: int) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.save(step, self._app_state())  # blocks only while the state is staged
+            return
         path = self.cfg.checkpoint_dir / f"step-{step}"
         with self.rec.span("checkpoint_save"):
             dcp.save(self._app_state(), checkpoint_id=str(path))
             # DCP writes .metadata last, on the coordinator, before any rank returns: it is the commit
         self.rec.checkpoint_committed(step)
         if self.rank == 0:
-            _prune(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
+            _prune_dcp_checkpoints(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -215,7 +305,10 @@ class Trainer:
         os._exit(17)
 
     def close(self) -> None:
-        """Release the loader workers and the process group; safe on a half-built trainer."""
+        """Wait for the last checkpoint, release the loader workers and the process group; safe on a
+        half-built trainer."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         if self._loader is not None:
             self.batches = iter(())
             self._loader = None
@@ -224,24 +317,29 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def latest_committed(checkpoint_dir: Path) -> tuple[int, Path] | None:
-    """The newest checkpoint under ``checkpoint_dir`` whose ``.metadata`` (DCP's commit) exists."""
+def latest_step(found: CommittedCheckpoint | None) -> int | None:
+    """The step of a committed checkpoint, or None."""
+    return None if found is None else found.step
+
+
+def _dcp_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
     found = []
     if checkpoint_dir.is_dir():
         for child in checkpoint_dir.iterdir():
-            match = _CKPT_RE.match(child.name)
+            match = _DCP_CKPT_RE.match(child.name)
             if match and (child / ".metadata").is_file():
                 found.append((int(match.group(1)), child))
-    return max(found) if found else None
+    return sorted(found)
 
 
-def _prune(checkpoint_dir: Path, keep: int) -> None:
-    committed = []
-    for child in checkpoint_dir.iterdir():
-        match = _CKPT_RE.match(child.name)
-        if match and (child / ".metadata").is_file():
-            committed.append((int(match.group(1)), child))
-    for _, path in sorted(committed)[:-keep]:
+def _latest_dcp_checkpoint(checkpoint_dir: Path) -> tuple[int, Path] | None:
+    """The newest plain DCP checkpoint whose ``.metadata`` exists (the baseline's commit)."""
+    found = _dcp_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
+def _prune_dcp_checkpoints(checkpoint_dir: Path, keep: int) -> None:
+    for _, path in _dcp_checkpoints(checkpoint_dir)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -1,0 +1,401 @@
+"""The cold-vs-warm start benchmark (CONTRACT §6): the reference job as baseline, cold and warm.
+
+Each configuration runs the reference job under ``torchrun`` (2 ranks, one restart allowed), and
+each attempt of each configuration lands on "a new machine": a fresh ``HOME``, ``TMPDIR``,
+Inductor, Triton and warmstart cache directory, made by a two-line shell launcher keyed on
+``TORCHELASTIC_RESTART_COUNT`` before Python starts. Only the checkpoint folder (durable storage)
+and the shared cache server survive a restart, as in a fleet. ``baseline`` runs without warmstart;
+``cold`` runs with warmstart on and a throwaway ``warmstart server`` that starts empty; ``warm``
+runs against the same server, filled by ``cold``. The ETT figures come from the metrics calculator
+over each configuration's run directory. This module owns the orchestration (server, launches,
+progress, results); the job is ``reference_job`` and the page and table are built here from the
+metrics package's report code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from warmstart.bench.config import JobConfig
+from warmstart.errors import WarmstartError
+
+CONFIGS = ("baseline", "cold", "warm")
+"""The three configurations, in the order they run (``warm`` needs the cache ``cold`` filled)."""
+
+FIGURES = ("time_to_start_s", "time_to_recover_s", "compile_s", "sharding_plan_s", "checkpoint_blocking_s",
+           "e2e_s", "ett_pct")
+"""The per-configuration figures of the table and of ``--json`` (CONTRACT §6), in table order."""
+
+# The "new machine" of every attempt: fresh local directories, made before Python (and with it
+# warmstart's start-up hook, Inductor and Triton) reads any of them.
+_LAUNCHER = """\
+m="$1/attempt-${TORCHELASTIC_RESTART_COUNT:-0}"; shift
+mkdir -p "$m/home" "$m/tmp" "$m/inductor" "$m/triton" "$m/warmstart-cache"
+export HOME="$m/home" XDG_CACHE_HOME="$m/home/.cache" TMPDIR="$m/tmp" TORCHINDUCTOR_CACHE_DIR="$m/inductor" \
+TRITON_CACHE_DIR="$m/triton" WARMSTART_CACHE_DIR="$m/warmstart-cache"
+exec {python} -m warmstart.bench.reference_job "$@"
+"""
+
+# Variables a configuration must not inherit from the caller's shell: each run sets its own.
+_INHERITED_PREFIXES = ("WARMSTART", "TORCHINDUCTOR_", "TRITON_", "TORCHELASTIC_")
+
+
+class BenchError(WarmstartError):
+    """A configuration did not finish; the message names it, its exit status and its log."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """What ``warmstart bench cold-vs-warm`` runs."""
+
+    job: JobConfig
+    """The reference job's settings (its ``mode`` is set per configuration)."""
+    work_dir: Path
+    """Where every configuration's machines, checkpoints, run directories and logs go."""
+    nproc: int = 2
+    """Ranks per job (torchrun ``--nproc-per-node``)."""
+    timeout_s: float = 900.0
+    """A configuration still running after this long is stopped and the bench fails."""
+
+
+@dataclasses.dataclass
+class ConfigResult:
+    """One configuration's run: where it ran and what the calculator made of it."""
+
+    name: str
+    run_dir: Path
+    log_path: Path
+    wall_s: float
+    result: Any  # warmstart.metrics.calculator.RunResult
+    startup: list[dict[str, Any]]
+    """Per attempt, rank 0's start-up report (resume step, compile counters, stage timings)."""
+    cache: dict[str, dict[str, int]]
+    """warmstart store counters summed over the attempts that exited cleanly: kind -> hits/misses/..."""
+
+    def figures(self) -> dict[str, Any]:
+        """The CONTRACT §6 figures of this configuration, plus what the test and the docs use."""
+        r = self.result
+        buckets = r.buckets
+        compile_counters: dict[str, int] = {}
+        for report in self.startup:
+            for key, value in report.get("compile_counters", {}).items():
+                compile_counters[key] = compile_counters.get(key, 0) + value
+        return {
+            "e2e_s": r.e2e_s,
+            "ett_pct": r.ett_pct,
+            "time_to_start_s": r.l1["time_to_start_s"],
+            "time_to_recover_s": r.l1["time_to_recover_s"],
+            "compile_s": buckets.get("compile", 0.0),
+            "sharding_plan_s": buckets.get("sharding_plan", 0.0),
+            "checkpoint_blocking_s": r.l1["checkpoint_blocking_s"],
+            "lost_progress_s": r.l1["lost_progress_s"],
+            "failures": r.l1["failures"],
+            "attempts": [{"attempt": a.attempt, "pre_first_step_s": a.pre_first_step_s, "failed": a.failed,
+                          "first_step": a.first_step, "last_step": a.last_step,
+                          "last_committed_step": a.last_committed_step, "steps": a.steps}
+                         for a in r.attempts],
+            "resumed_from_step": [rep.get("resumed_from_step") for rep in self.startup],
+            "compile_counters": compile_counters,
+            "cache": self.cache,
+            "buckets": dict(buckets),
+            "wall_s": self.wall_s,
+            "run_dir": str(self.run_dir),
+            "log": str(self.log_path),
+        }
+
+
+ProgressFn = Callable[[str, str, int, int], None]
+"""``progress(config, phase, step, total_steps)``: called while a configuration runs."""
+
+
+def run_cold_vs_warm(options: BenchOptions, progress: ProgressFn | None = None) -> dict[str, ConfigResult]:
+    """Run baseline, cold and warm one after the other and compute their ETT figures.
+
+    Args:
+        options: what to run and where.
+        progress: called with the configuration, its phase and its step as the runs go.
+
+    Returns:
+        Configuration name to its result, in ``CONFIGS`` order.
+
+    Raises:
+        BenchError: a configuration failed or timed out (its log is named).
+    """
+    work = options.work_dir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    report = progress or (lambda *_: None)
+    results: dict[str, ConfigResult] = {}
+    bench_id = uuid.uuid4().hex[:8]
+    report("baseline", "starting", 0, options.job.steps)
+    results["baseline"] = _run_config("baseline", options, work, bench_id, None, report)
+    report("cold", "starting the cache server", 0, options.job.steps)
+    server = CacheServer.start(work / "cache-server")
+    try:
+        for name in ("cold", "warm"):
+            results[name] = _run_config(name, options, work, bench_id, server, report)
+    finally:
+        server.stop()
+    return results
+
+
+def ratios(results: dict[str, ConfigResult]) -> dict[str, float | None]:
+    """warm / baseline for every figure (``None`` where the baseline figure is 0)."""
+    base, warm = results["baseline"].figures(), results["warm"].figures()
+    return {key: (warm[key] / base[key] if base[key] else None) for key in FIGURES}
+
+
+def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str, Any]:
+    """The ``--json`` object: ``baseline``, ``cold``, ``warm`` (CONTRACT §6), ``warm_vs_baseline``
+    ratios, and the settings the figures were measured with."""
+    out: dict[str, Any] = {name: res.figures() for name, res in results.items()}
+    out["warm_vs_baseline"] = ratios(results)
+    job = options.job
+    out["settings"] = {"steps": job.steps, "tables": job.tables, "batch_size": job.batch_size,
+                       "fail_at_step": job.fail_at_step, "checkpoint_every": job.checkpoint_every,
+                       "ranks": options.nproc, "checkpoint_mode": job.checkpoint_mode}
+    return out
+
+
+# -- one configuration ---------------------------------------------------------------------------------
+
+def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, server: CacheServer | None,
+                report: ProgressFn) -> ConfigResult:
+    from warmstart.metrics import compute_runs
+
+    root = work / name
+    if root.exists():  # a rerun in the same --work-dir: a machine is new only if its dirs are empty
+        import shutil
+
+        shutil.rmtree(root)
+    run_dir, machines = root / "runs", root / "machines"
+    run_dir.mkdir(parents=True)
+    machines.mkdir()
+    log_path = root / "job.log"
+    job = dataclasses.replace(options.job, mode="baseline" if name == "baseline" else "warmstart",
+                              checkpoint_dir=root / "checkpoints")
+    env = _job_env(name, root, run_dir, bench_id, server)
+    launcher = _LAUNCHER.format(python=shlex.quote(sys.executable))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
+           "--max-restarts=1", "--no-python", "/bin/sh", "-c", launcher, "sh", str(machines), *job.to_args()]
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+                                start_new_session=True)
+        tail = _EventTail(run_dir)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - started > options.timeout_s:
+                    _stop(proc)
+                    raise BenchError(f"{name}: still running after {options.timeout_s:.0f} s; stopped it "
+                                     f"(log: {log_path})")
+                phase, step = tail.poll()
+                report(name, phase, step, job.steps)
+                time.sleep(0.5)
+        except BaseException:
+            _stop(proc)
+            raise
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise BenchError(f"{name}: the job exited with status {proc.returncode} (log: {log_path})")
+    report(name, "done", job.steps, job.steps)
+    results = compute_runs([run_dir])
+    if len(results) != 1:
+        raise BenchError(f"{name}: expected the events of one job in {run_dir}, found {len(results)}")
+    return ConfigResult(name=name, run_dir=run_dir, log_path=log_path, wall_s=wall, result=results[0],
+                        startup=_startup_reports(run_dir), cache=_cache_counters(machines))
+
+
+def _job_env(name: str, root: Path, run_dir: Path, bench_id: str, server: CacheServer | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_PREFIXES)}
+    home = root / "home"
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    env.update({
+        "HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONUNBUFFERED": "1",
+        "WARMSTART_RUN_DIR": str(run_dir), "WARMSTART_JOB_ID": f"{name}-{bench_id}",
+        # 2 ranks on a small machine: one thread each, and one Inductor compile thread
+        "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        # torchrun keeps one rendezvous TCPStore across restarts; the restarted ranks could read the
+        # dead ranks' gloo addresses from it (pytorch/pytorch#135712). One store per attempt instead.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    })
+    if server is not None:
+        env.update({"WARMSTART": "1", "WARMSTART_CACHE_URL": server.writer_url,
+                    "WARMSTART_SECRET_FILE": server.secret_file, "WARMSTART_NAMESPACE": f"bench-{bench_id}"})
+    return env
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the launcher and every process it started (its own session)."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _startup_reports(run_dir: Path) -> list[dict[str, Any]]:
+    reports = []
+    for path in sorted(run_dir.glob("startup-r0-a*.json"), key=lambda p: int(p.stem.rsplit("-a", 1)[1])):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return reports
+
+
+def _cache_counters(machines: Path) -> dict[str, dict[str, int]]:
+    from warmstart.compile_cache import stats as stats_mod
+
+    totals: dict[str, dict[str, int]] = {}
+    for path in sorted(machines.glob("attempt-*/warmstart-cache/stats.json")):
+        for (tier, kind), counts in stats_mod.load(path).items():
+            row = totals.setdefault(f"{tier}/{kind}", {"hits": 0, "misses": 0, "writes": 0, "errors": 0})
+            for field in row:
+                row[field] += int(getattr(counts, field))
+    return totals
+
+
+class _EventTail:
+    """Follows rank 0's event files to say what a running job is doing."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._offsets: dict[Path, int] = {}
+        self.phase, self.step = "starting", 0
+
+    def poll(self) -> tuple[str, int]:
+        for path in sorted(self.run_dir.glob("events-r0-a*.jsonl")):
+            attempt = path.stem.rsplit("-a", 1)[1]
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            self._offsets[path] = self._offsets.get(path, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                self._see(event, attempt)
+        return self.phase, self.step
+
+    def _see(self, event: dict[str, Any], attempt: str) -> None:
+        kind = event.get("event")
+        if kind == "attempt_start":
+            self.phase = f"attempt {attempt}: starting up"
+        elif kind == "begin" and "step" not in self.phase:
+            self.phase = f"attempt {attempt}: {event.get('span')}"
+        elif kind == "step":
+            self.phase, self.step = f"attempt {attempt}: training", int(event["step"]) + 1
+        elif kind == "failure":
+            self.phase = f"attempt {attempt}: failed, restarting"
+        elif kind == "train_end":
+            self.phase = f"attempt {attempt}: shutting down"
+
+
+# -- the throwaway cache server ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class CacheServer:
+    """A ``warmstart server`` started for the benchmark and stopped after it."""
+
+    directory: Path
+    writer_url: str
+    secret_file: str
+
+    @classmethod
+    def start(cls, directory: Path) -> CacheServer:
+        """``warmstart server start --dir DIRECTORY --port <free> --json``.
+
+        Raises:
+            BenchError: the server did not start (its message is passed on).
+        """
+        cmd = [sys.executable, "-m", "warmstart", "server", "start", "--dir", str(directory),
+               "--port", str(_free_port()), "--maxmemory", "1GiB", "--json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise BenchError(f"could not start the cache server: {done.stderr.strip() or done.stdout.strip()}")
+        info = json.loads(done.stdout)
+        return cls(directory=directory, writer_url=info["writer_url"], secret_file=info["secret_file"])
+
+    def stop(self) -> None:
+        """``warmstart server stop --dir DIRECTORY`` (errors are ignored: it is a throwaway server)."""
+        subprocess.run([sys.executable, "-m", "warmstart", "server", "stop", "--dir", str(self.directory)],
+                       capture_output=True, timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the page ------------------------------------------------------------------------------------------
+
+_LABELS = {
+    "time_to_start_s": "time to start (s)", "time_to_recover_s": "time to recover (s)",
+    "compile_s": "compile (s)", "sharding_plan_s": "sharding plan (s)",
+    "checkpoint_blocking_s": "checkpoint blocking (s)", "e2e_s": "end to end (s)", "ett_pct": "ETT %",
+}
+
+
+def table_rows(results: dict[str, ConfigResult]) -> list[list[Any]]:
+    """One row per figure: label, baseline, cold, warm, warm/baseline (``x`` ratio)."""
+    figures = {name: res.figures() for name, res in results.items()}
+    ratio = ratios(results)
+    rows = []
+    for key in FIGURES:
+        r = ratio[key]
+        rows.append([_LABELS[key], *(figures[name][key] for name in CONFIGS),
+                     "-" if r is None else f"{r:.2f}x"])
+    return rows
+
+
+def render_page(results: dict[str, ConfigResult]) -> str:
+    """A self-contained HTML page: the side-by-side table, then the three runs' timelines and
+    breakdowns next to each other (the metrics package's report, one column per configuration)."""
+    import html
+
+    from warmstart.metrics.report import render_html
+
+    page = render_html([results[name].result for name in CONFIGS], title="warmstart bench cold-vs-warm")
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("figure", *CONFIGS, "warm / baseline"))
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>"
+                   for row in table_rows(results))
+    labels = "".join(f"<div class=\"config\">{html.escape(name)}</div>" for name in CONFIGS)
+    summary_html = (f"<table class=\"bench\"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                    f"<div class=\"configs\">{labels}</div><div class=\"runs\">")
+    style = ("<style>.runs, .configs { display: grid; grid-template-columns: repeat(3, minmax(0, 1fr)); gap: 1em; }"
+             " .config { font-size: 1.4em; font-weight: bold; text-align: center; }"
+             " table.bench { margin-bottom: 1.5em; } .runs section.run { min-width: 0; }</style>")
+    page = page.replace("</head>", style + "</head>", 1)
+    first = page.find("<section class=\"run\">")
+    last = page.rfind("</body>")
+    if first < 0 or last < 0:  # an unexpected page: keep the report whole, table first
+        return page.replace("</h1>", "</h1>" + summary_html + "</div>", 1)
+    return page[:first] + summary_html + page[first:last] + "</div>" + page[last:]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}"
+    return str(value)
