@@ -98,7 +98,7 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
                                 manual_seed=rank, num_generated_batches=4)
         return torch.utils.data.DataLoader(data, batch_size=None, num_workers=2)
 
-    def load_checkpoint(model: nn.Module) -> int:
+    def load_checkpoint(model: nn.Module, optimizer: None) -> int:
         state = model.state_dict()
         dcp.load(state, checkpoint_id=str(ckpt))
         return len(state)

@@ -124,7 +124,8 @@ def mode_graph(out: dict, fail: bool = False) -> None:
             raise OSError("data loader worker died")
         return torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=1)
 
-    def load_checkpoint(model: nn.Module) -> int:
+    def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        assert isinstance(optimizer, torch.optim.SGD)
         total = torch.tensor([sum(p.numel() for p in model.parameters())])
         dist.all_reduce(total)
         return int(total)
@@ -135,6 +136,8 @@ def mode_graph(out: dict, fail: bool = False) -> None:
     spec = TorchRecStartup(build_model=build_model, batch_size=BATCH, sharders=m.sharders(),
                            build_planner=lambda world, local, device: counting_planner(world),
                            build_loader=build_loader, load_checkpoint=load_checkpoint, compile_warmup=warmup,
+                           build_optimizer=lambda model: torch.optim.SGD(
+                               [p for n, p in model.named_parameters() if "ebc" not in n], lr=0.05),
                            pg_timeout_s=60, plan_store=m.local_store(Path(os.environ["WARMSTART_CACHE_DIR"])))
     graph = torchrec_startup_graph(spec, abort_grace_s=1.0)
     graph.add("first_batch_ready", lambda data_loader_init, checkpoint_load: dist.barrier(),

@@ -183,15 +183,19 @@ class StartupGraph:
             (here or on a peer) gets to come out of it before the process is aborted.
         abort: what aborting means; default: print the reason to stderr, record a failure, and
             ``os._exit(1)`` (a thread cannot interrupt a thread blocked in a collective).
+        channel_poll_s: how often the channel is asked about peers' failures (one store request
+            per rank each time: keep it well above a millisecond on large jobs).
         failure_linger_s: with a channel, how long a rank whose own stage failed waits before
-            raising, so that its peers see the failure before a launcher tears them down.
+            raising, so that its peers see the failure before a launcher tears them down (keep it
+            above ``channel_poll_s``).
     """
 
     def __init__(self, name: str = "startup", *, rank: int | None = None, recorder: Any = None,
                  channel: FailureChannel | None = None,
                  collective_timeout_s: float = _DEFAULT_COLLECTIVE_TIMEOUT_S,
                  abort_grace_s: float = _DEFAULT_ABORT_GRACE_S, poll_s: float = _DEFAULT_POLL_S,
-                 abort: Callable[[str], None] | None = None, failure_linger_s: float = 1.0) -> None:
+                 abort: Callable[[str], None] | None = None, channel_poll_s: float = 0.5,
+                 failure_linger_s: float = 1.5) -> None:
         self.name = name
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.recorder = recorder
@@ -200,6 +204,7 @@ class StartupGraph:
         self.abort_grace_s = abort_grace_s
         self.poll_s = poll_s
         self.abort = abort or _abort_process
+        self.channel_poll_s = channel_poll_s
         self.failure_linger_s = failure_linger_s
         self._stages: dict[str, Stage] = {}
 
@@ -455,6 +460,7 @@ class _Run:
     def _watch(self) -> None:
         """Timeouts, peers' failures, and aborting a rank stuck in a collective after a failure."""
         channel = self.graph.channel
+        next_poll = 0.0
         while True:
             with self.cond:
                 if self.finished:
@@ -470,7 +476,8 @@ class _Run:
                 self._fail(name, TimeoutError(f"still running after {self.stages[name].timeout_s:g} s"))
             if main_stage is not None and now - main_stage[1] > main_stage[2]:
                 self._fail(main_stage[0], TimeoutError(f"still running after {main_stage[2]:g} s"))
-            if channel is not None and self.failure is None:
+            if channel is not None and self.failure is None and now >= next_poll:
+                next_poll = now + self.graph.channel_poll_s
                 message = channel.poll()
                 if message is not None:
                     peer = _parse_message(message)

@@ -92,7 +92,7 @@ class PlanOutcome:
     error: str | None = None
 
 
-def cached_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *,
+def cached_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]] | None" = None, *,
                 pg: "dist.ProcessGroup | None" = None, store: Any = None, plan_in_subprocess: bool = False,
                 salt: str = "") -> "ShardingPlan":
     """The plan ``planner`` would return for ``module``, served from the cache when nothing changed.
@@ -104,7 +104,7 @@ def cached_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder
     Args:
         planner: a TorchRec ``ShardingPlanner`` (usually ``EmbeddingShardingPlanner``).
         module: the model, typically on the ``meta`` device.
-        sharders: the sharders that will shard it.
+        sharders: the sharders that will shard it; ``None``: TorchRec's default sharders.
         pg: the process group to plan for; ``None`` plans locally.
         store: the store to use; default :func:`warmstart.compile_cache.get_store` (``None`` while
             warmstart is off: then this is exactly the planner's own call).
@@ -116,9 +116,13 @@ def cached_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder
         The ``ShardingPlan``.
 
     Raises:
-        PlanningFailed: on ranks other than 0 when rank 0 failed to plan (rank 0 raises the
-            planner's own error).
+        PlanningFailed: planning failed (with ``pg``: on rank 0, raised on every rank; rank 0 also
+            logs the planner's traceback). Without ``pg`` the planner's own error is raised.
     """
+    if sharders is None:  # as collective_plan does
+        from torchrec.distributed.sharding_plan import get_default_sharders
+
+        sharders = get_default_sharders()
     if store is None:
         from warmstart.compile_cache import get_store
 
@@ -151,24 +155,24 @@ def resolve_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharde
         The outcome, with its source and timings.
     """
     start = time.perf_counter()
-    key = plan_key(planner, module, sharders, salt=salt) if store is not None else None
-    rejected = 0
-    if store is not None:
-        hit = load_plan(store, key, planner, module, sharders)
-        if isinstance(hit, PlanOutcome):
-            hit.seconds = time.perf_counter() - start
-            return hit
-        rejected = hit
-    plan_start = time.perf_counter()
+    key, rejected = None, 0
     try:
+        if store is not None:
+            key = plan_key(planner, module, sharders, salt=salt)
+            hit = load_plan(store, key, planner, module, sharders)
+            if isinstance(hit, PlanOutcome):
+                hit.seconds = time.perf_counter() - start
+                return hit
+            rejected = hit
+        plan_start = time.perf_counter()
         if plan_in_subprocess:
             plan = call_in_subprocess(planner.plan, {"module": module, "sharders": sharders}, name="sharding planner")
         else:
             plan = planner.plan(module, sharders)
-    except Exception as exc:
+    except Exception as exc:  # the planner's (or the key's) error: every rank must hear of it
         if not catch:
             raise
-        log.exception("warmstart: sharding planner failed")
+        log.exception("warmstart: sharding plan failed")
         return PlanOutcome(None, "planner", key, time.perf_counter() - start, rejected=rejected,
                            error=f"{type(exc).__name__}: {exc}")
     plan_s = time.perf_counter() - plan_start

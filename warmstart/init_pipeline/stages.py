@@ -6,7 +6,7 @@ builder, data loader builder, planner, checkpoint hook, compile warm-up) into th
     process_group_init (main) ───────────────────────┐
     model_meta (thread) ─> sharding_plan (thread; rank 0: cache or planner in a subprocess)
                                └─> sharding_plan_broadcast (main) ─> model_transform (main: DMP)
-                                                                       └─> checkpoint_load (main: hook)
+                                                  └─> optimizer_init (main) ─> checkpoint_load (main: hook)
     data_loader_init (thread: build, iter(), first batches prefetched)
     compile_warmup (thread: torch.compile of the dense part on a synthetic batch)
 
@@ -192,8 +192,12 @@ class TorchRecStartup:
             local_world_size=...)`` with ``batch_size``.
         build_loader: ``(rank, world_size) -> iterable of batches``; ``None``: no loader stage.
         prefetch_batches: batches fetched during start-up (TorchRec's pipeline needs 3 to start).
-        load_checkpoint: ``(model) -> anything``, called after sharding with the
-            ``DistributedModelParallel`` model (a collective: every rank calls it); ``None``: no stage.
+        build_optimizer: ``(model) -> optimizer`` for the parameters the sharders do not fuse, built
+            after sharding; ``None``: no stage.
+        load_checkpoint: ``(model, optimizer) -> anything``, called after sharding with the
+            ``DistributedModelParallel`` model and the optimizer (``None`` without
+            ``build_optimizer``); a collective: every rank calls it. ``None``: no stage. Restore the
+            data loader's state in ``build_loader`` instead, before its first batch is fetched.
         compile_warmup: see :class:`CompileWarmup`; ``None``: no stage.
         device: the training device (``cpu`` or ``cuda``); the planner's compute device is its type.
         backend: the process group backend.
@@ -212,7 +216,8 @@ class TorchRecStartup:
     build_planner: Callable[[int, int, str], Any] | None = None
     build_loader: Callable[[int, int], Iterable[Any]] | None = None
     prefetch_batches: int = 3
-    load_checkpoint: Callable[[nn.Module], Any] | None = None
+    build_optimizer: Callable[[nn.Module], Any] | None = None
+    load_checkpoint: Callable[[nn.Module, Any], Any] | None = None
     compile_warmup: CompileWarmup | None = None
     device: torch.device | str = "cpu"
     backend: str = "gloo"
@@ -232,8 +237,8 @@ def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank
     (:class:`PrefetchedLoader`), ``model_meta`` (the unsharded model), ``sharding_plan`` (rank 0: a
     :class:`~warmstart.init_pipeline.plan_cache.PlanOutcome`; others ``None``),
     ``sharding_plan_broadcast`` (the ``ShardingPlan``), ``model_transform`` (the
-    ``DistributedModelParallel``), ``checkpoint_load`` (the hook's return value),
-    ``compile_warmup`` (seconds).
+    ``DistributedModelParallel``), ``optimizer_init`` (the optimizer), ``checkpoint_load`` (the
+    hook's return value), ``compile_warmup`` (seconds).
 
     Args:
         spec: the job's parts.
@@ -311,10 +316,19 @@ def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank
               collective=True, bucket="sharding_plan")
     graph.add("model_transform", model_transform,
               deps=["model_meta", "sharding_plan_broadcast", "process_group_init"], collective=True)
+    if spec.build_optimizer is not None:
+        build_optimizer = spec.build_optimizer
+        # On the main thread: it reads the parameters DistributedModelParallel just built.
+        graph.add("optimizer_init", lambda model_transform: build_optimizer(model_transform),
+                  deps=["model_transform"], runs_on="main", bucket="model_transform")
     if spec.load_checkpoint is not None:
         hook = spec.load_checkpoint
-        graph.add("checkpoint_load", lambda model_transform: hook(model_transform), deps=["model_transform"],
-                  collective=True)
+        if spec.build_optimizer is not None:
+            graph.add("checkpoint_load", lambda model_transform, optimizer_init: hook(model_transform, optimizer_init),
+                      deps=["model_transform", "optimizer_init"], collective=True)
+        else:
+            graph.add("checkpoint_load", lambda model_transform: hook(model_transform, None),
+                      deps=["model_transform"], collective=True)
     return graph
 
 
