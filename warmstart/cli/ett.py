@@ -75,7 +75,10 @@ def report(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None) ->
     """
     results = list(_results(run_dirs))
     if html_file is not None:
-        html_file.write_text(render_html(results), encoding="utf-8")
+        try:
+            html_file.write_text(render_html(results), encoding="utf-8")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {html_file}: {exc.strerror}") from None
         click.echo(f"warmstart: wrote {html_file}", err=True)
     if as_json:
         emit_json(results_json(results))

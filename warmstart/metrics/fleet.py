@@ -32,7 +32,9 @@ class FleetResult:
         return 100.0 * self.effective_device_seconds / self.device_seconds if self.device_seconds else 0.0
 
     def add(self, result: RunResult) -> None:
-        """Fold one job in."""
+        """Fold one job in (a run directory without events adds nothing)."""
+        if not result.attempts:
+            return
         weight = result.devices
         self.jobs += 1
         self.device_seconds += result.e2e_s * weight
