@@ -267,7 +267,7 @@ def _compute(run: Run) -> RunResult:
         rank_results[rank] = {"e2e_s": t_end - t0, "ett_pct": _pct(total[EFFECTIVE], t_end - t0),
                               "buckets": total}
 
-    attempts = [_attempt_result(f, job_split, i, len(frames)) for i, f in enumerate(frames)]
+    attempts = [_attempt_result(f, job_split, i) for i, f in enumerate(frames)]
     buckets = ordered_buckets(job_split.total)
     e2e = t_end - t0
     return RunResult(job=run.job, run_dir=run.run_dir, start_ts=t0, end_ts=t_end, e2e_s=e2e,
@@ -330,7 +330,6 @@ class _Split:
     total: dict[str, float]
     per_attempt: list[dict[str, float]]
     pre_first_step: list[float]
-    recovery_before: list[float]
     step_stats: list[tuple[int, int | None, int | None, int]]  # steps, first, last, samples
     timeline: list[AttemptTimeline]
 
@@ -344,7 +343,6 @@ def _split(frames: list[_Frame], events: list[Event], t0: float, t_end: float, n
     total: dict[str, float] = defaultdict(float)
     per_attempt: list[dict[str, float]] = []
     pre: list[float] = []
-    rec_before: list[float] = []
     stats: list[tuple[int, int | None, int | None, int]] = []
     timeline: list[AttemptTimeline] = []
     cursor = t0
@@ -353,7 +351,6 @@ def _split(frames: list[_Frame], events: list[Event], t0: float, t_end: float, n
         gap = max(frame.start - cursor, 0.0)
         if gap:
             buckets[RECOVERY] += gap
-        rec_before.append(gap)
         evs = by_attempt.get(frame.attempt, [])
         init_s, stat, tl = _fill_window(frame, evs, buckets, notes, keep_timeline)
         pre.append(init_s)
@@ -370,7 +367,7 @@ def _split(frames: list[_Frame], events: list[Event], t0: float, t_end: float, n
         for name, seconds in buckets.items():
             total[name] += seconds
         per_attempt.append(buckets)
-    return _Split(total, per_attempt, pre, rec_before, stats, timeline)
+    return _Split(total, per_attempt, pre, stats, timeline)
 
 
 # Sweep marks: at equal times, spans end before steps and spans begin after them.
@@ -493,13 +490,11 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[tuple[floa
     return clipped
 
 
-def _attempt_result(frame: _Frame, split: _Split, i: int, n: int) -> AttemptResult:
+def _attempt_result(frame: _Frame, split: _Split, i: int) -> AttemptResult:
     buckets = ordered_buckets(split.per_attempt[i])
     e2e = sum(buckets.values())
     steps, first, last, samples = split.step_stats[i]
-    failure = None
-    if frame.failure is not None:
-        failure = dict(frame.failure)
+    failure = None if frame.failure is None else dict(frame.failure)
     return AttemptResult(
         attempt=frame.attempt, start_ts=frame.start, end_ts=frame.stop, devices=frame.devices, e2e_s=e2e,
         ett_pct=_pct(buckets[EFFECTIVE], e2e), buckets=buckets, pre_first_step_s=split.pre_first_step[i],
