@@ -1,6 +1,9 @@
 """ETT% metrics: record events (``Recorder``), compute the buckets of CONTRACT §4 (``load_runs``,
 ``compute``), and report them (``warmstart.metrics.report``).
 
+The recorder side is imported eagerly (the start-up hook needs it); the calculator only when used,
+so a training process never pays for it.
+
 Example:
     >>> from warmstart.metrics import get_recorder
     >>> rec = get_recorder()          # no-op unless WARMSTART_RUN_DIR or WARMSTART=1 is set
@@ -9,13 +12,24 @@ Example:
     >>> rec.step(0)
 """
 
+from typing import Any
+
 from warmstart.metrics.auto import install_compile_spans
-from warmstart.metrics.calculator import RunResult, compute, compute_runs, load_runs
 from warmstart.metrics.events import Event, EventFormatError, TornLineWarning, read_events, write_events
 from warmstart.metrics.recorder import NullRecorder, Recorder, get_recorder, reset_process_recorder
 
+_CALCULATOR = ("RunResult", "compute", "compute_runs", "load_runs")
+
 __all__ = [
     "Event", "EventFormatError", "TornLineWarning", "read_events", "write_events",
-    "load_runs", "compute", "compute_runs", "RunResult",
+    *_CALCULATOR,
     "Recorder", "NullRecorder", "get_recorder", "reset_process_recorder", "install_compile_spans",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CALCULATOR:
+        from warmstart.metrics import calculator
+
+        return getattr(calculator, name)
+    raise AttributeError(f"module 'warmstart.metrics' has no attribute {name!r}")
