@@ -171,6 +171,8 @@ class WorkerResult:
     t_mixed: float = 0.0
     t1: float = 0.0
     bytes_first: int = 0
+    cpu_s: float = 0.0
+    """CPU seconds this client process spent in its operations (load-independent cost)."""
     get_s: list[float] = field(default_factory=list)
     put_s: list[float] = field(default_factory=list)
     bytes: int = 0
@@ -187,6 +189,7 @@ def _throughput_worker(side, url, secret, run, index, plan, sizes, compressible,
     result = WorkerResult()
     barrier.wait()
     result.t0 = time.monotonic()
+    cpu0 = time.process_time()
     for op, key in plan:
         if op == "sync":
             result.t_sync, result.bytes_first = time.monotonic(), result.bytes
@@ -210,6 +213,7 @@ def _throughput_worker(side, url, secret, run, index, plan, sizes, compressible,
             else:
                 result.corrupt += 1
     result.t1 = time.monotonic()
+    result.cpu_s = time.process_time() - cpu0
     result.client_errors = client.errors()
     queue.put((index, result))
 
@@ -296,7 +300,8 @@ def summarize(results: list[WorkerResult]) -> dict[str, float | int]:
         phases = {"write_round_mib_per_s": sum(r.bytes_first for r in results) / first / 2**20,
                   "mixed_round_mib_per_s": sum(r.bytes - r.bytes_first for r in results) / mixed / 2**20}
     return {
-        **phases, "wall_s": wall, "ops": ops, "ops_per_s": ops / wall, "mib_per_s": sum(r.bytes for r in results) / wall / 2**20,
+        **phases, "wall_s": wall, "ops": ops, "client_cpu_s": sum(r.cpu_s for r in results),
+        "bytes": sum(r.bytes for r in results), "ops_per_s": ops / wall, "mib_per_s": sum(r.bytes for r in results) / wall / 2**20,
         "p50_ms": pct(both, 50), "p99_ms": pct(both, 99),
         "get_p50_ms": pct(gets, 50), "get_p99_ms": pct(gets, 99),
         "put_p50_ms": pct(puts, 50), "put_p99_ms": pct(puts, 99),
@@ -326,11 +331,17 @@ def phase_throughput(args, workdir: Path, console) -> dict:
             admin.flushall()
             run = f"bench{n}"
             console.log(f"throughput: {side} run {n + 1}/{len(order)}: {args.procs} processes")
+            cpu_before = _server_cpu(admin)
             results = _run_processes(
                 _throughput_worker,
                 lambda i: (side, url, secret, run, i, plan[i], sizes, not args.random_payloads),
                 args.procs)
-            runs[side].append(summarize(results))
+            summary = summarize(results)
+            summary["server_cpu_s"] = _server_cpu(admin) - cpu_before
+            gib = summary["bytes"] / 2**30
+            summary["client_cpu_s_per_gib"] = summary["client_cpu_s"] / gib
+            summary["server_cpu_s_per_gib"] = summary["server_cpu_s"] / gib
+            runs[side].append(summary)
             console.log(f"  {side}: {runs[side][-1]['mib_per_s']:.0f} MiB/s, {runs[side][-1]['ops_per_s']:.0f} ops/s")
     finally:
         admin.close()
@@ -366,6 +377,11 @@ def phase_fill(args, workdir: Path, console) -> dict:
     return {"maxmemory": maxmemory, "written_bytes": sum(r.bytes for r in results), "server_up": up,
             "evicted_keys": int(info["evicted_keys"]), "used_memory_peak": int(info["used_memory_peak"]),
             "used_memory": int(info["used_memory"]), **summary}
+
+
+def _server_cpu(admin) -> float:
+    info = admin.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _free_port() -> int:
@@ -409,11 +425,15 @@ def main(argv: list[str] | None = None) -> int:
             _defaults.COMPRESS_LEVEL = int(args.compress_level)
 
     with tempfile.TemporaryDirectory(prefix="ws-server-bench-") as tmp:
-        report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+        import os
+
+        report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
         report["throughput"] = phase_throughput(args, Path(tmp), console)
         if not args.skip_fill:
             report["fill"] = phase_fill(args, Path(tmp), console)
 
+    report["loadavg_after"] = os.getloadavg()
     out = Console(width=160)
     best = report["throughput"]["best"]
     from warmstart import _defaults
@@ -423,25 +443,31 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'off' if args.compress_level == 'off' else _defaults.COMPRESS_LEVEL}; best of {args.repeats} "
                   "runs per side",
                   title_justify="left")
-    for col in ("", "MiB/s", "write round MiB/s", "3:1 round MiB/s", "ops/s", "p50 ms", "p99 ms", "get p50/p99 ms", "put p50/p99 ms", "errors", "corrupt",
+    for col in ("", "MiB/s", "write round MiB/s", "3:1 round MiB/s", "client / server CPU s per GiB", "ops/s", "p50 ms", "p99 ms", "get p50/p99 ms", "put p50/p99 ms", "errors", "corrupt",
                 "misses"):
         table.add_column(col, justify="left" if not col else "right")
     for side in ("raw", "store"):
         r = best[side]
         table.add_row(side, f"{r['mib_per_s']:.0f}", f"{r['write_round_mib_per_s']:.0f}",
-                      f"{r['mixed_round_mib_per_s']:.0f}", f"{r['ops_per_s']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                      f"{r['mixed_round_mib_per_s']:.0f}",
+                      f"{r['client_cpu_s_per_gib']:.1f} / {r['server_cpu_s_per_gib']:.1f}", f"{r['ops_per_s']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
                       f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}", f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}",
                       str(r["errors"]), str(r["corrupt"]), str(r["misses"]))
     out.print(table)
     t = report["throughput"]
+    cost = {side: best[side]["client_cpu_s_per_gib"] + best[side]["server_cpu_s_per_gib"] for side in best}
+    t["ratio_cpu_bound"] = cost["raw"] / cost["store"]
     out.print(f"store / raw throughput: {t['ratio_bytes'] * 100:.0f}% overall (bytes), {t['ratio_ops'] * 100:.0f}% (ops); "
-              f"write round {t['ratio_write_round'] * 100:.0f}%, 3:1 read/write round {t['ratio_mixed_round'] * 100:.0f}%")
+              f"write round {t['ratio_write_round'] * 100:.0f}%, 3:1 read/write round {t['ratio_mixed_round'] * 100:.0f}%; "
+              f"from CPU cost per GiB (client + server, independent of other load): {t['ratio_cpu_bound'] * 100:.0f}%")
     if "fill" in report:
         f = report["fill"]
         out.print(f"fill: wrote {f['written_bytes'] / 2**20:.0f} MiB into maxmemory {f['maxmemory'] / 2**20:.0f} MiB; "
                   f"server up: {f['server_up']}; evicted keys: {f['evicted_keys']}; peak memory "
                   f"{f['used_memory_peak'] / 2**20:.0f} MiB; reads: {f['hits']} hits, {f['misses']} misses, "
                   f"{f['errors']} errors, {f['corrupt']} corrupt")
+    out.print(f"machine: {report['cpus']} CPUs, 1-min load average {report['loadavg_before'][0]:.1f} before, "
+              f"{report['loadavg_after'][0]:.1f} after (other work on the machine skews both sides alike)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
     ok = all(best[s]["errors"] == 0 and best[s]["corrupt"] == 0 and best[s]["misses"] == 0 for s in best)
