@@ -147,7 +147,8 @@ def rotate(directory, users, secret, as_json) -> None:
     """
     from warmstart.server import Credentials
     from warmstart.server.credentials import rotate as rotate_files
-    from warmstart.server.process import URL_FILES, reload_acl
+    from warmstart.server.config import URL_FILES
+    from warmstart.server.process import reload_acl
 
     directory = directory or _default_dir()
     if not users and not secret:

@@ -26,6 +26,7 @@ CLUSTER_BUS_OFFSET = 10000  # Redis Cluster's bus listens on port + 10000
 CLUSTER_NODE_TIMEOUT_MS = 5000
 ACL_FILE = "users.acl"
 STATE_FILE = "state.json"
+URL_FILES = {"writer": "writer.url", "reader": "reader.url"}  # the URLs to hand out, one per user
 
 
 class OptionError(ConfigError):

@@ -22,13 +22,12 @@ from pathlib import Path
 from warmstart.errors import WarmstartError
 from warmstart.server import cluster, preflight
 from warmstart.server.acl import render_acl_file
-from warmstart.server.config import ACL_FILE, ServerOptions, node_dir, render_redis_conf
+from warmstart.server.config import ACL_FILE, URL_FILES, ServerOptions, node_dir, render_redis_conf
 from warmstart.server.credentials import Credentials, write_private
 from warmstart.server.state import ServerState, pid_alive, read_pidfile, wait_gone
 
 _READY_TIMEOUT_S = 15.0  # a node that has not answered PING by then is reported as failed
 _STOP_TIMEOUT_S = 10.0  # SHUTDOWN, then SIGTERM, then after this long SIGKILL
-URL_FILES = {"writer": "writer.url", "reader": "reader.url"}
 
 
 def start(options: ServerOptions) -> ServerState:

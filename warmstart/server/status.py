@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from warmstart.server.acl import KEY_PREFIX
+from warmstart.server.config import URL_FILES
 from warmstart.server.credentials import Credentials
 from warmstart.server.state import ServerState
 
@@ -118,8 +119,6 @@ class ServerStatus:
 
 def collect(directory: Path, *, sample_keys: int = SAMPLE_KEYS) -> ServerStatus | None:
     """Status of the server started from ``directory``; ``None`` if none ever was."""
-    from warmstart.server.process import URL_FILES
-
     state = ServerState.load(directory)
     if state is None:
         return None
