@@ -83,6 +83,24 @@ class CheckpointError(WarmstartError):
     cause; earlier checkpoints are left intact."""
 
 
+class _FileSystemWriter(FileSystemWriter):
+    """DCP's file writer, except that a failed write raises the OSError behind it.
+
+    ``torch.save`` turns a failed ``write()`` (ENOSPC, EFBIG, EIO) into ``RuntimeError: unexpected
+    pos``, keeping the OSError only as ``__context__``, which DCP loses when it pickles per-rank
+    failures to the coordinator. Raising the OSError itself keeps the cause in the one-line error.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:
+            cause = _os_error(e)
+            if cause is None or cause is e:
+                raise
+            raise cause from e
+
+
 @dataclass
 class _Pending:
     step: int
@@ -346,7 +364,7 @@ class Checkpointer:
     def _save_now(self, step: int, entries: dict[str, Any], partial: Path) -> None:
         error: BaseException | None = None
         try:
-            dcp.save(entries, storage_writer=FileSystemWriter(partial), process_group=self._pg,
+            dcp.save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
                      no_dist=not self._distributed)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = e
@@ -356,7 +374,7 @@ class Checkpointer:
 
     def _start_async(self, step: int, entries: dict[str, Any], partial: Path) -> None:
         kind = AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS else AsyncCheckpointerType.THREAD
-        response = dcp.async_save(entries, storage_writer=FileSystemWriter(partial), process_group=self._pg,
+        response = dcp.async_save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
                                   async_checkpointer_type=kind, async_stager=self._stager_for(entries),
                                   no_dist=not self._distributed)
         if isinstance(response, AsyncSaveResponse):
@@ -454,14 +472,23 @@ def _cause(exc: BaseException) -> str:
         inner = exc.failures[ranks[0]]
         inner = inner[0] if isinstance(inner, tuple) else inner
         return f"{_cause(inner)} (rank {', '.join(map(str, ranks))})"
-    chain, seen = exc, set()
+    os_error = _os_error(exc)
+    if os_error is not None:
+        return f"{os.strerror(os_error.errno)} (errno {os_error.errno})"  # type: ignore[arg-type]
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``exc``'s cause/context chain."""
+    chain: BaseException | None = exc
+    seen: set[int] = set()
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))
         if isinstance(chain, OSError) and chain.errno is not None:
-            return f"{os.strerror(chain.errno)} (errno {chain.errno})"
+            return chain
         chain = chain.__cause__ or chain.__context__
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return None
 
 
 def _has_sharded_tensor(obj: Any) -> bool:
