@@ -176,6 +176,8 @@ class Checkpointer:
         """How long the last :meth:`save` blocked the caller, seconds."""
         self.last_committed_step: int | None = None
         """The step of the newest checkpoint known to be committed."""
+        self.last_save_to_commit_s: float | None = None
+        """Seconds from the start of the last committed save to its commit."""
         self._stager: AsyncStager | None = None
         self._pending: _Pending | None = None
         self._reported: set[str] = set()
@@ -233,9 +235,9 @@ class Checkpointer:
                 entries = self._entries(state)
                 partial = layout.partial_path(self.directory, step, self._session)
                 if self.mode is AsyncMode.SYNC:
-                    self._save_now(step, entries, partial)
+                    self._save_now(step, entries, partial, started)
                 else:
-                    self._start_async(step, entries, partial)
+                    self._start_async(step, entries, partial, started)
                     if block:
                         self._finish_pending()
                     elif not self.overlap_staging:
@@ -263,6 +265,11 @@ class Checkpointer:
         """Returns once the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
         if self._pending is not None:
             _wait_futures([self._pending.staging])
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save has started and is not yet committed or failed."""
+        return self._pending is not None and not self._pending.commit.done()
 
     def wait(self) -> None:
         """Waits until the in-flight save, if any, is committed or failed.
@@ -361,18 +368,18 @@ class Checkpointer:
             entries[rank_key(RNG_KEY, self.rank)] = RNGState().state_dict()
         return entries
 
-    def _save_now(self, step: int, entries: dict[str, Any], partial: Path) -> None:
+    def _save_now(self, step: int, entries: dict[str, Any], partial: Path, started: float) -> None:
         error: BaseException | None = None
         try:
             dcp.save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
                      no_dist=not self._distributed)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = e
-        failure = self._conclude(step, partial, error)
+        failure = self._conclude(step, partial, error, started)
         if failure is not None:
             self._report(failure)
 
-    def _start_async(self, step: int, entries: dict[str, Any], partial: Path) -> None:
+    def _start_async(self, step: int, entries: dict[str, Any], partial: Path, started: float) -> None:
         kind = AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS else AsyncCheckpointerType.THREAD
         response = dcp.async_save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
                                   async_checkpointer_type=kind, async_stager=self._stager_for(entries),
@@ -382,18 +389,19 @@ class Checkpointer:
         else:
             staging, upload = Future(), response
             staging.set_result(None)
-        commit = self._commit_pool.submit(self._commit_after, step, partial, upload)
+        commit = self._commit_pool.submit(self._commit_after, step, partial, upload, started)
         self._pending = _Pending(step, staging, upload, commit)
 
-    def _commit_after(self, step: int, partial: Path, upload: Future) -> tuple[str, str] | None:
+    def _commit_after(self, step: int, partial: Path, upload: Future, started: float) -> tuple[str, str] | None:
         error: BaseException | None = None
         try:
             upload.result()
         except (Exception, CheckpointException) as e:
             error = e
-        return self._conclude(step, partial, error)
+        return self._conclude(step, partial, error, started)
 
-    def _conclude(self, step: int, partial: Path, error: BaseException | None) -> tuple[str, str] | None:
+    def _conclude(self, step: int, partial: Path, error: BaseException | None,
+                  started: float) -> tuple[str, str] | None:
         """Runs on every rank once its write of ``step`` finished or failed. DCP already reduced the
         write results across ranks (its last collective gathers every rank's result at the
         coordinator and broadcasts the outcome), so all ranks get here with the same error or none."""
@@ -417,6 +425,7 @@ class Checkpointer:
         failure = self._broadcast(failure)
         if failure is None:
             self.last_committed_step = step
+            self.last_save_to_commit_s = time.monotonic() - started
             self._recorder.checkpoint_committed(step)
         return failure
 

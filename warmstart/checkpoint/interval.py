@@ -3,7 +3,7 @@ time per save and the failure rate.
 
 Between two failures a job loses, on average, half an interval of unsaved work, and pays the
 blocking time once per interval; the sum is smallest at ``sqrt(2 * MTBF * blocking)`` (Young's
-formula; the same advisor as ``warmstart ett interval``). The policy turns that time into a step
+formula, computed by the metrics advisor behind ``warmstart ett interval``). The policy turns that time into a step
 count using the measured time per step, so that every rank can agree on the next save step (rank 0
 decides, the checkpointer broadcasts). It owns the arithmetic only; it measures and sends nothing.
 """
@@ -14,18 +14,19 @@ import math
 from dataclasses import dataclass
 
 from warmstart.errors import ConfigError
-
-_SECONDS_PER_DAY = 86_400.0
+from warmstart.metrics.advisor import SECONDS_PER_DAY, advise_interval
 
 
 def optimal_interval_s(blocking_s: float, mtbf_s: float) -> float:
-    """The checkpoint interval (seconds) that minimises unsaved plus blocked time.
+    """The checkpoint interval (seconds) that minimises unsaved plus blocked time (0 when nothing blocks).
 
     Args:
         blocking_s: training time blocked per checkpoint, seconds.
         mtbf_s: mean time between failures of the job, seconds.
     """
-    return math.sqrt(2.0 * max(mtbf_s, 0.0) * max(blocking_s, 0.0))
+    if not (blocking_s > 0 and math.isfinite(blocking_s)):
+        return 0.0
+    return advise_interval(blocking_s, failures_per_day=SECONDS_PER_DAY / mtbf_s).interval_s
 
 
 @dataclass
@@ -65,7 +66,7 @@ class AdaptiveInterval:
         """The policy for a job that fails ``failures_per_day`` times a day."""
         if not failures_per_day > 0:
             raise ConfigError("failures_per_day", failures_per_day, "a positive number")
-        return cls(mtbf_s=_SECONDS_PER_DAY / failures_per_day, **kwargs)  # type: ignore[arg-type]
+        return cls(mtbf_s=SECONDS_PER_DAY / failures_per_day, **kwargs)  # type: ignore[arg-type]
 
     def next_step(self, step: int, now_s: float, blocking_s: float | None) -> int:
         """The step of the save after the one at ``step``.
