@@ -48,7 +48,7 @@ VERIFY_TIER = "verify"
 """The stats row where hits that failed :func:`verify_plan` (or did not unpickle) are counted."""
 
 _FORMAT = 1  # bump when the key inputs or the stored value change meaning
-_MAX_DEPTH = 6  # how deep settings objects are walked for the key
+_MAX_DEPTH = 64  # a guard against pathological nesting only: deeper settings must not be cut off
 
 # Attributes planners and their parts set while planning (search state, results, caches): not settings.
 _STATE_ATTRS = frozenset({
@@ -350,7 +350,7 @@ def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
-def _canonical(obj: Any, depth: int = 0) -> Any:
+def _canonical(obj: Any, depth: int = 0, memo: dict[int, Any] | None = None) -> Any:
     """JSON-ready, process-independent form of a settings object (no ids, no reprs with addresses)."""
     kind = type(obj)
     if kind in _PLAIN:  # the common case first: this runs tens of thousands of times per key
@@ -358,9 +358,9 @@ def _canonical(obj: Any, depth: int = 0) -> Any:
     if kind is float:
         return obj if obj == obj and obj not in (_INF, -_INF) else repr(obj)
     if kind is list or kind is tuple:
-        return [_canonical(v, depth + 1) for v in obj]
+        return [_canonical(v, depth + 1, memo) for v in obj]
     if kind is dict:
-        return {str(k): _canonical(obj[k], depth + 1) for k in sorted(obj, key=str)}
+        return {str(k): _canonical(obj[k], depth + 1, memo) for k in sorted(obj, key=str)}
     if isinstance(obj, enum.Enum):
         return f"{kind.__qualname__}.{obj.name}"
     if isinstance(obj, (bool, int, str)):
@@ -368,23 +368,30 @@ def _canonical(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, float):
         return _canonical(float(obj))
     if isinstance(obj, functools.partial):
-        return {"partial": _canonical(obj.func, depth + 1), "args": _canonical(obj.args, depth + 1),
-                "keywords": _canonical(obj.keywords, depth + 1)}
+        return {"partial": _canonical(obj.func, depth + 1, memo), "args": _canonical(obj.args, depth + 1, memo),
+                "keywords": _canonical(obj.keywords, depth + 1, memo)}
     if isinstance(obj, (type, *_FUNCTION_TYPES)) or callable(obj) and not hasattr(obj, "__dict__"):
         return _qualname(obj)
     if depth > _MAX_DEPTH:
         return _qualname(kind)
     if isinstance(obj, Mapping):
-        return {str(k): _canonical(v, depth + 1) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): _canonical(v, depth + 1, memo) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
     if isinstance(obj, (list, tuple)):
-        return [_canonical(v, depth + 1) for v in obj]
+        return [_canonical(v, depth + 1, memo) for v in obj]
     if isinstance(obj, (set, frozenset)):
-        return sorted((_canonical(v, depth + 1) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
+        return sorted((_canonical(v, depth + 1, memo) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
     module = kind.__module__
     if module.startswith("torch") and hasattr(obj, "shape") and hasattr(obj, "dtype"):  # a tensor
         return {"tensor": [int(d) for d in obj.shape], "dtype": str(obj.dtype)}
     if module == "torch" or kind.__name__ in ("dtype", "device"):
         return str(obj)
+    # One topology is shared by the planner, its enumerator, estimators and perf model: walk it once.
+    if memo is None:
+        memo = {}
+    seen = memo.get(id(obj))
+    if seen is not None:
+        return {"__cycle__": _qualname(kind)} if seen is _IN_PROGRESS else seen
+    memo[id(obj)] = _IN_PROGRESS
     names = _field_names(kind)
     if names is not None:
         fields = {name: getattr(obj, name) for name in names}
@@ -393,13 +400,16 @@ def _canonical(obj: Any, depth: int = 0) -> Any:
     elif hasattr(obj, "__slots__"):
         fields = {k: getattr(obj, k) for k in obj.__slots__ if hasattr(obj, k)}
     else:
-        return _qualname(kind)
-    out = {k: _canonical(fields[k], depth + 1) for k in sorted(fields) if k not in _STATE_ATTRS}
+        memo[id(obj)] = _qualname(kind)
+        return memo[id(obj)]
+    out = {k: _canonical(fields[k], depth + 1, memo) for k in sorted(fields) if k not in _STATE_ATTRS}
     out["__type__"] = _qualname(kind)
+    memo[id(obj)] = out
     return out
 
 
 _PLAIN = frozenset({type(None), bool, int, str})
+_IN_PROGRESS = object()
 _INF = float("inf")
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 

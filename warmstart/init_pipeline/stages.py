@@ -147,9 +147,11 @@ class CompileWarmup:
     """Compile the dense part on a synthetic batch while the rest of start-up runs.
 
     ``build(device)`` must return a module of the same class, shapes and dtypes as the one the
-    training step compiles, and the step must compile it with the same ``compile_kwargs``:
-    TorchDynamo's guards then accept the real module and the step reuses the compiled code (and on
-    another process, Inductor's caches and warmstart's store serve it). The warm-up module is a
+    training step compiles, ``example_inputs(device)`` tensors of the same shapes, dtypes, devices
+    and ``requires_grad`` as the real inputs (e.g. pooled embeddings require grad), and the step
+    must compile the module with the same ``compile_kwargs``: TorchDynamo's guards then accept the
+    real module and inputs and the step reuses the compiled code (and on another process,
+    Inductor's caches and warmstart's store serve it). The warm-up module is a
     separate instance, so its forward and backward never touch the model's weights, buffers or
     gradients.
 
