@@ -103,8 +103,11 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
         dcp.load(state, checkpoint_id=str(ckpt))
         return len(state)
 
+    # Same shapes, dtypes and requires_grad as the real inputs (the pooled embeddings carry grad),
+    # or TorchDynamo's guards would send the first real step to compile again.
     warmup = CompileWarmup(build=DenseOver, example_inputs=lambda device: (
-        torch.randn(BATCH, NUM_DENSE, device=device), torch.randn(BATCH, num_tables * DIM, device=device)))
+        torch.randn(BATCH, NUM_DENSE, device=device),
+        torch.randn(BATCH, num_tables * DIM, device=device, requires_grad=True)))
     spec = TorchRecStartup(build_model=Model, batch_size=BATCH, sharders=[EmbeddingBagCollectionSharder()],
                            build_loader=build_loader, load_checkpoint=None if role == "setup" else load_checkpoint,
                            compile_warmup=warmup, pg_timeout_s=300)
