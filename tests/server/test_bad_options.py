@@ -7,7 +7,7 @@ import socket
 
 import pytest
 from click.testing import CliRunner
-from conftest import free_port_block
+from _ports import free_port_block
 
 from warmstart.cli import cli
 from warmstart.server import ServerState
@@ -71,7 +71,8 @@ def test_bad_redis_server_override(server_dir, monkeypatch):
 @pytest.mark.parametrize("args, fragments", [
     (["--maxmemory", "lots"], ["--maxmemory", "'lots'", "10GiB"]),
     (["--maxmemory", "0"], ["--maxmemory"]),
-    (["--maxmemory", "100"], ["--maxmemory", "1MiB"]),
+    (["--maxmemory", "100"], ["--maxmemory", "16MiB per node"]),
+    (["--maxmemory", "40MiB", "--cluster", "3"], ["--maxmemory", "16MiB per node"]),
     (["--cluster", "2"], ["--cluster", "at least 3"]),
     (["--port", "70000"], ["--port", "between 1 and 65535"]),
     (["--tls-cert", "/nonexistent/cert.pem"], ["--tls-cert needs --tls-key"]),

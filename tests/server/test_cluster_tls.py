@@ -9,7 +9,7 @@ import os
 import pytest
 import redis
 from click.testing import CliRunner
-from conftest import free_port_block
+from _ports import free_port_block
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 

@@ -17,7 +17,7 @@ import redis
 from click.testing import CliRunner
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from conftest import free_port_block
+from _ports import free_port_block
 
 from warmstart.cli import cli
 from warmstart.compile_cache.remote import RemoteTier
@@ -89,7 +89,7 @@ def test_status_of_a_directory_never_used(tmp_path):
 
 def test_restart_with_same_dir_keeps_credentials_and_options(server_dir):
     port = free_port_block(1)
-    first = _start_json("--dir", str(server_dir), "--port", str(port), "--maxmemory", "8MiB")
+    first = _start_json("--dir", str(server_dir), "--port", str(port), "--maxmemory", "24MiB")
     passwords = Credentials.load(server_dir).passwords
     secret = open(first["secret_file"], "rb").read()
     assert _run("stop", "--dir", str(server_dir)).exit_code == 0
@@ -97,7 +97,7 @@ def test_restart_with_same_dir_keeps_credentials_and_options(server_dir):
     assert second["writer_url"] == first["writer_url"] and second["reader_url"] == first["reader_url"]
     assert Credentials.load(server_dir).passwords == passwords
     assert open(second["secret_file"], "rb").read() == secret
-    assert second["maxmemory"] == 8 * 1024**2
+    assert second["maxmemory"] == 24 * 1024**2
     tier = RemoteTier(second["writer_url"], secret=secret.strip(), namespace="n")
     assert tier.put("pgo", "k", b"v" * 100) and tier.get("pgo", "k") == b"v" * 100
 

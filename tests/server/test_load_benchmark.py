@@ -26,7 +26,7 @@ def bench():
 def test_server_load_benchmark_small(bench, tmp_path):
     out = tmp_path / "load.json"
     code = bench.main(["--procs", "3", "--writes", "2", "--mixed", "8", "--repeats", "1", "--max-size", "256KiB",
-                       "--throughput-maxmemory", "64MiB", "--fill-maxmemory", "2MiB", "--json", str(out)])
+                       "--throughput-maxmemory", "64MiB", "--fill-maxmemory", "16MiB", "--json", str(out)])
     report = json.loads(out.read_text())
     assert code == 0, report
     for side in ("raw", "store"):
@@ -36,7 +36,7 @@ def test_server_load_benchmark_small(bench, tmp_path):
     fill = report["fill"]
     assert fill["server_up"] and fill["evicted_keys"] > 0 and fill["misses"] > 0
     assert fill["errors"] == fill["corrupt"] == 0
-    assert fill["written_bytes"] >= 3 * 2 * 1024**2
+    assert fill["written_bytes"] >= 3 * 16 * 1024**2
 
 
 def test_payloads_detect_corruption_and_mix_ups(bench):

@@ -20,7 +20,10 @@ from warmstart.errors import ConfigError
 DEFAULT_PORT = 6379
 DEFAULT_BIND = "127.0.0.1"
 DEFAULT_MAXMEMORY = 1024**3  # 1 GiB across all nodes
-MIN_MAXMEMORY = 1024**2  # 1 MiB: below this Redis cannot hold even one 8 MiB chunk's worth of keys sensibly
+# 16 MiB per node. Redis counts client buffers toward maxmemory, and values arrive in chunks of up
+# to 8 MiB. Below this, a few concurrent writes leave nothing to evict, and Redis answers OOM
+# instead of evicting.
+MIN_MAXMEMORY = 16 * 1024**2
 MIN_CLUSTER_NODES = 3  # what `redis-cli --cluster create` accepts without replicas
 CLUSTER_BUS_OFFSET = 10000  # Redis Cluster's bus listens on port + 10000
 CLUSTER_NODE_TIMEOUT_MS = 5000
@@ -90,7 +93,7 @@ class ServerOptions:
             raise ConfigError("--port", self.port, f"a port at most {65535 - CLUSTER_BUS_OFFSET - self.cluster + 1} "
                               f"(a Cluster also uses port+{CLUSTER_BUS_OFFSET} for its bus)")
         if self.maxmemory < MIN_MAXMEMORY * max(1, self.cluster):
-            raise ConfigError("--maxmemory", self.maxmemory, "at least 1MiB per node")
+            raise ConfigError("--maxmemory", self.maxmemory, "at least 16MiB per node (values travel in chunks of up to 8 MiB)")
         if (self.tls_cert is None) != (self.tls_key is None):
             given, missing = ("--tls-cert", "--tls-key") if self.tls_key is None else ("--tls-key", "--tls-cert")
             raise OptionError(missing, None, "both --tls-cert and --tls-key, or neither",
