@@ -63,6 +63,13 @@ def test_cluster_of_three_serves_store_hits(server_dir):
     assert result.exit_code == 0 and all(str(p) in result.stdout for p in state.pids)
     assert ServerState.load(server_dir).running_pids() == []
 
+    # Started again from the same directory: the same Cluster (nodes.conf kept), the same URLs.
+    again = _start_json("--dir", str(server_dir))
+    assert again["writer_url"] == info["writer_url"] and again["mode"] == "cluster"
+    writer = RemoteTier(again["writer_url"], secret=secret, namespace="cluster-test")
+    assert writer.put("fx_graph", "after-restart", b"r" * 10_000)
+    assert writer.get("fx_graph", "after-restart") == b"r" * 10_000
+
 
 def test_tls_works_and_plaintext_is_refused(server_dir, tls_files):
     cert, key = tls_files
