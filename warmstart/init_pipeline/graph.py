@@ -422,7 +422,9 @@ class _Run:
             self._fail(name, exc)
             with self.cond:
                 self.main_stage = None
-            self._raise_if_failed()
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C and SystemExit stay what they are (the threads stop all the same)
+            self._raise_if_failed()  # the first failure: a peer's, if this error came from its absence
             raise
         end = time.monotonic()
         with self.cond:
