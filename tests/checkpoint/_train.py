@@ -13,7 +13,6 @@ end, ``<out>/final-r<rank>.pt`` (local parameters and optimizer state).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
@@ -102,14 +101,21 @@ def local(value: object) -> object:
     return value
 
 
-def kill_when_writing(directory: Path, step: int, rank: int) -> None:
-    """SIGKILLs this process once its own data file of ``step`` exists in the partial folder, i.e.
-    in the middle of the async write (before this rank reports its write to the coordinator)."""
-    pattern = str(directory / f"step_{step:09d}.*.partial" / f"__{rank}_*")
-    deadline = time.monotonic() + 30
-    while not glob.glob(pattern) and time.monotonic() < deadline:
-        time.sleep(0.0005)
-    os.kill(os.getpid(), signal.SIGKILL)
+class Tripwire:
+    """A rank-local checkpoint entry that SIGKILLs its process when DCP serializes it: inside the
+    background write of the checkpoint, after this rank's data file is opened and before the rank
+    reports its write to the coordinator. Staging copies it without firing (``__deepcopy__``)."""
+
+    def __init__(self, armed: bool = False) -> None:
+        self.armed = armed
+
+    def __deepcopy__(self, memo: dict) -> Tripwire:
+        return Tripwire(self.armed)
+
+    def __reduce__(self) -> tuple:
+        if self.armed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return (Tripwire, (False,))
 
 
 def main() -> None:
@@ -125,7 +131,7 @@ def main() -> None:
     p.add_argument("--ballast-kb-after", type=int, nargs=2, default=None, metavar=("STEP", "KB"),
                    help="from STEP on, the extra state is KB KiB per rank (checkpoints grow)")
     p.add_argument("--kill-rank", type=int, default=-1)
-    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank during the save of this step")
+    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank while it writes the save of this step")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -138,7 +144,9 @@ def main() -> None:
     dmp, optimizer = build(rank, world)
     loader = Batches(rank)
     ballast = torch.arange(args.ballast_kb * 256, dtype=torch.float32) + rank
-    state = {"model": dmp, "optim": optimizer, "loader": RankLocal(loader), "ballast": RankLocal({"t": ballast})}
+    tripwire = Tripwire()
+    state = {"model": dmp, "optim": optimizer, "loader": RankLocal(loader), "ballast": RankLocal({"t": ballast}),
+             "tripwire": RankLocal({"wire": tripwire})}
     random.seed(10 + rank)
     np.random.seed(20 + rank)
     torch.manual_seed(30 + rank)
@@ -158,10 +166,11 @@ def main() -> None:
         if args.ballast_kb_after and step == args.ballast_kb_after[0]:
             state["ballast"] = RankLocal({"t": torch.arange(args.ballast_kb_after[1] * 256, dtype=torch.float32)})
         if (step + 1) % args.save_every == 0:
+            tripwire.armed = rank == args.kill_rank and step == args.kill_at and attempt == 0
             ckpt.save(step, state)
             report["saved"].append(step)
-            if rank == args.kill_rank and step == args.kill_at and attempt == 0:
-                kill_when_writing(args.dir, step, rank)
+            if tripwire.armed:
+                time.sleep(60)  # killed by the write in the background long before this ends
     ckpt.close()
     report.update(failures=ckpt.failures, committed=ckpt.last_committed_step, position=loader.position)
     (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))

@@ -103,6 +103,19 @@ def test_keep_prunes_and_plain_entries_are_replaced(tmp_path: Path) -> None:
     assert torch.equal(target["extra"]["t"], torch.full((3,), 4.0))
 
 
+def test_rng_is_optional_on_either_side(tmp_path: Path) -> None:
+    model, optimizer, loader, state = _setup()
+    Checkpointer(tmp_path / "without", mode="sync", save_rng=False, recorder=NullRecorder()).save(0, state)
+    Checkpointer(tmp_path / "with", mode="sync", recorder=NullRecorder()).save(0, state)
+    _seed_all(5)
+    expected = torch.rand(3)
+    target = _setup()[3]
+    _seed_all(5)
+    assert Checkpointer(tmp_path / "without", recorder=NullRecorder()).load_latest(target) == 0
+    assert torch.equal(torch.rand(3), expected)  # nothing to restore: the generators are left alone
+    assert Checkpointer(tmp_path / "with", save_rng=False, recorder=NullRecorder()).load_latest(_setup()[3]) == 0
+
+
 def test_no_checkpoint_means_fresh_start(tmp_path: Path) -> None:
     model, _, _, state = _setup()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -294,8 +294,11 @@ class Checkpointer:
         """
         self._finish_pending()
         with self._recorder.span("checkpoint_load"):
-            found = layout.latest_committed(self.directory) if self.rank == 0 else None
-            found = self._broadcast(found)
+            found, saved_rng = None, False
+            if self.rank == 0:
+                found = layout.latest_committed(self.directory)
+                saved_rng = found is not None and _holds_key(found.path, rank_key(RNG_KEY, 0))
+            found, saved_rng = self._broadcast((found, saved_rng))
             if found is None:
                 return None
             same_world = found.world_size == self.world_size
@@ -313,7 +316,7 @@ class Checkpointer:
                     prepare_for_load(value)
                     targets[key] = value
             rng_key = rank_key(RNG_KEY, self.rank)
-            if self.save_rng and same_world:
+            if self.save_rng and same_world and saved_rng:  # a checkpoint saved with save_rng=False has none
                 targets[rng_key] = RNGState().state_dict()
             dcp.load(targets, checkpoint_id=found.path, process_group=self._pg, no_dist=not self._distributed)
             for key, value in state.items():
@@ -498,6 +501,14 @@ def _os_error(exc: BaseException) -> OSError | None:
             return chain
         chain = chain.__cause__ or chain.__context__
     return None
+
+
+def _holds_key(path: Path, key: str) -> bool:
+    """Whether the checkpoint in ``path`` has an entry ``key`` (DCP flattens nested keys with dots)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    names = FileSystemReader(path).read_metadata().state_dict_metadata
+    return any(name == key or name.startswith(key + ".") for name in names)
 
 
 def _has_sharded_tensor(obj: Any) -> bool:
