@@ -38,7 +38,8 @@ def run(machine: Path, model: str, *, env_extra: dict[str, str], args: list[str]
     (machine / "tmp").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
     env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-               TRITON_CACHE_DIR=str(machine / "triton"), WARMSTART_CACHE_DIR=str(machine / "warmstart"), **env_extra)
+               TRITON_CACHE_DIR=str(machine / "triton"), WARMSTART_CACHE_DIR=str(machine / "warmstart"),
+               WARMSTART_RUN_DIR=str(machine / "runs"), **env_extra)
     proc = subprocess.run([sys.executable, str(JOB), "--model", model, *args], env=env, capture_output=True,
                           text=True, timeout=1800)
     if proc.returncode != 0:
