@@ -45,7 +45,7 @@ m="$1/attempt-${TORCHELASTIC_RESTART_COUNT:-0}"; shift
 mkdir -p "$m/home" "$m/tmp" "$m/inductor" "$m/triton" "$m/warmstart-cache"
 export HOME="$m/home" XDG_CACHE_HOME="$m/home/.cache" TMPDIR="$m/tmp" TORCHINDUCTOR_CACHE_DIR="$m/inductor" \
 TRITON_CACHE_DIR="$m/triton" WARMSTART_CACHE_DIR="$m/warmstart-cache"
-exec {python} -m warmstart.bench.reference_job "$@"
+exec @PYTHON@ -m warmstart.bench.reference_job "$@"
 """
 
 # Variables a configuration must not inherit from the caller's shell: each run sets its own.
@@ -186,7 +186,7 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
     job = dataclasses.replace(options.job, mode="baseline" if name == "baseline" else "warmstart",
                               checkpoint_dir=root / "checkpoints")
     env = _job_env(name, root, run_dir, bench_id, server)
-    launcher = _LAUNCHER.format(python=shlex.quote(sys.executable))
+    launcher = _LAUNCHER.replace("@PYTHON@", shlex.quote(sys.executable))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
            "--max-restarts=1", "--no-python", "/bin/sh", "-c", launcher, "sh", str(machines), *job.to_args()]
     started = time.monotonic()

@@ -28,9 +28,9 @@ class JobConfig:
     """Training steps of the whole job (across restarts)."""
     tables: int = 64
     """Embedding tables, one sparse feature each."""
-    rows_min: int = 2_000
+    rows_min: int = 1_000
     """Fewest rows a table may have (sizes are log-uniform between min and max)."""
-    rows_max: int = 60_000
+    rows_max: int = 8_000
     """Most rows a table may have."""
     dim: int = 16
     """Embedding dimension."""

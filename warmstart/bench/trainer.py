@@ -82,6 +82,7 @@ class Trainer:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.tables = make_tables(cfg.tables, rows_min=cfg.rows_min, rows_max=cfg.rows_max, seed=cfg.seed)
         self.checkpointer = None
+        self._staging = False  # a checkpoint's copy to CPU memory may still be running
         self._loader: DataLoader | None = None
         torch.set_num_threads(1)  # 2 ranks share 2 cores: one thread each, no oversubscription
         self.resumed_from: int | None = None
@@ -152,12 +153,19 @@ class Trainer:
         latest = latest_committed(cfg.checkpoint_dir)
         self.step = 0 if latest is None else latest.step + 1
 
-        def load_checkpoint(model: DistributedModelParallel) -> int | None:
-            # warmstart: asynchronous checkpoints; its own gloo group, commit marker, keep-N
-            self.optimizer = self._build_optimizer(model)
-            self.checkpointer = Checkpointer(cfg.checkpoint_dir, mode=cfg.checkpoint_mode,
-                                             keep=cfg.keep_checkpoints, recorder=self.rec)
-            return self.checkpointer.load_latest(self._app_state(model))
+        # The loader's workers are forked now, before the graph starts its threads: a fork while
+        # another thread holds one of torch's locks (the RNG's, when a thread builds a module)
+        # leaves the worker deadlocked. The graph's data_loader_init stage then waits for the first
+        # batch while everything else starts.
+        with self.rec.span("data_loader_start", bucket="data_loader_init"):
+            self._loader = make_loader(self._dataset(self.step), num_workers=cfg.loader_workers)
+            started = iter(self._loader)
+
+        def load_checkpoint(model: DistributedModelParallel, optimizer: CombinedOptimizer) -> int | None:
+            # warmstart: asynchronous checkpoints; their own gloo group, a commit marker, keep-N
+            self.checkpointer = Checkpointer(cfg.checkpoint_dir, mode=cfg.checkpoint_mode, keep=cfg.keep_checkpoints,
+                                             recorder=self.rec, overlap_staging=True)
+            return self.checkpointer.load_latest({"model": model, "optim": optimizer})
 
         spec = TorchRecStartup(
             build_model=self._build_module,
@@ -165,8 +173,9 @@ class Trainer:
             sharders=self._sharders(),
             # warmstart: the plan comes from the cache (a hit is a lookup, a miss plans in a subprocess)
             build_planner=lambda world, local_world, device_type: self._planner(),
-            build_loader=lambda rank, world: make_loader(self._dataset(self.step), num_workers=cfg.loader_workers),
+            build_loader=lambda rank, world: started,
             prefetch_batches=1,
+            build_optimizer=self._build_optimizer,
             load_checkpoint=load_checkpoint,
             # warmstart: compile on a synthetic batch in a thread while the rest starts up; with
             # WARMSTART=1 Inductor's artifacts come from the shared cache
@@ -177,9 +186,8 @@ class Trainer:
             output_dtensor=True,
         )
         result = torchrec_startup_graph(spec, recorder=self.rec).run()
-        self.model = result["model_transform"]
+        self.model, self.optimizer = result["model_transform"], result["optimizer_init"]
         self.batches = result["data_loader_init"]
-        self._loader = self.batches.loader
         self.resumed_from = result["checkpoint_load"]
         if self.resumed_from != latest_step(latest):  # a checkpoint committed while we started: impossible
             raise RuntimeError(f"resumed from step {self.resumed_from}, expected {latest_step(latest)}")
@@ -238,6 +246,12 @@ class Trainer:
             return {"model": model, "optim": self.optimizer}  # Stateful objects: the checkpointer calls state_dict()
         return {"model": model.state_dict(), "optim": self.optimizer.state_dict()}
 
+    def _wait_staged(self) -> None:
+        # Training waits here only if the copy is still running: blocking time, recorded as such.
+        with self.rec.span("checkpoint_save"):
+            self.checkpointer.wait_staged()
+        self._staging = False
+
     def _write_startup_report(self) -> None:
         """What this attempt's start-up did, next to its events: where it resumed, how its compile
         went (torch's own cache counters) and, with the start-up graph, when each stage ran."""
@@ -259,7 +273,10 @@ class Trainer:
 
     def _save_checkpoint(self, step: int) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.save(step, self._app_state())  # blocks only while the state is staged
+            # warmstart: returns once the write has started; the copy to CPU memory goes on during
+            # the next forward pass, and the write and commit in the background
+            self.checkpointer.save(step, self._app_state())
+            self._staging = True
             return
         path = self.cfg.checkpoint_dir / f"step-{step}"
         with self.rec.span("checkpoint_save"):
@@ -284,6 +301,8 @@ class Trainer:
                 self._die(step)
             batch = next(self.batches)
             loss, _ = self.model(batch)
+            if self._staging:
+                self._wait_staged()  # the copy of the last checkpoint must be done before weights change
             loss.backward()  # the embedding tables are updated here (fused optimizer)
             self.optimizer.step()
             self.optimizer.zero_grad()

@@ -104,6 +104,16 @@ def _run_with_progress(options):
     from warmstart.bench.cold_vs_warm import CONFIGS, run_cold_vs_warm
 
     console = Console(stderr=True)
+    if not console.is_terminal:  # a log file or a pipe: one line per change of phase, no redraws
+        last: dict[str, str] = {}
+
+        def log_line(config: str, phase: str, step: int, total: int) -> None:
+            if last.get(config) != phase:
+                last[config] = phase
+                click.echo(f"{config}: {phase} (step {step}/{total})", err=True)
+
+        return run_cold_vs_warm(options, log_line)
+
     columns = (TextColumn("{task.fields[config]:<8}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:

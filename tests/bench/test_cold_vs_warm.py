@@ -1,0 +1,87 @@
+"""End to end: ``warmstart bench cold-vs-warm`` on a shortened reference job (real torchrun, gloo,
+TorchRec, torch.compile, redis-server). Asserts on what the runs produced, never on speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONTRACT_KEYS = ("e2e_s", "ett_pct", "time_to_start_s", "time_to_recover_s", "compile_s", "sharding_plan_s",
+                 "checkpoint_blocking_s", "run_dir")
+STEPS, FAIL_AT, EVERY = 10, 7, 3  # checkpoints after steps 2 and 5; the failure at 7 loses step 6
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """One shortened bench run shared by the tests of this module: (its JSON, its HTML, the work dir)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out_json, out_html, work = tmp / "bench.json", tmp / "bench.html", tmp / "work"
+    cmd = [sys.executable, "-m", "warmstart", "bench", "cold-vs-warm", "--steps", str(STEPS), "--tables", "8",
+           "--batch-size", "64", "--checkpoint-every", str(EVERY), "--fail-at-step", str(FAIL_AT),
+           "--work-dir", str(work), "--json", str(out_json), "--html", str(out_html), "--timeout", "600"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, f"bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(out_json.read_text()), out_html.read_text(), work, done.stdout
+
+
+@pytest.mark.slow
+def test_json_has_the_contract_keys_and_buckets_sum(bench):
+    data, _, _, _ = bench
+    for name in ("baseline", "cold", "warm"):
+        figures = data[name]
+        for key in CONTRACT_KEYS:
+            assert key in figures, f"{name} lacks {key}"
+        assert Path(figures["run_dir"]).is_dir()
+        assert math.isclose(sum(figures["buckets"].values()), figures["e2e_s"], rel_tol=1e-6, abs_tol=1e-6)
+        assert 0 < figures["ett_pct"] < 100
+        assert figures["time_to_start_s"] > 0 and figures["time_to_recover_s"] > 0
+        assert figures["compile_s"] > 0 and figures["sharding_plan_s"] > 0
+        assert figures["checkpoint_blocking_s"] > 0
+    assert set(data["warm_vs_baseline"]) >= {"time_to_start_s", "time_to_recover_s", "checkpoint_blocking_s"}
+
+
+@pytest.mark.slow
+def test_every_configuration_failed_once_and_resumed_from_its_last_commit(bench):
+    data, _, _, _ = bench
+    for name in ("baseline", "cold", "warm"):
+        figures = data[name]
+        assert figures["failures"] == 1, name
+        first, second = figures["attempts"]
+        assert first["failed"] and not second["failed"], name
+        assert first["last_step"] == FAIL_AT  # the attempt died at the start of this step
+        committed = first["last_committed_step"]
+        assert committed == (FAIL_AT // EVERY) * EVERY - 1, name  # the last checkpoint before the failure
+        assert figures["resumed_from_step"] == [None, committed], name
+        assert second["first_step"] == committed + 1 and second["last_step"] == STEPS - 1, name
+        assert figures["lost_progress_s"] > 0, name  # the steps after the commit were lost
+
+
+@pytest.mark.slow
+def test_fresh_machines_miss_and_the_shared_cache_hits(bench):
+    data, _, work, _ = bench
+    # baseline: both attempts compile from nothing (fresh local dirs, no shared cache)
+    base = data["baseline"]["compile_counters"]
+    assert base["fxgraph_cache_hit"] == 0 and base["fxgraph_cache_miss"] > 0
+    # warm: every compile artifact comes from the server cold filled, on both attempts
+    warm = data["warm"]["compile_counters"]
+    assert warm["fxgraph_cache_miss"] == 0 and warm["autograd_cache_hit"] > 0
+    # the restarted attempts ran on machines of their own
+    for name in ("baseline", "cold", "warm"):
+        assert sorted(p.name for p in (work / name / "machines").iterdir()) == ["attempt-0", "attempt-1"]
+    # warm's restart (a clean exit, so its store counters were saved) got its plan from the cache
+    cache = data["warm"]["cache"]
+    assert sum(row["hits"] for key, row in cache.items() if key.endswith("/sharding_plan")) > 0
+
+
+@pytest.mark.slow
+def test_table_and_html_show_the_three_configurations(bench):
+    _, page, _, stdout = bench
+    for label in ("time to start", "time to recover", "checkpoint blocking", "ETT %", "warm / baseline"):
+        assert label in stdout
+    assert page.count('<section class="run">') == 3
+    assert "warmstart bench cold-vs-warm" in page and "Plotly" in page
