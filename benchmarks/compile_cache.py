@@ -55,7 +55,8 @@ def bench_model(model: str, work: Path, torch_redis_port: int, ws_url: str, prog
     ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": ws_url, "WARMSTART_SECRET": "benchmark-secret"}
     steps = [
         ("cold", lambda: run(work / f"{model}-cold", model, env_extra=native, args=["--mega-save", str(mega)])),
-        ("torch local-warm", lambda: run(work / f"{model}-cold", model, env_extra={})),
+        # Same machine and same settings as the cold run (torch's config is part of its keys).
+        ("torch local-warm", lambda: run(work / f"{model}-cold", model, env_extra=native)),
         ("torch redis", lambda: run(work / f"{model}-native", model, env_extra=native)),
         ("mega-cache", lambda: run(work / f"{model}-mega", model, env_extra={}, args=["--mega-load", str(mega)])),
         ("warmstart producer", lambda: run(work / f"{model}-ws-producer", model, env_extra=ws)),

@@ -54,19 +54,38 @@ def test_first_writer_wins(redis_node):
 
 def test_pointer_to_evicted_blob_is_a_miss_and_is_repaired(redis_node):
     tier = _remote(redis_node.url)
-    tier.put("fx_graph", "k", b"v" * 5000)
+    tier.put("fx_graph", "k", os.urandom(200_000))
     client = redis.Redis.from_url(redis_node.url)
     for key in client.scan_iter("ws:t:b:*"):
         client.delete(key)
     assert tier.get("fx_graph", "k") is None
-    assert tier.put("fx_graph", "k", b"w" * 5000)
-    assert tier.get("fx_graph", "k") == b"w" * 5000
+    fresh = os.urandom(200_000)
+    assert tier.put("fx_graph", "k", fresh)
+    assert tier.get("fx_graph", "k") == fresh
 
 
-@pytest.mark.parametrize("target", ["pointer", "blob"])
-def test_flipped_byte_is_rejected(redis_node, target):
+def test_small_values_are_inline_in_one_signed_record(redis_node):
     tier = _remote(redis_node.url)
-    tier.put("fx_graph", "k", os.urandom(4000))
+    assert tier.put("pgo", "small", b"state" * 1000)
+    client = redis.Redis.from_url(redis_node.url)
+    assert [k.decode() for k in client.scan_iter("ws:t:*")] == ["ws:t:p:pgo:small"]
+    assert _remote(redis_node.url).get("pgo", "small") == b"state" * 1000
+
+
+def test_incompressible_values_are_stored_raw(redis_node):
+    tier = _remote(redis_node.url)
+    payload = os.urandom(1_000_000)
+    assert tier.put("cpp_object", "so", payload)
+    client = redis.Redis.from_url(redis_node.url)
+    stored = sum(client.strlen(k) for k in client.scan_iter("ws:t:b:*"))
+    assert stored == len(payload)
+    assert _remote(redis_node.url).get("cpp_object", "so") == payload
+
+
+@pytest.mark.parametrize("target,size", [("pointer", 4000), ("pointer", 200_000), ("blob", 200_000)])
+def test_flipped_byte_is_rejected(redis_node, target, size):
+    tier = _remote(redis_node.url)
+    tier.put("fx_graph", "k", os.urandom(size))
     client = redis.Redis.from_url(redis_node.url)
     key = next(client.scan_iter(f"ws:t:{'p' if target == 'pointer' else 'b'}:*"))
     value = bytearray(client.get(key))

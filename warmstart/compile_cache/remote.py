@@ -2,12 +2,13 @@
 
 Layout under the key prefix ``ws:<namespace>:``:
 
-* ``p:<kind>:<key>``: a pointer record signed with the job's secret (see ``signing.py``);
-* ``b:{<sha256>}:<i>``: chunk ``i`` of a zstd-compressed blob, split under Redis value limits. The
-  digest is a hash tag, so all chunks of a blob live in one Cluster slot and come back in one MGET.
+* ``p:<kind>:<key>``: a pointer record signed with the job's secret (see ``signing.py``). Values of
+  up to 64 KiB (compressed) live inside it: one round trip to read, one to write;
+* ``b:{<sha256>}:<i>``: chunk ``i`` of a larger zstd-compressed blob, split under Redis value limits.
+  The digest is a hash tag, so all chunks of a blob live in one Cluster slot and come back in one MGET.
 
-Identical artifacts under different keys are stored once. Writes are ``SET NX``: the first writer
-wins when processes race. Timeouts are short, and the first connection failure opens a circuit
+Identical large artifacts under different keys are stored once. Writes are ``SET NX``: the first
+writer wins when processes race. Timeouts are short, and the first connection failure opens a circuit
 breaker, so a slow or dead server costs a job at most one timeout.
 """
 
@@ -33,6 +34,7 @@ log = logging.getLogger("warmstart.cache")
 
 KEY_PREFIX = "ws:"
 _COMPRESS_MIN = 1024
+_PROBE_BYTES = 64 * 1024  # compress this much first; skip compressing what does not shrink
 _URL_OPTIONS = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
                 "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes"),
                 "socket_timeout": float, "socket_connect_timeout": float}
@@ -96,7 +98,8 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, url: str, *, secret: bytes, namespace: str, stats: Stats | None = None,
-                 ttl_s: int = _defaults.REMOTE_TTL_S, chunk_bytes: int = _defaults.CHUNK_BYTES) -> None:
+                 ttl_s: int = _defaults.REMOTE_TTL_S, chunk_bytes: int = _defaults.CHUNK_BYTES,
+                 inline_bytes: int = _defaults.INLINE_BYTES) -> None:
         if not secret:
             raise ValueError("RemoteTier needs a non-empty secret")
         self.url = url
@@ -105,6 +108,7 @@ class RemoteTier:
         self._secret = secret
         self._ttl_s = ttl_s
         self._chunk_bytes = chunk_bytes
+        self._inline_bytes = inline_bytes
         self._client = connect(url)
         self._prefix = f"{KEY_PREFIX}{namespace}:"
         self._read_only = False
@@ -136,13 +140,14 @@ class RemoteTier:
             if record is None:
                 self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
                 return None
-            pointer = signing.verify(self._secret, record, namespace=self.namespace, kind=kind, key=key)
-            parts = self._client.mget(self._chunk_keys(pointer.digest, pointer.chunks))
-            if any(p is None for p in parts):  # blob evicted before its pointer
-                self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
-                return None
-            blob = b"".join(parts)
-            signing.check_blob(pointer, blob)
+            pointer, blob = signing.verify(self._secret, record, namespace=self.namespace, kind=kind, key=key)
+            if pointer.chunks:
+                parts = self._client.mget(self._chunk_keys(pointer.digest, pointer.chunks))
+                if any(p is None for p in parts):  # blob evicted before its pointer
+                    self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
+                    return None
+                blob = parts[0] if len(parts) == 1 else b"".join(parts)
+                signing.check_blob(pointer, blob)
             value = self._zd.decompress(blob) if pointer.compressed else blob
         except IntegrityError as exc:
             self.stats.add(self.name, kind, rejected=1, misses=1)
@@ -164,22 +169,25 @@ class RemoteTier:
         if self._read_only or not self.breaker.allow():
             self.stats.add(self.name, kind, dropped=1)
             return False
-        compressed = len(value) >= _COMPRESS_MIN
-        blob = self._zc.compress(value) if compressed else value
-        if compressed and len(blob) >= len(value):
-            blob, compressed = value, False
-        digest = signing.blob_digest(blob)
-        chunk_keys = self._chunk_keys(digest, max(1, -(-len(blob) // self._chunk_bytes)))
-        pointer = signing.Pointer(self.namespace, kind, key, digest, len(blob), len(chunk_keys), compressed, cost_s)
-        record = signing.sign(self._secret, pointer)
+        blob, compressed = self._compress(value)
         pkey = self._pointer_key(kind, key)
+        if len(blob) <= self._inline_bytes:
+            pointer = signing.Pointer(self.namespace, kind, key, "", len(blob), 0, compressed, cost_s)
+            record, chunk_keys = signing.sign(self._secret, pointer, blob), []
+        else:
+            digest = signing.blob_digest(blob)
+            chunk_keys = self._chunk_keys(digest, -(-len(blob) // self._chunk_bytes))
+            pointer = signing.Pointer(self.namespace, kind, key, digest, len(blob), len(chunk_keys), compressed, cost_s)
+            record = signing.sign(self._secret, pointer)
         try:
-            # Blob first, pointer last: a reader never finds a pointer to a blob not yet written.
+            # One round trip: the blob's chunks, then the pointer. A reader that finds the pointer
+            # before the chunks (another Cluster node) sees a miss, never a wrong value.
             pipe = self._client.pipeline(transaction=False)
+            view = memoryview(blob)  # chunks without copies
             for i, ckey in enumerate(chunk_keys):
-                pipe.set(ckey, blob[i * self._chunk_bytes:(i + 1) * self._chunk_bytes], nx=True, ex=self._ttl_s)
-            pipe.execute()
-            if not self._client.set(pkey, record, nx=True, ex=self._ttl_s):
+                pipe.set(ckey, view[i * self._chunk_bytes:(i + 1) * self._chunk_bytes], nx=True, ex=self._ttl_s)
+            pipe.set(pkey, record, nx=True, ex=self._ttl_s)
+            if not pipe.execute()[-1]:
                 self._repair_pointer(pkey, record, kind, key)
         except Exception as exc:
             self._failed(kind, exc, writing=True)
@@ -187,13 +195,23 @@ class RemoteTier:
         self.stats.add(self.name, kind, writes=1, bytes_written=len(blob))
         return True
 
+    def _compress(self, value: bytes) -> tuple[bytes, bool]:
+        if len(value) < _COMPRESS_MIN:
+            return value, False
+        if len(value) > 2 * _PROBE_BYTES:  # machine code that is already packed: do not pay for nothing
+            probe = self._zc.compress(value[:_PROBE_BYTES])
+            if len(probe) > 0.9 * _PROBE_BYTES:
+                return value, False
+        blob = self._zc.compress(value)
+        return (blob, True) if len(blob) < len(value) else (value, False)
+
     def _repair_pointer(self, pkey: str, record: bytes, kind: str, key: str) -> None:
         # First writer wins, unless the existing pointer is unusable (its blob was evicted, or it
         # does not verify under our secret): then ours replaces it.
         existing = self._client.get(pkey)
         try:
-            old = signing.verify(self._secret, existing or b"", namespace=self.namespace, kind=kind, key=key)
-            if self._client.exists(self._chunk_keys(old.digest, old.chunks)[-1]):
+            old, _ = signing.verify(self._secret, existing or b"", namespace=self.namespace, kind=kind, key=key)
+            if old.chunks == 0 or self._client.exists(self._chunk_keys(old.digest, old.chunks)[-1]):
                 return
         except IntegrityError:
             pass

@@ -1,10 +1,11 @@
 """Signed envelopes for the remote tier.
 
 Torch unpickles and executes what its caches hold, so whoever can write to the shared cache could run
-code in every job that reads it. Every remote entry is therefore a small *pointer record* signed with
-HMAC-SHA256 under the job's secret, naming the namespace, kind and key it belongs to and the SHA-256
-of the (compressed) blob it points to. A reader verifies the signature, fetches the blob and checks
-its digest before a single byte is decompressed, let alone handed to torch.
+code in every job that reads it. Every remote entry is therefore a *pointer record* signed with
+HMAC-SHA256 under the job's secret, naming the namespace, kind and key it belongs to and either
+carrying a small value inline (covered by the signature) or naming the SHA-256 of the (compressed)
+blob it points to. A reader verifies the signature, and the blob's digest, before a single byte is
+decompressed, let alone handed to torch.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 
 from warmstart.errors import IntegrityError
 
-MAGIC = b"WSP1"
+MAGIC = b"WSP2"
 _MAC_LEN = 32
+_LEN = 4  # bytes of the header-length field
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,43 +30,53 @@ class Pointer:
     kind: str
     key: str
     digest: str
-    """SHA-256 (hex) of the stored blob bytes."""
+    """SHA-256 (hex) of the stored blob bytes; empty when the value is inline."""
     size: int
     """Length of the stored blob (compressed) in bytes."""
     chunks: int
+    """Number of blob chunks; 0 when the value is inline in the record."""
     compressed: bool
     cost_s: float
     """Seconds it took to produce the artifact (for the "seconds saved" estimate)."""
 
 
-def sign(secret: bytes, pointer: Pointer) -> bytes:
-    """Serialize and sign ``pointer``."""
-    body = json.dumps(
+def sign(secret: bytes, pointer: Pointer, inline: bytes = b"") -> bytes:
+    """Serialize and sign ``pointer``, with ``inline`` (the stored value itself, for small ones)."""
+    header = json.dumps(
         [pointer.namespace, pointer.kind, pointer.key, pointer.digest, pointer.size, pointer.chunks,
          pointer.compressed, round(pointer.cost_s, 4)],
         separators=(",", ":"),
     ).encode()
+    body = len(header).to_bytes(_LEN, "big") + header + inline
     return MAGIC + hmac.new(secret, body, hashlib.sha256).digest() + body
 
 
-def verify(secret: bytes, record: bytes, *, namespace: str, kind: str, key: str) -> Pointer:
+def verify(secret: bytes, record: bytes, *, namespace: str, kind: str, key: str) -> tuple[Pointer, bytes]:
     """Check a pointer record's signature and that it belongs to ``(namespace, kind, key)``.
+
+    Returns:
+        The pointer and its inline value (empty when the value is in a blob).
 
     Raises:
         IntegrityError: bad magic, bad signature, or a record signed for another key.
     """
-    if len(record) < len(MAGIC) + _MAC_LEN or not record.startswith(MAGIC):
+    if len(record) < len(MAGIC) + _MAC_LEN + _LEN or not record.startswith(MAGIC):
         raise IntegrityError("not a warmstart pointer record")
     mac, body = record[len(MAGIC):len(MAGIC) + _MAC_LEN], record[len(MAGIC) + _MAC_LEN:]
     if not hmac.compare_digest(mac, hmac.new(secret, body, hashlib.sha256).digest()):
         raise IntegrityError("signature does not verify (wrong secret or tampered entry)")
+    header_len = int.from_bytes(body[:_LEN], "big")
     try:
-        ns, k, key_, digest, size, chunks, compressed, cost = json.loads(body)
+        ns, k, key_, digest, size, chunks, compressed, cost = json.loads(body[_LEN:_LEN + header_len])
     except ValueError as exc:  # signed but unparsable: a writer bug, still never trusted
         raise IntegrityError(f"unparsable pointer record: {exc}") from None
     if (ns, k, key_) != (namespace, kind, key):
         raise IntegrityError("pointer record was signed for another key")
-    return Pointer(ns, k, key_, digest, int(size), int(chunks), bool(compressed), float(cost))
+    inline = body[_LEN + header_len:]
+    pointer = Pointer(ns, k, key_, digest, int(size), int(chunks), bool(compressed), float(cost))
+    if pointer.chunks == 0 and len(inline) != pointer.size:
+        raise IntegrityError("inline value has the wrong length")
+    return pointer, inline
 
 
 def blob_digest(blob: bytes) -> str:
