@@ -139,7 +139,9 @@ def mode_graph(out: dict, fail: bool = False) -> None:
                            build_optimizer=lambda model: torch.optim.SGD(
                                [p for n, p in model.named_parameters() if "ebc" not in n], lr=0.05),
                            pg_timeout_s=60, plan_store=m.local_store(Path(os.environ["WARMSTART_CACHE_DIR"])))
-    graph = torchrec_startup_graph(spec, abort_grace_s=1.0)
+    # The failing rank lingers 1.5 s (so its peers can name the stage) before it raises; the rank
+    # stuck in the collective aborts after 3 s, unless torchrun has torn it down by then.
+    graph = torchrec_startup_graph(spec, abort_grace_s=3.0)
     graph.add("first_batch_ready", lambda data_loader_init, checkpoint_load: dist.barrier(),
               deps=["data_loader_init", "checkpoint_load"], collective=True)
     start = time.monotonic()

@@ -180,7 +180,8 @@ class StartupGraph:
             single-process graph.
         collective_timeout_s: default ``timeout_s`` of main-thread stages.
         abort_grace_s: how long a rank whose main thread is inside a stage when start-up has failed
-            (here or on a peer) gets to come out of it before the process is aborted.
+            (here or on a peer) gets to come out of it before the process is aborted (keep it above
+            ``failure_linger_s``, so that the failing rank raises its own error first).
         abort: what aborting means; default: print the reason to stderr, record a failure, and
             ``os._exit(1)`` (a thread cannot interrupt a thread blocked in a collective).
         channel_poll_s: how often the channel is asked about peers' failures (one store request
