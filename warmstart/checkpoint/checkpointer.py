@@ -261,6 +261,26 @@ class Checkpointer:
         self.save(step, state)
         return True
 
+    def prewarm(self, state: Mapping[str, Any]) -> Future | None:
+        """Pays the first asynchronous save's one-time costs now, in the background: the staging
+        buffers, and DTensor's sharding-propagation caches, which are per thread (so only a copy made
+        on the stager's own thread warms them: about a second for a TorchRec model with many table
+        shapes). Nothing is written. Call it after :meth:`load_latest`; training may go on meanwhile
+        (the copy only reads the tensors, and the next save's copy starts after it).
+
+        Returns:
+            The future of the throw-away copy, or None when there is nothing to warm (sync mode, or a
+            ShardedTensor state whose staging blocks anyway).
+        """
+        if self.mode is AsyncMode.SYNC or self._closed:
+            return None
+        entries = self._entries(state)
+        stager = self._stager_for(entries)
+        if not isinstance(stager, DefaultStager):
+            return None
+        staged = stager.stage(entries)
+        return staged if isinstance(staged, Future) else None
+
     def wait_staged(self) -> None:
         """Returns once the in-flight save no longer reads the live tensors (see ``overlap_staging``)."""
         if self._pending is not None:
