@@ -48,38 +48,47 @@ def run(machine: Path, model: str, *, env_extra: dict[str, str], args: list[str]
     return json.loads(line[len("RESULT "):])
 
 
-def bench_model(model: str, work: Path, torch_redis_port: int, ws_url: str, progress) -> dict:
+def bench_model(model: str, work: Path, torch_redis_port: int, ws_url: str, progress, repeats: int) -> dict:
     mega = work / f"{model}.mega"
     native = {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
               "TORCHINDUCTOR_REDIS_HOST": "127.0.0.1", "TORCHINDUCTOR_REDIS_PORT": str(torch_redis_port)}
     ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": ws_url, "WARMSTART_SECRET": "benchmark-secret"}
-    steps = [
-        ("cold", lambda: run(work / f"{model}-cold", model, env_extra=native, args=["--mega-save", str(mega)])),
+    results: dict = {}
+    progress(f"{model}: cold")
+    results["cold"] = [run(work / f"{model}-cold", model, env_extra=native, args=["--mega-save", str(mega)])]
+    progress(f"{model}: warmstart producer (another new machine)")
+    results["warmstart producer"] = [run(work / f"{model}-ws-producer", model, env_extra=ws)]
+    # Warm configurations are cheap: repeat them, interleaved, and report medians (the machine is noisy).
+    warm = {
         # Same machine and same settings as the cold run (torch's config is part of its keys).
-        ("torch local-warm", lambda: run(work / f"{model}-cold", model, env_extra=native)),
-        ("torch redis", lambda: run(work / f"{model}-native", model, env_extra=native)),
-        ("mega-cache", lambda: run(work / f"{model}-mega", model, env_extra={}, args=["--mega-load", str(mega)])),
-        ("warmstart producer", lambda: run(work / f"{model}-ws-producer", model, env_extra=ws)),
-        ("warmstart", lambda: run(work / f"{model}-ws", model, env_extra=ws)),
-    ]
-    results = {}
-    for name, step in steps:
-        progress(f"{model}: {name}")
-        results[name] = step()
+        "torch local-warm": lambda r: run(work / f"{model}-cold", model, env_extra=native),
+        "torch redis": lambda r: run(work / f"{model}-native{r}", model, env_extra=native),
+        "mega-cache": lambda r: run(work / f"{model}-mega{r}", model, env_extra={}, args=["--mega-load", str(mega)]),
+        "warmstart": lambda r: run(work / f"{model}-ws{r}", model, env_extra=ws),
+    }
+    for r in range(repeats):
+        for name, step in warm.items():
+            progress(f"{model}: {name} ({r + 1}/{repeats})")
+            results.setdefault(name, []).append(step(r))
     return results
+
+
+def _seconds(result: dict) -> float:
+    return result["compile_s"] + result.get("mega_load_s", 0.0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,conv,attention")
     parser.add_argument("--json", default=None, help="write all figures here")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each warm configuration (median reported)")
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
 
     from _redis import RedisNode
 
-    console = Console()
+    console = Console(width=160)
     work = Path(tempfile.mkdtemp(prefix="ws-bench-compile-"))
     torch_redis = RedisNode(work / "torch-redis").start()
     ws_redis = RedisNode(work / "ws-redis").start()
@@ -89,12 +98,15 @@ def main() -> None:
         with console.status("") as status:
             for model in args.models.split(","):
                 out["models"][model] = bench_model(model, work, torch_redis.port, ws_redis.url,
-                                                   lambda msg: status.update(f"compiling {msg}"))
+                                                   lambda msg: status.update(f"compiling {msg}"), args.repeats)
     finally:
         torch_redis.stop()
         ws_redis.stop()
 
-    table = Table(title="compile + first step (forward and backward), seconds", title_justify="left")
+    import statistics
+
+    table = Table(title=f"compile + first step (forward and backward), seconds; warm configurations: median of "
+                        f"{args.repeats}", title_justify="left")
     table.add_column("model")
     for name in CONFIGS:
         table.add_column(name, justify="right")
@@ -102,9 +114,9 @@ def main() -> None:
     table.add_column("ws / cold", justify="right")
     table.add_column("same loss", justify="center")
     for model, r in out["models"].items():
-        t = {name: r[name]["compile_s"] + r[name].get("mega_load_s", 0.0) for name in CONFIGS}
+        t = {name: statistics.median(_seconds(x) for x in r[name]) for name in CONFIGS}
         ratios = {"ws_over_local_warm": t["warmstart"] / t["torch local-warm"], "ws_over_cold": t["warmstart"] / t["cold"]}
-        same = r["warmstart"]["losses"] == r["cold"]["losses"]
+        same = all(x["losses"] == r["cold"][0]["losses"] for x in r["warmstart"])
         r["summary"] = {"seconds": t, **ratios, "same_loss": same}
         table.add_row(model, *[f"{t[n]:.2f}" for n in CONFIGS], f"{ratios['ws_over_local_warm']:.2f}x",
                       f"{ratios['ws_over_cold']:.3f}x", "yes" if same else "NO")
