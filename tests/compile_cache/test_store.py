@@ -28,6 +28,7 @@ def test_remote_round_trip_and_backfill(redis_node, tmp_path):
     reader = TieredStore(LocalTier(tmp_path / "b", 1 << 30), _remote(redis_node.url))
     assert reader.get("fx_graph", "k1") == payload
     assert reader.stats.get("remote", "fx_graph").hits == 1
+    assert reader.flush(timeout=10)  # the backfill into the local tier runs in the background
     assert reader.get("fx_graph", "k1") == payload  # now from the local tier
     assert reader.stats.get("local", "fx_graph").hits == 1
     assert reader.stats.get("remote", "fx_graph").hits == 1

@@ -1,8 +1,9 @@
 """The store jobs use: the local tier first, then the remote tier, with backfill and background writes.
 
-Reads go local, then remote; a remote hit is copied into the local tier so the next read on this
-machine is local. Writes go to the local tier at once and to the remote tier from a background thread,
-so compilation never waits on the network; ``flush`` (also run at exit, bounded) drains them.
+Reads go local, then remote; a remote hit is copied into the local tier (in the background, so the
+job does not wait on the disk) so the next read on this machine is local. Writes go to the local
+tier at once and to the remote tier from a background thread, so compilation never waits on the
+network; ``flush`` (also run at exit, bounded) drains them.
 Read-only mode (``WARMSTART_CACHE_MODE=ro``) writes to no tier at all.
 """
 
@@ -67,7 +68,7 @@ class TieredStore:
             return None
         value, cost_s = found
         if self.local is not None and self.mode == "rw":
-            self.local.put(kind, key, value, cost_s=cost_s)
+            self._enqueue(self.local, kind, key, value, cost_s)
         return value
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> None:
@@ -81,14 +82,17 @@ class TieredStore:
         if sync:
             self.remote.put(kind, key, value, cost_s=cost_s)
             return
+        self._enqueue(self.remote, kind, key, value, cost_s)
+
+    def _enqueue(self, tier, kind: str, key: str, value: bytes, cost_s: float) -> None:
         self._ensure_writer()
         try:
-            self._queue.put_nowait((kind, key, value, cost_s))
+            self._queue.put_nowait((tier, kind, key, value, cost_s))
         except queue.Full:
-            self.stats.add("remote", kind, dropped=1)
+            self.stats.add(tier.name, kind, dropped=1)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until queued remote writes are done; False if ``timeout`` ran out first."""
+        """Wait until queued background writes are done; False if ``timeout`` ran out first."""
         if self._writer is None or self._writer_pid != os.getpid():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -110,10 +114,9 @@ class TieredStore:
     def _write_loop(self) -> None:
         q = self._queue
         while True:
-            kind, key, value, cost_s = q.get()
+            tier, kind, key, value, cost_s = q.get()
             try:
-                assert self.remote is not None
-                self.remote.put(kind, key, value, cost_s=cost_s)
+                tier.put(kind, key, value, cost_s=cost_s)
             except Exception:  # put never raises by contract; this guards the thread regardless
                 log.debug("background write failed", exc_info=True)
             finally:
