@@ -24,7 +24,7 @@ class JobConfig:
     mode: str = "warmstart"
     """``baseline`` (plain torch.compile, planner, loader, synchronous checkpoints) or ``warmstart``
     (start-up graph, cached plan, async checkpoints; the compile cache comes from ``WARMSTART=1``)."""
-    steps: int = 240
+    steps: int = 120
     """Training steps of the whole job (across restarts)."""
     tables: int = 64
     """Embedding tables, one sparse feature each."""
@@ -34,7 +34,7 @@ class JobConfig:
     """Most rows a table may have."""
     dim: int = 16
     """Embedding dimension."""
-    batch_size: int = 256
+    batch_size: int = 512
     """Samples per step and rank."""
     dense_layers: tuple[int, ...] = (512, 256, 64)
     """Hidden sizes of the dense arch (bottom MLP)."""
@@ -46,7 +46,7 @@ class JobConfig:
     """Row-wise Adagrad learning rate of the embedding tables (fused into the backward pass)."""
     checkpoint_dir: Path = Path("checkpoints")
     """Where checkpoints go; shared by every attempt (it is the durable storage that survives a restart)."""
-    checkpoint_every: int = 60
+    checkpoint_every: int = 30
     """Save a checkpoint after every this many steps."""
     keep_checkpoints: int = 2
     """Committed checkpoints to keep."""

@@ -7,7 +7,8 @@ everything. The two modes differ only where warmstart plugs in, each marked ``# 
 * ``baseline`` runs the stages in sequence with plain TorchRec and torch: ``planner.collective_plan``,
   a plain DataLoader, a plain ``torch.compile`` and synchronous ``torch.distributed.checkpoint.save``.
 * ``warmstart`` runs the same stages through the start-up graph (independent stages overlap), serves
-  the sharding plan from the cache (``cached_plan``), saves checkpoints asynchronously, and gets the
+  the sharding plan from the plan cache (as ``cached_plan`` does), saves checkpoints asynchronously
+  (pre-warmed, the copy overlapped with the next forward pass), and gets the
   compile cache from the environment alone (``WARMSTART=1``: no code here).
 
 This module owns the training recipe; the model, the data and the configuration live beside it.
@@ -192,6 +193,9 @@ class Trainer:
         if self.resumed_from != latest_step(latest):  # a checkpoint committed while we started: impossible
             raise RuntimeError(f"resumed from step {self.resumed_from}, expected {latest_step(latest)}")
         self._stage_rows = result.rows()
+        # warmstart: the first asynchronous save pays one-time costs (staging buffers, DTensor's
+        # per-shape caches): pay them in the background while training starts
+        self.checkpointer.prewarm(self._app_state())
 
     # -- the job's parts ----------------------------------------------------------------------------
 

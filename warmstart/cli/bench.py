@@ -31,10 +31,10 @@ def group() -> None:
               help="Write the figures of baseline, cold and warm (and the ratios) to this file.")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a self-contained page with the three timelines side by side.")
-@click.option("--steps", type=click.IntRange(min=4), default=240, show_default=True,
+@click.option("--steps", type=click.IntRange(min=4), default=120, show_default=True,
               help="Training steps of each job (across its restart).")
 @click.option("--tables", type=click.IntRange(min=1), default=64, show_default=True, help="Embedding tables.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True,
               help="Samples per step and rank.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
               help="Steps between checkpoints.  [default: steps / 4]")
