@@ -55,7 +55,10 @@ def test_every_configuration_failed_once_and_resumed_from_its_last_commit(bench)
         assert first["failed"] and not second["failed"], name
         assert first["last_step"] == FAIL_AT  # the attempt died at the start of this step
         committed = first["last_committed_step"]
-        assert committed == (FAIL_AT // EVERY) * EVERY - 1, name  # the last checkpoint before the failure
+        if name == "baseline":  # a synchronous save is committed when it returns
+            assert committed == (FAIL_AT // EVERY) * EVERY - 1
+        else:  # an asynchronous one may still be in flight when the machine dies: then the one before
+            assert committed in (EVERY - 1, 2 * EVERY - 1), name
         assert figures["resumed_from_step"] == [None, committed], name
         assert second["first_step"] == committed + 1 and second["last_step"] == STEPS - 1, name
         assert figures["lost_progress_s"] > 0, name  # the steps after the commit were lost
