@@ -33,7 +33,7 @@ demo: setup
 	$(VENV)/bin/warmstart bench cold-vs-warm --json warmstart-demo.json --html warmstart-demo.html
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 clean-venv:
 	rm -rf $(VENV)
