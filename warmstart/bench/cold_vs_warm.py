@@ -281,6 +281,7 @@ class _EventTail:
         self.run_dir = run_dir
         self._offsets: dict[Path, int] = {}
         self.phase, self.step = "starting", 0
+        self._training = False
 
     def poll(self) -> tuple[str, int]:
         for path in sorted(self.run_dir.glob("events-r0-a*.jsonl")):
@@ -301,13 +302,13 @@ class _EventTail:
     def _see(self, event: dict[str, Any], attempt: str) -> None:
         kind = event.get("event")
         if kind == "attempt_start":
-            self.phase = f"attempt {attempt}: starting up"
-        elif kind == "begin" and "step" not in self.phase:
+            self.phase, self._training = f"attempt {attempt}: starting up", False
+        elif kind == "begin" and not self._training:  # start-up stages; in the loop, only steps
             self.phase = f"attempt {attempt}: {event.get('span')}"
         elif kind == "step":
-            self.phase, self.step = f"attempt {attempt}: training", int(event["step"]) + 1
+            self.phase, self.step, self._training = f"attempt {attempt}: training", int(event["step"]) + 1, True
         elif kind == "failure":
-            self.phase = f"attempt {attempt}: failed, restarting"
+            self.phase, self._training = f"attempt {attempt}: failed, restarting", False
         elif kind == "train_end":
             self.phase = f"attempt {attempt}: shutting down"
 

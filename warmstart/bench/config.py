@@ -38,8 +38,8 @@ class JobConfig:
     """Samples per step and rank."""
     dense_layers: tuple[int, ...] = (512, 256, 64)
     """Hidden sizes of the dense arch (bottom MLP)."""
-    over_layers: tuple[int, ...] = (512, 256)
-    """Hidden sizes of the over arch (top MLP)."""
+    over_layers: tuple[int, ...] = (512, 512, 256)
+    """Hidden sizes of the over arch (top MLP); with the dense arch, TorchRec's DLRM example defaults."""
     lr_dense: float = 1e-3
     """Adam learning rate of the dense part."""
     lr_sparse: float = 0.05

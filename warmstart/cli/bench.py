@@ -78,13 +78,19 @@ def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_eve
     options = BenchOptions(job=job, work_dir=work, timeout_s=timeout_s)
     try:
         results = _run_with_progress(options)
+        if temporary and not keep:
+            # The work dir (machines, checkpoints) goes; the small event files stay where
+            # `warmstart ett report` users look for them.
+            for res in results.values():
+                kept = Path("warmstart-runs") / res.result.job
+                shutil.copytree(res.run_dir, kept, dirs_exist_ok=True)
+                res.run_dir = kept
+                res.result.run_dir = str(kept)
+            click.echo("event files: " + " ".join(str(r.run_dir) for r in results.values()), err=True)
         out = summary(results, options)
         print_table("warmstart bench cold-vs-warm (reference TorchRec job, 2 ranks, 1 failure + restart)",
                     ["figure", "baseline", "cold", "warm", "warm / baseline"], table_rows(results))
         if json_file:
-            if temporary and not keep:
-                for name in ("baseline", "cold", "warm"):
-                    out[name]["run_dir"] = None  # it is about to be deleted
             json_file.write_text(json.dumps(out, indent=2) + "\n")
             click.echo(f"wrote {json_file}", err=True)
         if html_file:
