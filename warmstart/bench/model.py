@@ -9,6 +9,8 @@ shape only; building, sharding and compiling it is the trainer's job.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
@@ -65,17 +67,27 @@ class DenseOverArch(nn.Module):
 
 
 class DLRMTrain(nn.Module):
-    """The whole model: ``sparse_arch`` (EmbeddingBagCollection) feeding ``dense_over``."""
+    """The whole model: ``sparse_arch`` (EmbeddingBagCollection) feeding ``dense_over``.
+
+    Attributes:
+        pooled_grad_hook: when set, called with the gradient of the pooled embeddings during
+            backward: after the dense part's backward, before the tables' own backward (where
+            TorchRec's fused optimizer writes the tables). The trainer uses it to wait for a
+            checkpoint's copy of the tables as late as possible.
+    """
 
     def __init__(self, sparse_arch: EmbeddingBagCollection, dense_over: DenseOverArch) -> None:
         super().__init__()
         self.sparse_arch = sparse_arch
         self.dense_over = dense_over
+        self.pooled_grad_hook: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(loss, logits)``, the form TorchRec's train pipelines expect."""
-        pooled = self.sparse_arch(batch.sparse_features)
-        return self.dense_over(batch.dense_features, pooled.values(), batch.labels)
+        pooled = self.sparse_arch(batch.sparse_features).values()
+        if self.pooled_grad_hook is not None and pooled.requires_grad:
+            pooled.register_hook(self.pooled_grad_hook)
+        return self.dense_over(batch.dense_features, pooled, batch.labels)
 
 
 def embedding_configs(tables: list[TableSpec], dim: int) -> list[EmbeddingBagConfig]:

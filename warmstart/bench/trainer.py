@@ -83,7 +83,6 @@ class Trainer:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.tables = make_tables(cfg.tables, rows_min=cfg.rows_min, rows_max=cfg.rows_max, seed=cfg.seed)
         self.checkpointer = None
-        self._staging = False  # a checkpoint's copy to CPU memory may still be running
         self._loader: DataLoader | None = None
         torch.set_num_threads(1)  # 2 ranks share 2 cores: one thread each, no oversubscription
         self.resumed_from: int | None = None
@@ -250,11 +249,12 @@ class Trainer:
             return {"model": model, "optim": self.optimizer}  # Stateful objects: the checkpointer calls state_dict()
         return {"model": model.state_dict(), "optim": self.optimizer.state_dict()}
 
-    def _wait_staged(self) -> None:
-        # Training waits here only if the copy is still running: blocking time, recorded as such.
+    def _wait_staged(self, grad: torch.Tensor) -> None:
+        # Called once, during the backward after a save: training waits here only if the copy is
+        # still running, and that wait is blocking time, recorded as such.
+        self.model.module.pooled_grad_hook = None
         with self.rec.span("checkpoint_save"):
             self.checkpointer.wait_staged()
-        self._staging = False
 
     def _write_startup_report(self) -> None:
         """What this attempt's start-up did, next to its events: where it resumed, how its compile
@@ -278,9 +278,10 @@ class Trainer:
     def _save_checkpoint(self, step: int) -> None:
         if self.checkpointer is not None:
             # warmstart: returns once the write has started; the copy to CPU memory goes on during
-            # the next forward pass, and the write and commit in the background
+            # the next forward pass and most of the backward, the write and commit in the background
             self.checkpointer.save(step, self._app_state())
-            self._staging = True
+            # wait for the copy inside the next backward, right before the tables are written
+            self.model.module.pooled_grad_hook = self._wait_staged
             return
         path = self.cfg.checkpoint_dir / f"step-{step}"
         with self.rec.span("checkpoint_save"):
@@ -305,8 +306,6 @@ class Trainer:
                 self._die(step)
             batch = next(self.batches)
             loss, _ = self.model(batch)
-            if self._staging:
-                self._wait_staged()  # the copy of the last checkpoint must be done before weights change
             loss.backward()  # the embedding tables are updated here (fused optimizer)
             self.optimizer.step()
             self.optimizer.zero_grad()
