@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -176,8 +177,6 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
 
     root = work / name
     if root.exists():  # a rerun in the same --work-dir: a machine is new only if its dirs are empty
-        import shutil
-
         shutil.rmtree(root)
     run_dir, machines = root / "runs", root / "machines"
     run_dir.mkdir(parents=True)
