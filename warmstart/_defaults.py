@@ -8,7 +8,6 @@ CACHE_MODE = "rw"
 REMOTE_CONNECT_TIMEOUT_S = 0.5  # connect timeout for the remote tier
 REMOTE_SOCKET_TIMEOUT_S = 2.0  # per-command timeout for the remote tier (large values take a while)
 BREAKER_COOLDOWN_S = 30.0  # how long an open circuit breaker keeps the remote tier off
-BREAKER_FAILURES = 1  # consecutive failures that open the breaker
 
 CHUNK_BYTES = 8 * 1024**2  # remote values are split into chunks of at most this size
 COMPRESS_LEVEL = 1  # zstd level: compresses artifacts about 4:1 at a third of level 3's CPU cost

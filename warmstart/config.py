@@ -138,13 +138,6 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
-    def with_job_id(self, job_id: str) -> "Settings":
-        """Return a copy whose job id (and default run dir) is ``job_id``."""
-        run_dir = self.run_dir
-        if run_dir == Path("warmstart-runs") / (self.job_id or "unnamed"):
-            run_dir = Path("warmstart-runs") / job_id
-        return dataclasses.replace(self, job_id=job_id, run_dir=run_dir)
-
 
 def _read_secret(env: Mapping[str, str]) -> bytes | None:
     if env.get("WARMSTART_SECRET"):
