@@ -69,7 +69,7 @@ def test_small_values_are_inline_in_one_signed_record(redis_node):
     tier = _remote(redis_node.url)
     assert tier.put("pgo", "small", b"state" * 1000)
     client = redis.Redis.from_url(redis_node.url)
-    assert [k.decode() for k in client.scan_iter("ws:t:*")] == ["ws:t:p:pgo:small"]
+    assert [k.decode() for k in client.scan_iter("ws:t:*")] == [f"ws:t:p:pgo:{tier.key_id}:small"]
     assert _remote(redis_node.url).get("pgo", "small") == b"state" * 1000
 
 
@@ -99,17 +99,38 @@ def test_flipped_byte_is_rejected(redis_node, target, size):
 
 
 def test_wrong_secret_never_returns_the_entry(redis_node):
-    _remote(redis_node.url).put("aot_autograd", "k", b"payload" * 100)
+    owner = _remote(redis_node.url)
+    owner.put("aot_autograd", "k", b"payload" * 100)
     intruder = _remote(redis_node.url, secret=b"another-secret")
-    assert intruder.get("aot_autograd", "k") is None
-    assert intruder.stats.get("remote", "aot_autograd").rejected == 1
+    assert intruder.key_id != owner.key_id
+    assert intruder.get("aot_autograd", "k") is None  # its own key id: nothing there
+    # A record signed under another secret, planted under the owner's key, is refused.
+    intruder.put("aot_autograd", "k", b"evil" * 100)
+    client = redis.Redis.from_url(redis_node.url)
+    client.set(owner._pointer_key("aot_autograd", "k2"), client.get(intruder._pointer_key("aot_autograd", "k")))
+    assert owner.get("aot_autograd", "k2") is None
+    assert owner.stats.get("remote", "aot_autograd").rejected == 1
+
+
+@pytest.mark.parametrize("size", [3000, 300_000])
+def test_a_writer_with_another_secret_never_replaces_entries(redis_node, size):
+    """A job given the wrong secret (or one still on the old secret during a rotation) writes the
+    same keys: the entries of the jobs holding the right secret stay as they are."""
+    value = os.urandom(size)
+    _remote(redis_node.url).put("fx_graph", "k", value)
+    other = _remote(redis_node.url, secret=b"old-secret")
+    assert other.get("fx_graph", "k") is None
+    assert other.put("fx_graph", "k", os.urandom(size))
+    reader = _remote(redis_node.url)
+    assert reader.get("fx_graph", "k") == value
+    assert reader.stats.get("remote", "fx_graph").rejected == 0
 
 
 def test_pointer_cannot_be_replayed_under_another_key(redis_node):
     tier = _remote(redis_node.url)
     tier.put("fx_graph", "good", b"a" * 3000)
     client = redis.Redis.from_url(redis_node.url)
-    client.set("ws:t:p:fx_graph:evil", client.get("ws:t:p:fx_graph:good"))
+    client.set(f"ws:t:p:fx_graph:{tier.key_id}:evil", client.get(f"ws:t:p:fx_graph:{tier.key_id}:good"))
     assert tier.get("fx_graph", "evil") is None
     assert tier.stats.get("remote", "fx_graph").rejected == 1
 

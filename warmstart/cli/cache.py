@@ -216,6 +216,7 @@ def _check_remote(settings, check) -> None:
         else:
             start = time.perf_counter()
             ok = tier.get("doctor", probe) is not None
+            tier.delete("doctor", probe)
             check("round trip", ok, f"wrote and read back a signed entry in {(time.perf_counter() - start) * 1000:.1f} ms"
                   if ok else "wrote an entry but could not read it back")
     else:
@@ -223,7 +224,25 @@ def _check_remote(settings, check) -> None:
         c = tier.stats.get("remote", "doctor")
         check("read", c.errors == 0, "reads work (read-only mode: no write attempted)" if c.errors == 0
               else "reads fail: does this user have read permission?")
+    _check_key_ids(tier, check)
     tier.close()
+
+
+def _check_key_ids(tier, check) -> None:
+    try:
+        counts = tier.key_ids()
+    except Exception as exc:  # a reader without SCAN rights on a hardened server: skip the check
+        check("secret in use", None, f"could not list entries ({type(exc).__name__})")
+        return
+    ours, others = counts.pop(tier.key_id, 0), counts
+    if others:
+        names = ", ".join(f"{kid} ({n})" for kid, n in sorted(others.items(), key=lambda kv: -kv[1])[:3])
+        check("secret in use", None,
+              f"{ours} entries under this secret's key id {tier.key_id}; {sum(others.values())} under other "
+              f"secrets: {names}. Jobs never read entries signed with another secret: give every job of "
+              f"the team the same WARMSTART_SECRET_FILE (old key ids fade out by LRU after a rotation)")
+    else:
+        check("secret in use", True, f"{ours} entries under this secret's key id {tier.key_id}")
 
 
 def _redact(url: str) -> str:

@@ -2,8 +2,9 @@
 
 Layout under the key prefix ``ws:<namespace>:``:
 
-* ``p:<kind>:<key>``: a pointer record signed with the job's secret (see ``signing.py``). Values of
-  up to 64 KiB (compressed) live inside it: one round trip to read, one to write;
+* ``p:<kind>:<key id>:<key>``: a pointer record signed with the job's secret (see ``signing.py``;
+  the key id names the secret, so jobs with different secrets never touch each other's records).
+  Values of up to 64 KiB (compressed) live inside it: one round trip to read, one to write;
 * ``b:{<sha256>}:<i>``: chunk ``i`` of a larger zstd-compressed blob, split under Redis value limits.
   The digest is a hash tag, so all chunks of a blob live in one Cluster slot and come back in one MGET.
 
@@ -111,6 +112,7 @@ class RemoteTier:
         self._inline_bytes = inline_bytes
         self._client = connect(url)
         self._prefix = f"{KEY_PREFIX}{namespace}:"
+        self.key_id = signing.key_id(secret)
         self._read_only = False
         self._rejected_logged = False
         self.breaker = CircuitBreaker(self.ping, name="remote")
@@ -119,7 +121,7 @@ class RemoteTier:
 
     # -- keys --------------------------------------------------------------------------------
     def _pointer_key(self, kind: str, key: str) -> str:
-        return f"{self._prefix}p:{kind}:{key}"
+        return f"{self._prefix}p:{kind}:{self.key_id}:{key}"
 
     def _chunk_keys(self, digest: str, chunks: int) -> list[str]:
         return [f"{self._prefix}b:{{{digest}}}:{i}" for i in range(chunks)]
@@ -207,7 +209,8 @@ class RemoteTier:
 
     def _repair_pointer(self, pkey: str, record: bytes, kind: str, key: str) -> None:
         # First writer wins, unless the existing pointer is unusable (its blob was evicted, or it
-        # does not verify under our secret): then ours replaces it.
+        # does not verify: the key id in its name is our secret's, so it was damaged or tampered
+        # with): then ours replaces it.
         existing = self._client.get(pkey)
         try:
             old, _ = signing.verify(self._secret, existing or b"", namespace=self.namespace, kind=kind, key=key)
@@ -240,6 +243,26 @@ class RemoteTier:
     def ping(self) -> None:
         """Raise unless the server answers."""
         self._client.ping()
+
+    def delete(self, kind: str, key: str) -> bool:
+        """Remove one entry's pointer (its blob, shared by content, is left to LRU eviction)."""
+        return bool(self._client.unlink(self._pointer_key(kind, key)))
+
+    def key_ids(self, limit: int = 10_000) -> dict[str, int]:
+        """Pointer records of this namespace per signing key id, over at most ``limit`` keys.
+
+        Entries under another key id were written by jobs holding another secret; this job never
+        reads them (``warmstart cache doctor`` reports them).
+        """
+        counts: dict[str, int] = {}
+        pattern = f"{self._prefix}p:*"
+        for n, name in enumerate(self._client.scan_iter(match=pattern, count=1000)):
+            if n >= limit:
+                break
+            parts = (name.decode() if isinstance(name, bytes) else name)[len(self._prefix):].split(":", 3)
+            if len(parts) == 4:
+                counts[parts[2]] = counts.get(parts[2], 0) + 1
+        return counts
 
     def clear(self) -> int:
         """Delete every key of this namespace; returns how many were deleted."""

@@ -40,6 +40,16 @@ class Pointer:
     """Seconds it took to produce the artifact (for the "seconds saved" estimate)."""
 
 
+def key_id(secret: bytes) -> str:
+    """A short public id of ``secret`` (8 hex digits of an HMAC; reveals nothing usable about it).
+
+    Pointer keys include it, so jobs holding different secrets (a rotation under way, a job given
+    the wrong file) keep to separate keys: they miss each other's entries instead of overwriting
+    them. Under a job's own key id, a record that does not verify was tampered with or damaged.
+    """
+    return hmac.new(secret, b"warmstart key id", hashlib.sha256).hexdigest()[:8]
+
+
 def sign(secret: bytes, pointer: Pointer, inline: bytes = b"") -> bytes:
     """Serialize and sign ``pointer``, with ``inline`` (the stored value itself, for small ones)."""
     header = json.dumps(

@@ -1,0 +1,70 @@
+"""``warmstart cache stats|doctor|clear`` against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+from click.testing import CliRunner
+
+from tests_helpers import closed_port_url
+from warmstart.cli import cli
+from warmstart.compile_cache import open_store
+from warmstart.config import Settings
+
+
+def _env(url: str, tmp_path, secret: str = "cli-secret") -> dict[str, str]:
+    return {"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_SECRET": secret,
+            "WARMSTART_CACHE_DIR": str(tmp_path / "cache"), "WARMSTART_NAMESPACE": "cli"}
+
+
+def _invoke(args: list[str], env: dict[str, str]):
+    return CliRunner().invoke(cli, args, env=env)
+
+
+def test_doctor_passes_and_leaves_nothing_behind(redis_node, tmp_path):
+    result = _invoke(["cache", "doctor"], _env(redis_node.url, tmp_path))
+    assert result.exit_code == 0, result.output
+    for check in ("settings", "local tier", "secret", "namespace", "server", "round trip", "secret in use"):
+        assert check in result.output
+    assert list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*")) == []
+
+
+def test_doctor_reports_entries_signed_with_another_secret(redis_node, tmp_path):
+    store = open_store(Settings.from_env(_env(redis_node.url, tmp_path / "a", secret="team-secret")),
+                       persist_stats=False)
+    for i in range(3):
+        store.put("fx_graph", f"k{i}", b"graph" * 100, sync=True)
+    store.close()
+    result = _invoke(["cache", "doctor"], _env(redis_node.url, tmp_path / "b", secret="a-wrong-secret"))
+    assert result.exit_code == 0, result.output  # a warning, not a failure
+    text = " ".join(result.output.split())
+    assert "0 entries under this secret's key id" in text and "3 under other secrets" in text
+
+
+def test_doctor_fails_naming_an_unreachable_server(tmp_path):
+    result = _invoke(["cache", "doctor"], _env(closed_port_url(), tmp_path))
+    assert result.exit_code == 1
+    assert "cannot connect" in result.output
+
+
+def test_stats_and_clear(redis_node, tmp_path):
+    env = _env(redis_node.url, tmp_path)
+    writer = open_store(Settings.from_env(env))
+    writer.put("fx_graph", "k", b"graph" * 1000, sync=True)
+    assert writer.get("fx_graph", "k") == b"graph" * 1000
+    assert writer.get("fx_graph", "missing") is None
+    writer.close()
+
+    stats = json.loads(_invoke(["cache", "stats", "--json"], env).stdout)
+    assert stats["local"]["entries"] == 1
+    assert stats["tiers"]["local"]["fx_graph"]["hits"] == 1
+    assert stats["tiers"]["remote"]["fx_graph"]["writes"] == 1
+    human = _invoke(["cache", "stats"], env)
+    assert human.exit_code == 0 and "fx graph" in human.output.lower()
+
+    cleared = _invoke(["cache", "clear", "--local", "--remote"], env)
+    assert cleared.exit_code == 0, cleared.output
+    assert "local: removed 1 entries" in cleared.output and "remote: removed 1 keys" in cleared.output
+    assert json.loads(_invoke(["cache", "stats", "--json"], env).stdout)["local"]["entries"] == 0
+    assert list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*")) == []
