@@ -22,6 +22,16 @@ from torch import nn  # noqa: E402
 
 T_IMPORTED = time.perf_counter()
 
+# torch.compile loads Dynamo, AOTAutograd and Inductor on its first call: about 4 s on 2 cores, the
+# same in every configuration and beyond any cache's reach. Load them before the clock starts, as
+# ``import torch`` is, so the timed part is what caching can change; reported as compiler_import_s.
+import torch._dynamo  # noqa: E402
+import torch._functorch._aot_autograd.autograd_cache  # noqa: E402
+import torch._inductor.codecache  # noqa: E402
+import torch._inductor.compile_fx  # noqa: E402
+
+T_COMPILER_IMPORTED = time.perf_counter()
+
 
 class MLP(nn.Module):
     def __init__(self) -> None:
@@ -117,7 +127,8 @@ def main() -> None:
             f.write(artifacts[0] if artifacts else b"")
     from torch._dynamo.utils import counters
 
-    result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compile_s": compile_s, "mega_load_s": mega_load_s,
+    result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
+              "compile_s": compile_s, "mega_load_s": mega_load_s,
               "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"])}
     if os.environ.get("WARMSTART") == "1":
         from warmstart.compile_cache import get_store

@@ -14,7 +14,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from warmstart import _defaults
 from warmstart.errors import ConfigError
@@ -71,7 +71,23 @@ def validate_cache_url(url: str, variable: str = "WARMSTART_CACHE_URL") -> str:
     db = parts.path.lstrip("/")
     if db and not db.isdigit():
         raise ConfigError(variable, url, accepted)
+    compress = parse_qs(parts.query, keep_blank_values=True).get("compress")
+    if compress is not None:
+        compression_level(compress[-1], variable)
     return url
+
+
+def compression_level(value: str, variable: str = "WARMSTART_CACHE_URL") -> int | None:
+    """The remote tier's zstd level from the URL's ``compress=`` option: ``None`` for ``off``."""
+    if value.strip().lower() == "off":
+        return None
+    try:
+        level = int(value)
+    except ValueError:
+        level = None
+    if level is None or not -100 <= level <= 22:
+        raise ConfigError(f"{variable} option compress", value, "off or a zstd level from -100 (fastest) to 22")
+    return level
 
 
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:

@@ -251,3 +251,24 @@ def test_stats_merge_across_processes(tmp_path):
     total = load(path)
     assert total.get("remote", "fx_graph").hits == 6
     assert total.counters_dict() == {"recompiles": 3}
+
+
+@pytest.mark.parametrize("option,stored_smaller", [("compress=off", False), ("compress=-5", True), ("compress=9", True)])
+def test_compression_is_a_url_option_and_readers_handle_any(redis_node, option, stored_smaller):
+    value = b"def forward(self, x):\n    return torch.relu(x)\n" * 20_000  # ~1 MB of generated code
+    writer = _remote(f"{redis_node.url}?{option}")
+    assert writer.put("fx_graph", "k", value)
+    client = redis.Redis.from_url(redis_node.url)
+    stored = sum(client.strlen(k) for k in client.scan_iter("ws:t:b:*"))
+    assert (stored < len(value) // 4) is stored_smaller
+    assert _remote(redis_node.url).get("fx_graph", "k") == value
+
+
+@pytest.mark.parametrize("value", ["fast", "23", "-101", ""])
+def test_bad_compress_option_is_one_line_naming_it(value):
+    from warmstart.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": f"redis://127.0.0.1:6379/0?compress={value}"})
+    message = str(info.value)
+    assert "\n" not in message and "compress" in message and "zstd level" in message

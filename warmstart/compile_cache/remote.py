@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 import zstandard
@@ -28,7 +28,7 @@ from warmstart import _defaults
 from warmstart.compile_cache import signing
 from warmstart.compile_cache.breaker import CircuitBreaker
 from warmstart.compile_cache.stats import Stats
-from warmstart.config import validate_cache_url
+from warmstart.config import compression_level, validate_cache_url
 from warmstart.errors import IntegrityError
 
 log = logging.getLogger("warmstart.cache")
@@ -49,8 +49,12 @@ def connect(url: str, *, connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEO
     """
     validate_cache_url(url)
     parts = urlsplit(url)
-    options = {name: _URL_OPTIONS[name](values[-1]) for name, values in parse_qs(parts.query).items()
-               if name in _URL_OPTIONS}
+    query = parse_qs(parts.query)
+    if "compress" in query:  # warmstart's own option: redis-py must not see it
+        query.pop("compress")
+        parts = parts._replace(query=urlencode(query, doseq=True))
+        url = urlunsplit(parts)
+    options = {name: _URL_OPTIONS[name](values[-1]) for name, values in query.items() if name in _URL_OPTIONS}
     common = dict(socket_connect_timeout=options.pop("socket_connect_timeout", connect_timeout),
                   socket_timeout=options.pop("socket_timeout", socket_timeout))
     if not parts.scheme.endswith("+cluster"):
@@ -90,7 +94,9 @@ class RemoteTier:
     """Signed, content-addressed artifacts in Redis.
 
     Args:
-        url: ``redis://``, ``rediss://`` or ``redis+cluster://`` URL (credentials in the URL).
+        url: ``redis://``, ``rediss://`` or ``redis+cluster://`` URL (credentials in the URL). Query
+            options: redis-py's TLS and timeout options, and ``compress=`` (a zstd level, default
+            1, or ``off``) for the values this process writes; readers handle either.
         secret: HMAC key; entries that do not verify under it are never returned.
         namespace: compatibility namespace (see ``namespace.py``); keys never cross namespaces.
         stats: where to count; a private ``Stats`` when omitted.
@@ -115,8 +121,11 @@ class RemoteTier:
         self.key_id = signing.key_id(secret)
         self._read_only = False
         self._rejected_logged = False
+        self._error_logged = False
         self.breaker = CircuitBreaker(self.ping, name="remote")
-        self._zc = zstandard.ZstdCompressor(level=_defaults.COMPRESS_LEVEL)
+        compress = parse_qs(urlsplit(url).query).get("compress")
+        level = compression_level(compress[-1]) if compress else _defaults.COMPRESS_LEVEL
+        self._zc = zstandard.ZstdCompressor(level=level) if level is not None else None
         self._zd = zstandard.ZstdDecompressor()
 
     # -- keys --------------------------------------------------------------------------------
@@ -198,7 +207,7 @@ class RemoteTier:
         return True
 
     def _compress(self, value: bytes) -> tuple[bytes, bool]:
-        if len(value) < _COMPRESS_MIN:
+        if self._zc is None or len(value) < _COMPRESS_MIN:
             return value, False
         if len(value) > 2 * _PROBE_BYTES:  # machine code that is already packed: do not pay for nothing
             probe = self._zc.compress(value[:_PROBE_BYTES])
@@ -236,8 +245,10 @@ class RemoteTier:
         if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                             redis.exceptions.AuthenticationError)):
             self.breaker.trip(f"{type(exc).__name__}: {exc}")
-        else:
-            log.debug("remote tier error: %r", exc)
+        elif not self._error_logged:  # not the server's state: worth one line, never a failure
+            self._error_logged = True
+            log.warning("warmstart: remote %s %s failed (%s: %s); treated as a miss", kind,
+                        "write" if writing else "read", type(exc).__name__, exc)
 
     # -- operations --------------------------------------------------------------------------
     def ping(self) -> None:

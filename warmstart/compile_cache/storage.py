@@ -17,6 +17,7 @@ KINDS: dict[str, str] = {
     "pgo": "pgo",
     "triton_kernel": "triton kernel",
     "cpp_object": "compiled C++ object",
+    "isa_probe": "vector ISA probe",
     "sharding_plan": "sharding plan",
 }
 

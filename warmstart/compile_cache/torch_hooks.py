@@ -8,7 +8,8 @@ What it plugs in, all through the process-wide store (``get_store()``):
   variables so that Inductor's compile workers see them too;
 * Inductor's compiled C++ objects on CPU, by wrapping ``CppBuilder.build``: torch bundles Triton
   kernels into FX entries but never the ``.so`` files g++ builds, so without this a new machine
-  still pays every C++ compile;
+  still pays every C++ compile; and the outcome of Inductor's vector-ISA load probe (a child
+  Python per process) by wrapping ``VecISA._probe_load``;
 * Triton kernels, through ``TRITON_CACHE_MANAGER`` (see ``triton_manager.py``);
 * a job identity for Dynamo's PGO state (``TORCH_COMPILE_JOB_ID``) when the user set none, and a
   count of recompilations.
@@ -330,6 +331,43 @@ def _write_atomic(path: str, data: bytes) -> bool:
         return True
     except OSError:
         return False
+
+
+# -- the vector-ISA probe ----------------------------------------------------------------------
+
+@_patch("torch._inductor.cpu_vec_isa")
+def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
+    """Remember that a vector-ISA test library loads.
+
+    Before its first C++ compile, every process builds a small test library per candidate ISA and
+    starts a child Python that ``dlopen``s it (with libtorch): 0.5-0.8 s on every process start,
+    cache hit or not. The outcome depends only on that library's bytes and on the CPU, torch and
+    Python, which the namespace already pins, so a success is stored under the library's SHA-256.
+    Failures are never stored (a probe can also fail by timing out on a busy machine).
+    """
+    original_probe = cpu_vec_isa.VecISA._probe_load
+
+    def _probe_load(self, output_path: str) -> bool:
+        from warmstart.compile_cache import get_store
+
+        store = get_store()
+        try:
+            with open(output_path, "rb") as f:
+                key = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            key = None
+        if store is None or key is None:
+            return original_probe(self, output_path)
+        if store.get("isa_probe", key) == b"loads":
+            return True
+        start = time.perf_counter()
+        ok = original_probe(self, output_path)
+        if ok:
+            store.put("isa_probe", key, b"loads", cost_s=time.perf_counter() - start)
+        return ok
+
+    _probe_load.__wrapped__ = original_probe  # type: ignore[attr-defined]
+    cpu_vec_isa.VecISA._probe_load = _probe_load
 
 
 # -- recompilations ----------------------------------------------------------------------------
