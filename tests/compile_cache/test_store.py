@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import time
@@ -272,3 +273,33 @@ def test_bad_compress_option_is_one_line_naming_it(value):
         Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": f"redis://127.0.0.1:6379/0?compress={value}"})
     message = str(info.value)
     assert "\n" not in message and "compress" in message and "zstd level" in message
+
+
+def test_remote_reads_are_cache_fetch_spans_in_the_ett_events(redis_node, tmp_path, monkeypatch):
+    from warmstart.metrics import reset_process_recorder
+    from warmstart.metrics.calculator import compute, load_runs
+    from warmstart.metrics.recorder import get_recorder
+
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("WARMSTART_JOB_ID", "fetch-spans")
+    reset_process_recorder()
+    try:
+        _remote(redis_node.url).put("fx_graph", "k", b"graph" * 10_000)
+        store = TieredStore(LocalTier(tmp_path / "local", 1 << 30), _remote(redis_node.url))
+        rec = get_recorder()
+        rec.attempt_start()
+        assert store.get("fx_graph", "k") == b"graph" * 10_000  # remote: one span
+        store.flush(timeout=10)
+        assert store.get("fx_graph", "k") is not None  # local now: no span
+        rec.step(0)
+        rec.train_end()
+        rec.attempt_end()
+        rec.flush()
+        store.close()
+        lines = [json.loads(l) for f in (tmp_path / "run").rglob("*.jsonl") for l in f.read_text().splitlines()]
+        fetches = [l for l in lines if l.get("span") == "cache_fetch"]
+        assert [(l["event"], l["bucket"]) for l in fetches] == [("begin", "compile"), ("end", "compile")]
+        result = compute(load_runs([tmp_path / "run"])[0])
+        assert result.buckets["compile"] > 0
+    finally:
+        reset_process_recorder()

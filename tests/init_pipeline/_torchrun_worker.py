@@ -117,11 +117,17 @@ class Batches(torch.utils.data.IterableDataset):
         return (batch(i) for i in range(100))
 
 
+class FailingBatches(torch.utils.data.IterableDataset):
+    def __iter__(self):  # a generator: this runs at the first batch, in the data_loader_init stage
+        time.sleep(1.0)  # rank 0 is in the final collective by now
+        raise OSError("data loader worker died")
+        yield  # noqa: unreachable
+
+
 def mode_graph(out: dict, fail: bool = False) -> None:
     def build_loader(rank: int, world_size: int):
-        if fail and rank == 1:
-            time.sleep(1.0)  # rank 0 is in the final collective by now
-            raise OSError("data loader worker died")
+        if fail and rank == 1:  # no workers, so the error reaches the stage as it is
+            return torch.utils.data.DataLoader(FailingBatches(), batch_size=None, num_workers=0)
         return torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=1)
 
     def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -254,3 +254,27 @@ def test_critical_path_and_sequential_time():
     assert total == pytest.approx(result.timings["b"].seconds + result.timings["d"].seconds)
     assert result.sequential_s == pytest.approx(sum(t.seconds for t in result.timings.values()))
     assert result.wall_s >= total
+
+
+def test_first_stages_run_before_any_other_stage_starts():
+    """A stage that forks (a data loader's workers) must do so while no other thread exists."""
+    g = _graph()
+    seen: list[tuple[str, int]] = []
+    g.add("model", lambda: seen.append(("model", threading.active_count())))
+    g.add("fork_workers", lambda: seen.append(("fork_workers", threading.active_count())) or "it", runs_on="first")
+    g.add("prefetch", lambda fork_workers: fork_workers + "!", deps=["fork_workers"])
+    before = threading.active_count()
+    result = g.run()
+    assert seen[0] == ("fork_workers", before + 1)  # only the graph's watchdog runs besides us
+    assert result["prefetch"] == "it!" and result.timings["fork_workers"].runs_on == "first"
+
+
+def test_a_first_stage_may_depend_only_on_inputs():
+    g = _graph()
+    g.add("a", lambda: 1)
+    g.add("b", lambda a, x: a + x, deps=["a", "x"], runs_on="first")
+    with pytest.raises(ValueError, match="'b' runs first but depends on the stages a"):
+        g.run(inputs={"x": 1})
+    g2 = _graph()
+    g2.add("b", lambda x: x + 1, deps=["x"], runs_on="first")
+    assert g2.run(inputs={"x": 1})["b"] == 2

@@ -52,8 +52,9 @@ def test_startup_graph_builds_a_trainable_torchrec_job(tmp_path, fresh_machine):
     proc = _torchrun("graph", tmp_path / "out", cache_dir=tmp_path / "cache")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rank0, rank1 = _ranks(tmp_path / "out")
-    stages = ["checkpoint_load", "compile_warmup", "data_loader_init", "first_batch_ready", "model_meta",
-              "model_transform", "optimizer_init", "process_group_init", "sharding_plan", "sharding_plan_broadcast"]
+    stages = ["checkpoint_load", "compile_warmup", "data_loader_init", "data_loader_start", "first_batch_ready",
+              "model_meta", "model_transform", "optimizer_init", "process_group_init", "sharding_plan",
+              "sharding_plan_broadcast"]
     assert rank0["stages"] == rank1["stages"] == stages
     # Rank 0 planned in a forked child (so its own counter stays 0); rank 1 never planned.
     assert rank0["plan_source"] == "planner" and rank1["plan_source"] is None

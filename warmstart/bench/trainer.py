@@ -153,13 +153,11 @@ class Trainer:
         latest = latest_committed(cfg.checkpoint_dir)
         self.step = 0 if latest is None else latest.step + 1
 
-        # The loader's workers are forked now, before the graph starts its threads: a fork while
-        # another thread holds one of torch's locks (the RNG's, when a thread builds a module)
-        # leaves the worker deadlocked. The graph's data_loader_init stage then waits for the first
-        # batch while everything else starts.
-        with self.rec.span("data_loader_start", bucket="data_loader_init"):
+        def build_loader(rank: int, world_size: int) -> DataLoader:
+            # warmstart: the graph forks the workers before its threads start, then fetches the
+            # first batch while everything else starts up
             self._loader = make_loader(self._dataset(self.step), num_workers=cfg.loader_workers)
-            started = iter(self._loader)
+            return self._loader
 
         def load_checkpoint(model: DistributedModelParallel, optimizer: CombinedOptimizer) -> int | None:
             # warmstart: asynchronous checkpoints; their own gloo group, a commit marker, keep-N
@@ -173,7 +171,7 @@ class Trainer:
             sharders=self._sharders(),
             # warmstart: the plan comes from the cache (a hit is a lookup, a miss plans in a subprocess)
             build_planner=lambda world, local_world, device_type: self._planner(),
-            build_loader=lambda rank, world: started,
+            build_loader=build_loader,
             prefetch_batches=1,
             build_optimizer=self._build_optimizer,
             load_checkpoint=load_checkpoint,

@@ -42,8 +42,11 @@ from warmstart.errors import WarmstartError
 
 log = logging.getLogger("warmstart.init_pipeline")
 
-RUNS_ON = ("thread", "process", "main")
-"""Where a stage runs: its own thread, a forked child process, or the thread that called ``run``."""
+RUNS_ON = ("thread", "process", "main", "first")
+"""Where a stage runs: its own thread, a forked child process, or the thread that called ``run``;
+``first`` stages run on that thread before any other stage starts: work that forks (data loader
+workers), since a fork while another thread holds a lock (torch's RNG, the allocator's) can leave
+the child deadlocked. ``first`` stages may depend only on the graph's inputs."""
 
 _DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0  # as torch's default process-group timeout
 _DEFAULT_ABORT_GRACE_S = 10.0  # a rank stuck in a collective after a failure is aborted after this
@@ -92,7 +95,7 @@ class Stage:
             metrics span name.
         fn: the work; called with one keyword argument per dependency.
         deps: names of the stages (or graph inputs) whose results it needs.
-        runs_on: ``thread``, ``process`` or ``main`` (see :data:`RUNS_ON`).
+        runs_on: ``thread``, ``process``, ``main`` or ``first`` (see :data:`RUNS_ON`).
         collective: talks to other ranks: runs on the main thread in the graph's fixed order.
         timeout_s: fail the stage (main stages: abort the rank) after this many seconds; ``None``
             means no limit for thread and process stages and the graph's collective timeout for main
@@ -219,7 +222,8 @@ class StartupGraph:
             name: unique identifier-like name (it becomes a keyword argument of dependents).
             fn: called with one keyword argument per dependency.
             deps: the stages or inputs it needs.
-            runs_on: ``thread`` (default), ``process`` or ``main``; ``collective=True`` implies ``main``.
+            runs_on: ``thread`` (default), ``process``, ``main`` or ``first`` (before every other
+                stage: for work that forks); ``collective=True`` implies ``main``.
             collective: the stage issues collectives: main thread, fixed order.
             timeout_s: see :class:`Stage`.
             bucket: ETT bucket for the span.
@@ -301,6 +305,12 @@ class StartupGraph:
         if clash:
             raise ValueError(f"inputs {', '.join(clash)} have the names of stages")
         order = self.order(inputs)
+        for name in order:
+            stage = self._stages[name]
+            early = [d for d in stage.deps if d in self._stages]
+            if stage.runs_on == "first" and early:
+                raise ValueError(f"stage {name!r} runs first but depends on the stages {', '.join(early)}: "
+                                 "a 'first' stage may depend only on the graph's inputs")
         return _Run(self, order, inputs, sequential=sequential).execute()
 
 
@@ -323,6 +333,7 @@ class _Run:
         self.cause: BaseException | None = None
         self.failed_at: float | None = None
         self.finished = False
+        self.before_threads = not sequential  # while the 'first' stages run, nothing else starts
         self.t0 = time.monotonic()
         self.recorder = graph.recorder if graph.recorder is not None else _default_recorder()
 
@@ -332,7 +343,12 @@ class _Run:
         watchdog = threading.Thread(target=self._watch, name=f"warmstart-{self.graph.name}-watchdog", daemon=True)
         watchdog.start()
         try:
+            if not self.sequential:
+                for name in self.order:
+                    if self.stages[name].runs_on == "first":
+                        self._run_main(name)
             with self.cond:
+                self.before_threads = False
                 self._start_ready()
             for name in self.order:
                 if self.stages[name].runs_on != "main" and not self.sequential:
@@ -368,11 +384,11 @@ class _Run:
 
     def _start_ready(self) -> None:
         """Start every thread/process stage whose dependencies are done (caller holds ``cond``)."""
-        if self.failure is not None or self.sequential:
+        if self.failure is not None or self.sequential or self.before_threads:
             return
         for name in self.order:
             stage = self.stages[name]
-            if stage.runs_on == "main" or name in self.started:
+            if stage.runs_on in ("main", "first") or name in self.started:
                 continue
             if all(d in self.values for d in stage.deps):
                 self.started.add(name)
@@ -432,7 +448,7 @@ class _Run:
             self.main_stage = None
             self.values[name] = value
             self.timings[name] = StageTiming(name, start - self.t0, end - self.t0,
-                                             stage.runs_on if self.sequential else "main")
+                                             stage.runs_on if self.sequential or stage.runs_on == "first" else "main")
             self._start_ready()
             self.cond.notify_all()
 

@@ -7,7 +7,8 @@ builder, data loader builder, planner, checkpoint hook, compile warm-up) into th
     model_meta (thread) ─> sharding_plan (thread; rank 0: cache or planner in a subprocess)
                                └─> sharding_plan_broadcast (main) ─> model_transform (main: DMP)
                                                   └─> optimizer_init (main) ─> checkpoint_load (main: hook)
-    data_loader_init (thread: build, iter(), first batches prefetched)
+    data_loader_start (first: build, iter() forks the workers before any thread exists)
+        └─> data_loader_init (thread: first batches prefetched)
     compile_warmup (thread: torch.compile of the dense part on a synthetic batch)
 
 Rank 0 resolves the plan while every rank still waits in the rendezvous; the loader's workers boot
@@ -113,18 +114,19 @@ class StoreFailureChannel:
 class PrefetchedLoader:
     """An iterator over a data loader whose first batches were fetched during start-up.
 
-    ``iter(loader)`` (which starts the loader's workers) and the first ``prefetch`` batches run in
-    the ``data_loader_init`` stage; iteration then yields those batches and continues from the same
-    iterator.
+    The ``data_loader_start`` stage builds the loader and calls ``iter(loader)``, which forks its
+    workers, before any other stage starts; the ``data_loader_init`` stage fetches the first
+    ``prefetch`` batches (pass the started ``iterator``); iteration then yields those batches and
+    continues from the same iterator.
 
     Attributes:
         loader: the data loader (for ``state_dict`` and the like).
         prefetched: how many batches were fetched ahead.
     """
 
-    def __init__(self, loader: Iterable[Any], prefetch: int = 3) -> None:
+    def __init__(self, loader: Iterable[Any], prefetch: int = 3, iterator: Iterator[Any] | None = None) -> None:
         self.loader = loader
-        self._it: Iterator[Any] = iter(loader)
+        self._it: Iterator[Any] = iter(loader) if iterator is None else iterator
         self._ready: deque[Any] = deque()
         for _ in range(prefetch):
             try:
@@ -310,7 +312,16 @@ def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank
     graph.add("sharding_plan", sharding_plan, deps=["model_meta"])
     if spec.build_loader is not None:
         build_loader, prefetch = spec.build_loader, spec.prefetch_batches
-        graph.add("data_loader_init", lambda: PrefetchedLoader(build_loader(rank, world_size), prefetch))
+        # The workers fork in a 'first' stage, before any stage thread exists: a fork while another
+        # thread holds one of torch's locks (the RNG's, while a thread builds a module) leaves a
+        # worker deadlocked. The first batches are then fetched in a thread with everything else.
+        def data_loader_start() -> tuple[Iterable[Any], Iterator[Any]]:
+            loader = build_loader(rank, world_size)
+            return loader, iter(loader)
+
+        graph.add("data_loader_start", data_loader_start, runs_on="first", bucket="data_loader_init")
+        graph.add("data_loader_init", lambda data_loader_start: PrefetchedLoader(
+            data_loader_start[0], prefetch, iterator=data_loader_start[1]), deps=["data_loader_start"])
     if spec.compile_warmup is not None:
         warmup = spec.compile_warmup
         graph.add("compile_warmup", lambda: warmup.run(device), bucket="compile")
