@@ -36,6 +36,7 @@ log = logging.getLogger("warmstart.cache")
 KEY_PREFIX = "ws:"
 _COMPRESS_MIN = 1024
 _PROBE_BYTES = 64 * 1024  # compress this much first; skip compressing what does not shrink
+_PROBE_ABOVE = 1024 * 1024  # below this, compressing everything costs less than probing first
 _URL_OPTIONS = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
                 "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes"),
                 "socket_timeout": float, "socket_connect_timeout": float}
@@ -96,7 +97,7 @@ class RemoteTier:
     Args:
         url: ``redis://``, ``rediss://`` or ``redis+cluster://`` URL (credentials in the URL). Query
             options: redis-py's TLS and timeout options, and ``compress=`` (a zstd level, default
-            1, or ``off``) for the values this process writes; readers handle either.
+            -3, or ``off``) for the values this process writes; readers handle either.
         secret: HMAC key; entries that do not verify under it are never returned.
         namespace: compatibility namespace (see ``namespace.py``); keys never cross namespaces.
         stats: where to count; a private ``Stats`` when omitted.
@@ -209,7 +210,7 @@ class RemoteTier:
     def _compress(self, value: bytes) -> tuple[bytes, bool]:
         if self._zc is None or len(value) < _COMPRESS_MIN:
             return value, False
-        if len(value) > 2 * _PROBE_BYTES:  # machine code that is already packed: do not pay for nothing
+        if len(value) > _PROBE_ABOVE:  # machine code that is already packed: do not pay for nothing
             probe = self._zc.compress(value[:_PROBE_BYTES])
             if len(probe) > 0.9 * _PROBE_BYTES:
                 return value, False
