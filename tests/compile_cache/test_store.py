@@ -303,3 +303,19 @@ def test_remote_reads_are_cache_fetch_spans_in_the_ett_events(redis_node, tmp_pa
         assert result.buckets["compile"] > 0
     finally:
         reset_process_recorder()
+
+
+def test_a_remote_read_never_starts_recording_in_a_process_that_records_nothing(redis_node, tmp_path, monkeypatch):
+    """Inductor's compile workers read the cache too: they must not begin writing the job's events
+    (their exit would then record a failure for the job's attempt)."""
+    from warmstart.metrics import reset_process_recorder
+    from warmstart.metrics.recorder import existing_recorder
+
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "run"))
+    reset_process_recorder()
+    _remote(redis_node.url).put("fx_graph", "k", b"graph" * 10_000)
+    store = TieredStore(None, _remote(redis_node.url))
+    assert store.get("fx_graph", "k") == b"graph" * 10_000
+    store.close()
+    assert existing_recorder() is None
+    assert not (tmp_path / "run").exists()

@@ -129,7 +129,8 @@ def doctor() -> None:
     """Check the configuration end to end and say what is wrong in plain words.
 
     Checks settings, the local directory, the server URL, authentication, the secret, the
-    namespace, a write/read round trip and latency. Exit code 1 if any check fails.
+    namespace, a write/read round trip and latency, and whether the server holds entries signed
+    with other secrets (which this job never reads). Exit code 1 if any check fails.
 
     \b
     Example:

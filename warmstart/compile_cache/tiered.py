@@ -74,11 +74,11 @@ class TieredStore:
     def _fetch_remote(self, kind: str, key: str) -> tuple[bytes, float] | None:
         # A ``cache_fetch`` span in the job's ETT events: the time spent waiting on the shared cache,
         # in the bucket of the work it stands in for (so the buckets do not change, only the detail).
-        try:
-            from warmstart.metrics.recorder import get_recorder
+        # Only on a recorder the process already has: compile workers read the cache too.
+        from warmstart.metrics.recorder import existing_recorder
 
-            recorder = get_recorder()
-        except Exception:  # a bad RANK is the metrics' business; the cache still answers
+        recorder = existing_recorder()
+        if recorder is None:
             return self.remote.fetch(kind, key)
         bucket = "sharding_plan" if kind == "sharding_plan" else "compile"
         recorder.begin("cache_fetch", bucket)

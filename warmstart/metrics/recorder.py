@@ -333,6 +333,13 @@ def get_recorder() -> Recorder | NullRecorder:
         return _process_recorder
 
 
+def existing_recorder() -> Recorder | NullRecorder | None:
+    """The process-wide recorder if this process already asked for one, else ``None``; never builds
+    one. For library code that adds detail to a job's events: a helper process (an Inductor compile
+    worker) must not start recording, or its exit would speak for the job's attempt."""
+    return _process_recorder
+
+
 def reset_process_recorder() -> None:
     """Close and forget the process-wide recorder (the next :func:`get_recorder` reads the environment again)."""
     global _process_recorder
