@@ -259,13 +259,20 @@ def test_critical_path_and_sequential_time():
 def test_first_stages_run_before_any_other_stage_starts():
     """A stage that forks (a data loader's workers) must do so while no other thread exists."""
     g = _graph()
-    seen: list[tuple[str, int]] = []
-    g.add("model", lambda: seen.append(("model", threading.active_count())))
-    g.add("fork_workers", lambda: seen.append(("fork_workers", threading.active_count())) or "it", runs_on="first")
+    seen: list[tuple[str, list[str]]] = []
+
+    def stage_threads() -> list[str]:  # the graph names the threads it starts for this graph's stages
+        ours = {"warmstart-stage-model", "warmstart-stage-prefetch"}
+        return [t.name for t in threading.enumerate() if t.name in ours]
+
+    # the model stage lasts a while: had it started before the fork, its thread would still be alive
+    g.add("model", lambda: seen.append(("model", stage_threads())) or time.sleep(0.3))
+    g.add("fork_workers", lambda: (time.sleep(0.1), seen.append(("fork_workers", stage_threads())))[1] or "it",
+          runs_on="first")
     g.add("prefetch", lambda fork_workers: fork_workers + "!", deps=["fork_workers"])
-    before = threading.active_count()
     result = g.run()
-    assert seen[0] == ("fork_workers", before + 1)  # only the graph's watchdog runs besides us
+    assert seen[0] == ("fork_workers", [])  # no stage thread existed yet
+    assert seen[1][0] == "model" and "warmstart-stage-model" in seen[1][1]  # then stages get their threads
     assert result["prefetch"] == "it!" and result.timings["fork_workers"].runs_on == "first"
 
 
