@@ -3,12 +3,13 @@ fill to 3x ``maxmemory``.
 
 Phase 1 (throughput): a ``warmstart server`` node; N client processes (default 32) each write W
 artifact-sized values (sizes log-uniform between 1 KiB and 8 MiB), wait for each other, then run a
-mix of 3 reads (of any process's values) to 1 write. The same run does this twice with the same
-payloads: once through warmstart's store (``RemoteTier``: signed pointer + zstd + chunks) and once
-as raw redis-py ``GET``/``SET``, with the server flushed in between. Every read is checked: the
-value names its key and carries a SHA-256 digest of its body, so a corrupted, truncated or
-mixed-up read is counted, never missed. Reported: throughput (logical bytes/s and ops/s), the
-store/raw ratio, p50/p99 latency, errors, corrupted reads, unexpected misses.
+mix of 3 reads (of any process's values) to 1 write. Raw redis-py ``GET``/``SET`` and warmstart's
+store (``RemoteTier``: signed pointer, zstd, BLAKE3 content address, chunks) run the same payloads
+back to back, the server flushed in between, R times each (pairs alternate which side goes first).
+Every read is checked: the value names its key and carries a SHA-256 digest of its body, so a
+corrupted, truncated or mixed-up read is counted, never missed. Reported: throughput (logical bytes/s
+and ops/s), the store/raw ratio as the median over back-to-back pairs (a shared machine's speed
+drifts between pairs by 10% and more), p50/p99 latency, errors, corrupted reads, unexpected misses.
 
 Phase 2 (eviction): a node with ``maxmemory`` 256 MiB (32 writers x the 8 MiB largest chunk, the
 guide's sizing floor); the processes write through the store until 3x ``maxmemory`` has been
@@ -16,7 +17,11 @@ written, reading back as they go. The server must stay up and evict; clients mus
 errors or corrupted values. Below the floor (``--fill-maxmemory 64MiB``), values in flight can
 exceed ``maxmemory`` and Redis refuses some writes with OOM; reads still never fail.
 
-Run: ``.venv/bin/python benchmarks/server_load.py [--json FILE]`` (about three minutes on 2 cores).
+Phase 3 (cost): the same plan in one client process, no contention: client and server CPU seconds
+per GiB for each side, and the store's per-byte steps (zstd, BLAKE3) timed alone. Where clients and
+the server share the CPUs, as on a 2-core machine, the ratio of these totals bounds phase 1's.
+
+Run: ``.venv/bin/python benchmarks/server_load.py [--json FILE]`` (about five minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ class _StoreClient:
         from warmstart.compile_cache.remote import RemoteTier
 
         self.tier = RemoteTier(url, secret=secret, namespace=run)
-        self.read_errors = self.write_errors = 0
+        self.read_errors = self.write_errors = self._failures = 0
         # The store swallows errors (a job must never fail on the cache) and logs them at debug
         # level: keep the distinct messages so the report can say what went wrong.
         self.messages: set[str] = set()
@@ -130,20 +135,25 @@ class _StoreClient:
         logger.setLevel(logging.DEBUG)
         logger.addHandler(handler)
 
-    def _failures(self) -> int:
+    def _failed(self) -> bool:
+        """Whether the store counted a failure since the last call. It only fails an operation
+        that returns None (get) or False (put), so only those pay for reading its counters."""
         c = self.tier.stats.get("remote", _KIND)
-        return int(c.errors + c.timeouts + c.rejected + c.dropped)
+        total = int(c.errors + c.timeouts + c.rejected + c.dropped)
+        failed, self._failures = total > self._failures, total
+        return failed
 
     def put(self, key: str, value: bytes) -> bool:
-        before = self._failures()
         ok = self.tier.put(_KIND, key, value)
-        self.write_errors += (self._failures() > before) or not ok
+        if not ok:
+            self.write_errors += 1
+            self._failed()
         return ok
 
     def get(self, key: str) -> bytes | None:
-        before = self._failures()
         value = self.tier.get(_KIND, key)
-        self.read_errors += self._failures() > before
+        if value is None:
+            self.read_errors += self._failed()
         return value
 
     def error_kinds(self) -> dict[str, int]:
@@ -348,13 +358,18 @@ def summarize(results: list[WorkerResult]) -> dict[str, float | int]:
     }
 
 
-def phase_throughput(args, workdir: Path, console) -> dict:
-    port = _free_port()
-    directory = workdir / "throughput"
-    state = start(ServerOptions(dir=directory, port=port, maxmemory=parse_size(args.throughput_maxmemory)))
+def _start_server(workdir: Path, name: str, maxmemory: int):
+    """A ``warmstart server`` node for one phase: (its directory, the writer's URL, the signing
+    secret, an admin client)."""
+    directory = workdir / name
+    state = start(ServerOptions(dir=directory, port=_free_port(), maxmemory=maxmemory))
     creds = Credentials.load(directory)
     url, secret = state.url("writer", creds), creds.secret_file.read_bytes().strip()
-    admin = state.client(port, credentials=creds)
+    return directory, url, secret, state.client(state.options.ports[0], credentials=creds)
+
+
+def phase_throughput(args, workdir: Path, console) -> dict:
+    directory, url, secret, admin = _start_server(workdir, "throughput", parse_size(args.throughput_maxmemory))
     corpus()  # built once here; forked workers share it
     plan = plans(args.procs, args.writes, args.mixed, args.seed)
     keys = {key for p in plan for _, key in p if key}
@@ -384,25 +399,28 @@ def phase_throughput(args, workdir: Path, console) -> dict:
         admin.close()
         stop(directory)
     best = {side: max(rs, key=lambda r: r["mib_per_s"]) for side, rs in runs.items()}
-    cost = {side: best[side]["client_cpu_s_per_gib"] + best[side]["server_cpu_s_per_gib"] for side in best}
-    return {"runs": runs, "best": best, "ratio_cpu_bound": cost["raw"] / cost["store"],
-            "ratio_bytes": best["store"]["mib_per_s"] / best["raw"]["mib_per_s"],
-            "ratio_write_round": best["store"]["write_round_mib_per_s"] / best["raw"]["write_round_mib_per_s"],
-            "ratio_mixed_round": best["store"]["mixed_round_mib_per_s"] / best["raw"]["mixed_round_mib_per_s"],
-            "ratio_ops": best["store"]["ops_per_s"] / best["raw"]["ops_per_s"],
+    # The i-th raw and store runs ran back to back: their ratio sees the same machine. The median of
+    # these paired ratios is the figure; a shared machine's speed drifts between pairs (by 10% and
+    # more on this one), which best-of-N per side would mix into the ratio.
+    pairs = [(r, s) for r, s in zip(runs["raw"], runs["store"])]
+    cost = lambda r: r["client_cpu_s_per_gib"] + r["server_cpu_s_per_gib"]  # noqa: E731
+    paired = {
+        "bytes": [s["mib_per_s"] / r["mib_per_s"] for r, s in pairs],
+        "ops": [s["ops_per_s"] / r["ops_per_s"] for r, s in pairs],
+        "write_round": [s["write_round_mib_per_s"] / r["write_round_mib_per_s"] for r, s in pairs],
+        "mixed_round": [s["mixed_round_mib_per_s"] / r["mixed_round_mib_per_s"] for r, s in pairs],
+        "cpu_bound": [cost(r) / cost(s) for r, s in pairs],
+    }
+    return {"runs": runs, "best": best, "paired_ratios": paired,
+            **{f"ratio_{name}": float(np.median(values)) for name, values in paired.items()},
             "payload_bytes_total_per_run": sum(sizes[k] for p in plan for op, k in p if op in ("put", "get"))}
 
 
 def phase_fill(args, workdir: Path, console) -> dict:
-    port = _free_port()
-    directory = workdir / "fill"
     maxmemory = parse_size(args.fill_maxmemory)
-    state = start(ServerOptions(dir=directory, port=port, maxmemory=maxmemory))
-    creds = Credentials.load(directory)
-    url, secret = state.url("writer", creds), creds.secret_file.read_bytes().strip()
+    directory, url, secret, admin = _start_server(workdir, "fill", maxmemory)
     budget = args.fill_factor * maxmemory // args.procs
     console.log(f"fill: {args.procs} processes write {args.fill_factor}x maxmemory ({maxmemory / 2**20:.0f} MiB)")
-    admin = state.client(port, credentials=creds)
     try:
         results = _run_processes(
             _fill_worker, lambda i: (url, secret, "fill", i, budget, args.min_size, args.max_size), args.procs)
@@ -415,6 +433,79 @@ def phase_fill(args, workdir: Path, console) -> dict:
     return {"maxmemory": maxmemory, "written_bytes": sum(r.bytes for r in results), "server_up": up,
             "evicted_keys": int(info["evicted_keys"]), "used_memory_peak": int(info["used_memory_peak"]),
             "used_memory": int(info["used_memory"]), **summary}
+
+
+def phase_cost(args, workdir: Path, console) -> dict:
+    """Phase 3 (cost): CPU seconds per GiB of each side's work, in one client process on an
+    otherwise idle server, so no contention muddies it: client and server CPU for the throughput
+    phase's plan (its writes, then its 3:1 mix), and the store's own per-byte steps timed alone on
+    the same values. Where clients and the server share the CPUs, as here, throughput is bounded by
+    the inverse of the totals, so their ratio is the store's ceiling on such a machine."""
+    directory, url, secret, admin = _start_server(workdir, "cost", parse_size(args.throughput_maxmemory))
+    plan = plans(min(args.procs, 8), args.writes, args.mixed, args.seed)
+    ops = [(op, key) for p in plan for op, key in p if op == "put" and "-w" in key]
+    ops += [(op, key) for p in plan for op, key in p if op != "sync" and not (op == "put" and "-w" in key)]
+    sizes = {key: size_of(key, args.min_size, args.max_size) for _, key in ops}
+    values = {key: payload(key, sizes[key], not args.random_payloads) for op, key in ops if op == "put"}
+    total = sum(sizes[key] for _, key in ops) / 2**30
+    costs: dict[str, list[tuple[float, float]]] = {"raw": [], "store": []}
+    console.log(f"cost: {len(ops)} operations in one process, {args.cost_rounds} rounds per side")
+    try:
+        for n in range(args.cost_rounds):
+            for side in (("raw", "store") if n % 2 == 0 else ("store", "raw")):
+                admin.flushall()
+                client = _CLIENTS[side](url, secret, f"cost{n}")
+                client.put("warm-up", b"x" * 100)  # connect outside the measurement
+                server0, client0 = _server_cpu(admin), time.process_time()
+                for op, key in ops:
+                    if op == "put":
+                        client.put(key, values[key])
+                    elif client.get(key) is None:
+                        raise RuntimeError(f"cost phase: {side} lost {key}")
+                client_s, server_s = time.process_time() - client0, _server_cpu(admin) - server0
+                costs[side].append((client_s / total, server_s / total))
+    finally:
+        admin.close()
+        stop(directory)
+    from warmstart.compile_cache.remote import RemoteTier
+
+    tier = RemoteTier(url, secret=secret, namespace="steps")  # its compression settings; never connects
+    steps = _store_steps(tier, values, [key for op, key in ops if op == "get"], total)
+    median = lambda xs: float(np.median(xs))  # noqa: E731
+    out = {side: {"client_s_per_gib": median([c for c, _ in rs]), "server_s_per_gib": median([s for _, s in rs])}
+           for side, rs in costs.items()}
+    for side in out:
+        out[side]["total_s_per_gib"] = out[side]["client_s_per_gib"] + out[side]["server_s_per_gib"]
+    ratios = [(r[0] + r[1]) / (s[0] + s[1]) for r, s in zip(costs["raw"], costs["store"])]
+    return {**out, "store_steps_s_per_gib": steps, "ceiling_ratios": ratios, "ceiling": median(ratios),
+            "gib_per_round": total}
+
+
+def _store_steps(tier, values: dict[str, bytes], reads: list[str], total_gib: float) -> dict:
+    """The store's per-byte steps on the cost phase's values, each timed alone, in CPU seconds per
+    GiB of the whole mix (so they add up against the store's client cost)."""
+    import zstandard
+
+    from warmstart.compile_cache import signing
+
+    t0 = time.process_time()
+    blobs = {key: tier._compress(value) for key, value in values.items()}
+    compress_s = time.process_time() - t0
+    t0 = time.process_time()
+    for blob, _ in blobs.values():
+        signing.blob_digest(blob)
+    digest_put_s = time.process_time() - t0
+    decompressor = zstandard.ZstdDecompressor()
+    t0 = time.process_time()
+    for key in reads:  # every read is of a first-round write
+        blob, compressed = blobs[key]
+        signing.blob_digest(blob)
+        if compressed:
+            decompressor.decompress(blob)
+    read_s = time.process_time() - t0
+    return {"compress": compress_s / total_gib, "digest_on_write": digest_put_s / total_gib,
+            "digest_and_decompress_on_read": read_s / total_gib,
+            "stored_fraction": sum(len(b) for b, _ in blobs.values()) / sum(len(v) for v in values.values())}
 
 
 def _server_cpu(admin) -> float:
@@ -440,7 +531,7 @@ def _print_throughput(out, args, t: dict) -> bool:
     level = "off" if args.compress_level == "off" else _defaults.COMPRESS_LEVEL
     table = Table(title=f"{args.procs} processes, values {args.min_size // 1024} KiB..{args.max_size // 2**20} MiB "
                   f"({'random' if args.random_payloads else 'compiled code and Python source'}), store zstd level "
-                  f"{level}; best of {args.repeats} runs per side", title_justify="left")
+                  f"{level}; each side's best of {args.repeats} runs", title_justify="left")
     for col in ("", "MiB/s", "write round MiB/s", "3:1 round MiB/s", "client / server CPU s per GiB", "ops/s",
                 "p50 ms", "p99 ms", "get p50/p99 ms", "put p50/p99 ms", "errors", "corrupt", "misses"):
         table.add_column(col, justify="left" if not col else "right")
@@ -452,10 +543,36 @@ def _print_throughput(out, args, t: dict) -> bool:
                       f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}", f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}",
                       str(r["errors"]), str(r["corrupt"]), str(r["misses"]))
     out.print(table)
-    out.print(f"store / raw throughput: {t['ratio_bytes'] * 100:.0f}% overall (bytes), {t['ratio_ops'] * 100:.0f}% (ops); "
-              f"write round {t['ratio_write_round'] * 100:.0f}%, 3:1 read/write round {t['ratio_mixed_round'] * 100:.0f}%; "
-              f"from CPU cost per GiB (client + server, independent of other load): {t['ratio_cpu_bound'] * 100:.0f}%")
+    spread = lambda name: "/".join(f"{x * 100:.0f}" for x in t["paired_ratios"][name])  # noqa: E731
+    out.print(f"store / raw throughput, median of {len(t['paired_ratios']['bytes'])} back-to-back pairs "
+              f"(each pair's ratio in brackets): {t['ratio_bytes'] * 100:.0f}% overall ({spread('bytes')}), "
+              f"{t['ratio_ops'] * 100:.0f}% of ops; write round {t['ratio_write_round'] * 100:.0f}% ({spread('write_round')}), "
+              f"3:1 read/write round {t['ratio_mixed_round'] * 100:.0f}% ({spread('mixed_round')}); from CPU cost per GiB "
+              f"(client + server): {t['ratio_cpu_bound'] * 100:.0f}% ({spread('cpu_bound')})")
     return all(best[s]["errors"] == 0 and best[s]["corrupt"] == 0 and best[s]["misses"] == 0 for s in best)
+
+
+def _print_cost(out, c: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="CPU seconds per GiB moved, one client process, server otherwise idle (medians)",
+                  title_justify="left")
+    for col in ("", "client", "server", "total"):
+        table.add_column(col, justify="left" if not col else "right")
+    for side in ("raw", "store"):
+        r = c[side]
+        table.add_row(side, f"{r['client_s_per_gib']:.2f}", f"{r['server_s_per_gib']:.2f}", f"{r['total_s_per_gib']:.2f}")
+    steps = c["store_steps_s_per_gib"]
+    rest = c["store"]["client_s_per_gib"] - steps["compress"] - steps["digest_on_write"] - steps["digest_and_decompress_on_read"]
+    for name, value in (("  of which zstd compress (writes)", steps["compress"]),
+                        ("  of which BLAKE3 (writes)", steps["digest_on_write"]),
+                        ("  of which BLAKE3 + zstd decompress (reads)", steps["digest_and_decompress_on_read"]),
+                        ("  of which the rest (redis-py on fewer bytes, signing, round trips)", rest)):
+        table.add_row(name, f"{value:.2f}", "", "")
+    out.print(table)
+    out.print(f"raw / store CPU per GiB: {c['ceiling'] * 100:.0f}% "
+              f"({'/'.join(f'{x * 100:.0f}' for x in c['ceiling_ratios'])}): the store's throughput ceiling where "
+              f"clients and server share the CPUs; stored bytes {steps['stored_fraction']:.2f} of the values")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,9 +581,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--procs", type=int, default=32, help="client processes")
-    parser.add_argument("--writes", type=int, default=8, help="first-round writes per process")
-    parser.add_argument("--mixed", type=int, default=24, help="mixed ops per process after the barrier (3 reads : 1 write)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating the order")
+    parser.add_argument("--writes", type=int, default=16, help="first-round writes per process")
+    parser.add_argument("--mixed", type=int, default=48, help="mixed ops per process after the barrier (3 reads : 1 write)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per side, in back-to-back pairs, alternating which goes first")
     parser.add_argument("--min-size", type=parse_size, default=parse_size("1KiB"))
     parser.add_argument("--max-size", type=parse_size, default=parse_size("8MiB"))
     parser.add_argument("--random-payloads", action="store_true", help="incompressible payloads (worst case for the store)")
@@ -480,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-fill", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--cost-rounds", type=int, default=4, help="rounds per side of the one-process cost phase")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
@@ -501,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
             report["throughput"] = phase_throughput(args, Path(tmp), console)
         if not args.skip_fill:
             report["fill"] = phase_fill(args, Path(tmp), console)
+        if not args.skip_cost:
+            report["cost"] = phase_cost(args, Path(tmp), console)
 
     report["loadavg_after"] = os.getloadavg()
     out = Console(width=160)
@@ -514,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f['used_memory_peak'] / 2**20:.0f} MiB; reads: {f['hits']} hits, {f['misses']} misses, "
                   f"{f['read_errors']} errors, {f['corrupt']} corrupt; writes refused: {f['write_errors']}"
                   + (f" ({'; '.join(f['error_messages'])})" if f["error_messages"] else ""))
+    if "cost" in report:
+        _print_cost(out, report["cost"])
     out.print(f"machine: {report['cpus']} CPUs, 1-min load average {report['loadavg_before'][0]:.1f} before, "
               f"{report['loadavg_after'][0]:.1f} after (other work on the machine skews both sides alike)")
     if args.json:

@@ -1,5 +1,5 @@
-"""The load benchmark still runs end to end (tiny sizes): both sides return every value intact, and
-the fill phase evicts with misses, not errors."""
+"""The load benchmark still runs end to end (tiny sizes): both sides return every value intact, the
+fill phase evicts with misses, not errors, and the cost phase accounts for both sides."""
 
 from __future__ import annotations
 
@@ -26,13 +26,20 @@ def bench():
 def test_server_load_benchmark_small(bench, tmp_path):
     out = tmp_path / "load.json"
     code = bench.main(["--procs", "3", "--writes", "2", "--mixed", "8", "--repeats", "1", "--max-size", "256KiB",
-                       "--throughput-maxmemory", "64MiB", "--fill-maxmemory", "16MiB", "--json", str(out)])
+                       "--throughput-maxmemory", "64MiB", "--fill-maxmemory", "16MiB", "--cost-rounds", "1",
+                       "--json", str(out)])
     report = json.loads(out.read_text())
     assert code == 0, report
     for side in ("raw", "store"):
         best = report["throughput"]["best"][side]
         assert best["ops"] == 3 * (2 + 8)
         assert best["hits"] == 3 * 6 and best["errors"] == best["corrupt"] == best["misses"] == 0
+    throughput = report["throughput"]
+    assert len(throughput["paired_ratios"]["bytes"]) == 1 and throughput["ratio_bytes"] > 0
+    cost = report["cost"]
+    for side in ("raw", "store"):
+        assert cost[side]["client_s_per_gib"] > 0 and cost[side]["server_s_per_gib"] >= 0
+    assert 0 < cost["store_steps_s_per_gib"]["stored_fraction"] < 1  # compressible payloads shrink
     fill = report["fill"]
     assert fill["server_up"] and fill["evicted_keys"] > 0 and fill["misses"] > 0
     assert fill["errors"] == fill["corrupt"] == 0

@@ -16,7 +16,7 @@ import platform
 import sys
 import sysconfig
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 # CPU flags that change which vector code Inductor generates or may run.
 _ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",

@@ -5,7 +5,7 @@ Layout under the key prefix ``ws:<namespace>:``:
 * ``p:<kind>:<key id>:<key>``: a pointer record signed with the job's secret (see ``signing.py``;
   the key id names the secret, so jobs with different secrets never touch each other's records).
   Values of up to 64 KiB (compressed) live inside it: one round trip to read, one to write;
-* ``b:{<sha256>}:<i>``: chunk ``i`` of a larger zstd-compressed blob, split under Redis value limits.
+* ``b:{<blake3>}:<i>``: chunk ``i`` of a larger zstd-compressed blob, split under Redis value limits.
   The digest is a hash tag, so all chunks of a blob live in one Cluster slot and come back in one MGET.
 
 Identical large artifacts under different keys are stored once. Writes are ``SET NX``: the first
