@@ -126,14 +126,20 @@ class _StoreClient:
 
         self.tier = RemoteTier(url, secret=secret, namespace=run)
         self.read_errors = self.write_errors = self._failures = 0
-        # The store swallows errors (a job must never fail on the cache) and logs them at debug
-        # level: keep the distinct messages so the report can say what went wrong.
+        # The store swallows errors (a job must never fail on the cache) and logs them: keep the
+        # distinct messages so the report can say what went wrong.
         self.messages: set[str] = set()
-        handler = logging.Handler(logging.DEBUG)
-        handler.emit = lambda record: self.messages.add(record.getMessage()[:200])  # type: ignore[method-assign]
+        self._handler = logging.Handler(logging.DEBUG)
+        self._handler.emit = lambda record: self.messages.add(record.getMessage()[:200])  # type: ignore[method-assign]
         logger = logging.getLogger("warmstart.cache")
         logger.setLevel(logging.DEBUG)
-        logger.addHandler(handler)
+        logger.addHandler(self._handler)
+
+    def close(self) -> None:
+        import logging
+
+        logging.getLogger("warmstart.cache").removeHandler(self._handler)
+        self.tier.close()
 
     def _failed(self) -> bool:
         """Whether the store counted a failure since the last call. It only fails an operation
@@ -191,6 +197,9 @@ class _RawClient:
 
     def error_kinds(self) -> dict[str, int]:
         return {"errors": self.read_errors + self.write_errors}
+
+    def close(self) -> None:
+        self.client.close()
 
 
 _CLIENTS = {"store": _StoreClient, "raw": _RawClient}
@@ -402,7 +411,7 @@ def phase_throughput(args, workdir: Path, console) -> dict:
     # The i-th raw and store runs ran back to back: their ratio sees the same machine. The median of
     # these paired ratios is the figure; a shared machine's speed drifts between pairs (by 10% and
     # more on this one), which best-of-N per side would mix into the ratio.
-    pairs = [(r, s) for r, s in zip(runs["raw"], runs["store"])]
+    pairs = list(zip(runs["raw"], runs["store"]))
     cost = lambda r: r["client_cpu_s_per_gib"] + r["server_cpu_s_per_gib"]  # noqa: E731
     paired = {
         "bytes": [s["mib_per_s"] / r["mib_per_s"] for r, s in pairs],
@@ -455,22 +464,26 @@ def phase_cost(args, workdir: Path, console) -> dict:
             for side in (("raw", "store") if n % 2 == 0 else ("store", "raw")):
                 admin.flushall()
                 client = _CLIENTS[side](url, secret, f"cost{n}")
-                client.put("warm-up", b"x" * 100)  # connect outside the measurement
-                server0, client0 = _server_cpu(admin), time.process_time()
-                for op, key in ops:
-                    if op == "put":
-                        client.put(key, values[key])
-                    elif client.get(key) is None:
-                        raise RuntimeError(f"cost phase: {side} lost {key}")
-                client_s, server_s = time.process_time() - client0, _server_cpu(admin) - server0
+                try:
+                    client.put("warm-up", b"x" * 100)  # connect outside the measurement
+                    server0, client0 = _server_cpu(admin), time.process_time()
+                    for op, key in ops:
+                        if op == "put":
+                            client.put(key, values[key])
+                        elif client.get(key) is None:
+                            raise RuntimeError(f"cost phase: {side} lost {key}")
+                    client_s, server_s = time.process_time() - client0, _server_cpu(admin) - server0
+                finally:
+                    client.close()
                 costs[side].append((client_s / total, server_s / total))
     finally:
         admin.close()
         stop(directory)
     from warmstart.compile_cache.remote import RemoteTier
 
-    tier = RemoteTier(url, secret=secret, namespace="steps")  # its compression settings; never connects
+    tier = RemoteTier(url, secret=secret, namespace="steps")  # its codec settings; never connects
     steps = _store_steps(tier, values, [key for op, key in ops if op == "get"], total)
+    tier.close()
     median = lambda xs: float(np.median(xs))  # noqa: E731
     out = {side: {"client_s_per_gib": median([c for c, _ in rs]), "server_s_per_gib": median([s for _, s in rs])}
            for side, rs in costs.items()}
@@ -484,8 +497,6 @@ def phase_cost(args, workdir: Path, console) -> dict:
 def _store_steps(tier, values: dict[str, bytes], reads: list[str], total_gib: float) -> dict:
     """The store's per-byte steps on the cost phase's values, each timed alone, in CPU seconds per
     GiB of the whole mix (so they add up against the store's client cost)."""
-    import zstandard
-
     from warmstart.compile_cache import signing
 
     t0 = time.process_time()
@@ -495,13 +506,12 @@ def _store_steps(tier, values: dict[str, bytes], reads: list[str], total_gib: fl
     for blob, _ in blobs.values():
         signing.blob_digest(blob)
     digest_put_s = time.process_time() - t0
-    decompressor = zstandard.ZstdDecompressor()
     t0 = time.process_time()
     for key in reads:  # every read is of a first-round write
         blob, compressed = blobs[key]
         signing.blob_digest(blob)
         if compressed:
-            decompressor.decompress(blob)
+            tier._zd.decompress(blob)
     read_s = time.process_time() - t0
     return {"compress": compress_s / total_gib, "digest_on_write": digest_put_s / total_gib,
             "digest_and_decompress_on_read": read_s / total_gib,
