@@ -3,7 +3,7 @@
 Turn it on with the environment alone (``WARMSTART=1``; see CONTRACT §2), or from Python::
 
     import warmstart
-    warmstart.enable(cache_url="redis://cache:6379/0", secret_file="/etc/warmstart/secret")
+    warmstart.enable(cache_url="redis://cache:6379/0", key_file="/etc/warmstart/verify.pub")
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _ENABLE_ENV = {
     "cache_size": "WARMSTART_CACHE_SIZE",
     "mode": "WARMSTART_CACHE_MODE",
     "secret_file": "WARMSTART_SECRET_FILE",
+    "key_file": "WARMSTART_KEY_FILE",
     "namespace": "WARMSTART_NAMESPACE",
     "run_dir": "WARMSTART_RUN_DIR",
     "job_id": "WARMSTART_JOB_ID",
@@ -28,12 +29,17 @@ _ENABLE_ENV = {
 
 def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None = None,
            cache_size: str | None = None, mode: str | None = None, secret: str | None = None,
-           secret_file: str | os.PathLike | None = None, namespace: str | None = None,
-           run_dir: str | os.PathLike | None = None, job_id: str | None = None) -> None:
+           secret_file: str | os.PathLike | None = None, key_file: str | os.PathLike | None = None,
+           namespace: str | None = None, run_dir: str | os.PathLike | None = None,
+           job_id: str | None = None) -> None:
     """Turn warmstart on in this process and the processes it starts.
 
     Arguments beat environment variables, which beat defaults. They are exported to the
     environment, so torchrun workers and Inductor's compile workers use the same settings.
+
+    ``key_file`` (``WARMSTART_KEY_FILE``) is an Ed25519 key in PEM: the private key (``signing.key``)
+    for jobs that write the shared cache, the public key (``verify.pub``) for jobs that only read
+    it. It wins over ``secret``/``secret_file`` (the HMAC secret of older setups) when both are given.
 
     Raises:
         ConfigError: a setting is malformed (one line: variable, value, what is accepted).
@@ -41,7 +47,7 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     from warmstart.config import Settings, new_job_id
 
     given = dict(cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode,
-                 secret_file=secret_file, namespace=namespace, run_dir=run_dir, job_id=job_id)
+                 secret_file=secret_file, key_file=key_file, namespace=namespace, run_dir=run_dir, job_id=job_id)
     env = dict(os.environ)
     env["WARMSTART"] = "1"
     env.update({_ENABLE_ENV[k]: str(v) for k, v in given.items() if v is not None})

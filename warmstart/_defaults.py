@@ -6,8 +6,16 @@ CACHE_SIZE_BYTES = 10 * 1024**3  # local tier limit: 10 GiB
 CACHE_MODE = "rw"
 
 REMOTE_CONNECT_TIMEOUT_S = 0.5  # connect timeout for the remote tier
-REMOTE_SOCKET_TIMEOUT_S = 2.0  # per-command timeout for the remote tier (large values take a while)
+REMOTE_SOCKET_TIMEOUT_S = 2.0  # longest wait for any one socket read or write of the remote tier
 BREAKER_COOLDOWN_S = 30.0  # how long an open circuit breaker keeps the remote tier off
+# Deadline of one whole remote operation (a lookup, a write, a probe), however the server spreads its
+# bytes: REMOTE_OP_DEADLINE_S seconds plus the value's size at REMOTE_MIN_BYTES_PER_S. A server that
+# misses it costs that once, then the circuit breaker keeps the tier off. Connecting is bounded apart,
+# by REMOTE_CONNECT_TIMEOUT_S per node tried.
+REMOTE_OP_DEADLINE_S = 2.0  # seconds
+REMOTE_MIN_BYTES_PER_S = 16 * 1024**2  # 16 MiB/s: a 150 MB value may take 2 s + 9 s
+WRITE_QUEUE_BYTES = 256 * 1024**2  # background writes held in memory at most (256 MiB); more are dropped
+EXIT_FLUSH_S = 5.0  # at exit, background writes get at most this many seconds, then are dropped
 
 CHUNK_BYTES = 8 * 1024**2  # remote values are split into chunks of at most this size
 COMPRESS_LEVEL = -3  # zstd fast level: artifacts to ~0.36 of their size, decompressed 2x as fast as level 1 (docs/bench/server.md)

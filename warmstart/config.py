@@ -53,28 +53,82 @@ def validate_cache_url(url: str, variable: str = "WARMSTART_CACHE_URL") -> str:
     """Check that ``url`` is one of the accepted Redis URL forms and return it unchanged.
 
     Raises:
-        ConfigError: unknown scheme, missing host, or a port that is not a number.
+        ConfigError: unknown scheme, missing host, a port that is not a number, or a query option
+            that is unknown or has a bad value (the message shows the URL with its password redacted).
     """
     accepted = ("redis://[user:pass@]host:port[/db], rediss://... (TLS) or "
                 "redis+cluster://host:port[,host:port...]")
     try:
         parts = urlsplit(url)
     except ValueError:
-        raise ConfigError(variable, url, accepted) from None
+        raise ConfigError(variable, redact_url(url), accepted) from None
     if parts.scheme not in URL_SCHEMES or not parts.netloc:
-        raise ConfigError(variable, url, accepted)
+        raise ConfigError(variable, redact_url(url), accepted)
     hosts = parts.netloc.rsplit("@", 1)[-1]
     for hostport in hosts.split(","):
         host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "6379")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(variable, url, accepted)
+            raise ConfigError(variable, redact_url(url), accepted)
     db = parts.path.lstrip("/")
     if db and not db.isdigit():
-        raise ConfigError(variable, url, accepted)
-    compress = parse_qs(parts.query, keep_blank_values=True).get("compress")
-    if compress is not None:
-        compression_level(compress[-1], variable)
+        raise ConfigError(variable, redact_url(url), accepted)
+    for name, values in parse_qs(parts.query, keep_blank_values=True).items():
+        _check_url_option(name, values[-1], variable)
     return url
+
+
+_SECONDS = "a number of seconds greater than 0"
+#: Query options a cache URL may carry, and what each accepts. Checked here so that a bad one is a
+#: setting error at start-up, never an exception inside torch when the store is first built.
+URL_OPTIONS: dict[str, str] = {
+    "compress": "off or a zstd level from -100 (fastest) to 22",
+    "socket_timeout": _SECONDS,
+    "socket_connect_timeout": _SECONDS,
+    "ssl_ca_certs": "a file path",
+    "ssl_certfile": "a file path",
+    "ssl_keyfile": "a file path",
+    "ssl_cert_reqs": "one of none, optional, required",
+    "ssl_check_hostname": "one of 1, 0, true, false, yes, no",
+}
+
+
+def _check_url_option(name: str, value: str, variable: str) -> None:
+    accepted = URL_OPTIONS.get(name)
+    if accepted is None:
+        raise ConfigError(f"{variable} option", name, "one of " + ", ".join(URL_OPTIONS))
+    if name == "compress":
+        compression_level(value, variable)
+        return
+    if accepted == _SECONDS:
+        try:
+            ok = 0 < float(value) < float("inf")
+        except ValueError:
+            ok = False
+    elif name == "ssl_cert_reqs":
+        ok = value in ("none", "optional", "required")
+    elif name == "ssl_check_hostname":
+        ok = value.lower() in ("1", "0", "true", "false", "yes", "no")
+    else:
+        ok = bool(value)
+    if not ok:
+        raise ConfigError(f"{variable} option {name}", value, accepted)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (the whole user part when it has no ``:``), for
+    messages and logs. Works on malformed URLs too: it never parses more than it must."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    query_at = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, query_at)
+    if at < 0:
+        at = rest.rfind("@")  # a '?' or '#' in the password itself: over-redact rather than leak
+    if at < 0:
+        return url
+    user, colon, _ = rest[:at].partition(":")
+    userinfo = f"{user}:***" if colon else "***"
+    return f"{scheme}{sep}{userinfo}{rest[at:]}"
 
 
 def compression_level(value: str, variable: str = "WARMSTART_CACHE_URL") -> int | None:
@@ -105,12 +159,22 @@ class Settings:
     """``WARMSTART_CACHE_URL``: the remote tier; ``None`` means local only."""
     cache_dir: Path = dataclasses.field(default_factory=lambda: _default_cache_dir(os.environ))
     """``WARMSTART_CACHE_DIR``: the local (diskcache) tier."""
+    cache_dir_shared: bool = False
+    """``WARMSTART_CACHE_DIR_SHARED=1``: the local directory is shared on purpose, so use it even when
+    another user owns it or group or others can write it. Whoever can write it runs code in this job:
+    without this, such a directory is refused (one warning, local tier off)."""
     cache_size: int = _defaults.CACHE_SIZE_BYTES
     """``WARMSTART_CACHE_SIZE`` in bytes; least recently used entries are evicted past it."""
     mode: str = _defaults.CACHE_MODE
     """``WARMSTART_CACHE_MODE``: ``rw``, ``ro`` (never write) or ``off``."""
     secret: bytes | None = dataclasses.field(default=None, repr=False)
-    """``WARMSTART_SECRET`` / ``WARMSTART_SECRET_FILE``: HMAC key for remote entries."""
+    """``WARMSTART_SECRET`` / ``WARMSTART_SECRET_FILE``: HMAC key for remote entries (every holder can
+    sign). Ignored when ``key_file`` is set."""
+    key_file: Path | None = None
+    """``WARMSTART_KEY_FILE``: PEM Ed25519 key for remote entries: the private key (``signing.key``)
+    signs and verifies, the public key (``verify.pub``) only verifies, and a job holding only it never
+    writes to the remote tier. When both this and ``WARMSTART_SECRET[_FILE]`` are set, the key file
+    wins: the job signs and verifies with it alone."""
     namespace: str = ""
     """``WARMSTART_NAMESPACE``: extra namespace (team, trust domain)."""
     job_id: str = ""
@@ -138,7 +202,11 @@ class Settings:
         size_raw = env.get("WARMSTART_CACHE_SIZE", "").strip()
         cache_size = parse_size(size_raw) if size_raw else _defaults.CACHE_SIZE_BYTES
         cache_dir = Path(env["WARMSTART_CACHE_DIR"]).expanduser() if env.get("WARMSTART_CACHE_DIR") else _default_cache_dir(env)
+        shared_raw = env.get("WARMSTART_CACHE_DIR_SHARED", "")
+        if shared_raw not in ("", "0", "1"):
+            raise ConfigError("WARMSTART_CACHE_DIR_SHARED", shared_raw, "1 (shared on purpose), 0 or unset (private)")
         secret = _read_secret(env)
+        key_file = _check_key_file(env)
         namespace = env.get("WARMSTART_NAMESPACE", "").strip()
         if namespace and not re.fullmatch(r"[A-Za-z0-9._\-]+", namespace):
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
@@ -147,8 +215,9 @@ class Settings:
             job_id = ""
         run_dir_raw = env.get("WARMSTART_RUN_DIR", "")
         values: dict[str, object] = dict(
-            enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_size=cache_size,
-            mode=mode, secret=secret, namespace=namespace, job_id=job_id,
+            enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",
+            cache_size=cache_size,
+            mode=mode, secret=secret, key_file=key_file, namespace=namespace, job_id=job_id,
             run_dir=Path(run_dir_raw) if run_dir_raw else Path("warmstart-runs") / (job_id or "unnamed"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -168,6 +237,27 @@ def _read_secret(env: Mapping[str, str]) -> bytes | None:
     if not secret:
         raise ConfigError("WARMSTART_SECRET_FILE", path, "a file holding a non-empty key")
     return secret
+
+
+def _check_key_file(env: Mapping[str, str]) -> Path | None:
+    """The ``WARMSTART_KEY_FILE`` path, once it is known to be a readable PEM key file.
+
+    Only the file's shape is checked here (no ``cryptography`` import at settings time);
+    ``signing.load_key_file`` parses it when the store is built and raises the same kind of error.
+    """
+    raw = env.get("WARMSTART_KEY_FILE", "").strip()
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    accepted = "a PEM file holding an Ed25519 private key (signing.key) or public key (verify.pub)"
+    try:
+        data = path.read_bytes()[:65536]
+    except OSError as exc:
+        raise ConfigError("WARMSTART_KEY_FILE", raw, f"{accepted}; it cannot be read "
+                          f"({exc.strerror or type(exc).__name__})") from None
+    if not re.search(rb"-----BEGIN (PRIVATE|PUBLIC) KEY-----", data):
+        raise ConfigError("WARMSTART_KEY_FILE", raw, accepted)
+    return path
 
 
 def new_job_id() -> str:

@@ -68,3 +68,26 @@ def test_stats_and_clear(redis_node, tmp_path):
     assert "local: removed 1 entries" in cleared.output and "remote: removed 1 keys" in cleared.output
     assert json.loads(_invoke(["cache", "stats", "--json"], env).stdout)["local"]["entries"] == 0
     assert list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*")) == []
+
+
+def test_doctor_warns_when_tmpdir_is_too_long_for_dataloader_sockets(tmp_path):
+    from warmstart.compile_cache.doctor_checks import AF_UNIX_PATH_MAX, MAX_TMPDIR_BYTES, longest_socket_path
+
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}  # local tier only
+    long_tmp = tmp_path / ("scheduler-given-" + "x" * max(1, 96 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    assert len(str(long_tmp)) >= 90 and longest_socket_path(long_tmp) > AF_UNIX_PATH_MAX
+    result = _invoke(["cache", "doctor"], {**env, "TMPDIR": str(long_tmp)})
+    assert result.exit_code == 0, result.output  # a warning, not a failure
+    text = " ".join(result.output.split())
+    line = next(line for line in result.output.splitlines() if "TMPDIR" in line)
+    assert line.lstrip().startswith("warn")
+    assert f"is {len(str(long_tmp))} bytes" in text and f"up to {longest_socket_path(long_tmp)} bytes" in text
+    assert f"{AF_UNIX_PATH_MAX}-byte AF_UNIX limit" in text and f"at most {MAX_TMPDIR_BYTES} bytes" in text
+
+    short_tmp = tmp_path / "t"
+    short_tmp.mkdir()
+    result = _invoke(["cache", "doctor"], {**env, "TMPDIR": str(short_tmp)})
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if "TMPDIR" in line)
+    assert line.lstrip().startswith("ok") and "too long" not in result.output

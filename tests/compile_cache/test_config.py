@@ -62,3 +62,57 @@ def test_cluster_url_accepted():
 
 def test_torchrun_default_run_id_is_not_a_job_id():
     assert Settings.from_env({"TORCHELASTIC_RUN_ID": "none"}).job_id == ""
+
+
+@pytest.mark.parametrize("option,value", [("socket_timeout", "abc"), ("socket_timeout", "0"),
+                                          ("socket_connect_timeout", "-1"), ("ssl_cert_reqs", "always"),
+                                          ("ssl_check_hostname", "maybe"), ("ssl_ca_certs", "")])
+def test_bad_url_option_is_one_line_naming_variable_value_and_what_is_accepted(option, value):
+    url = f"redis://writer:hunter2@cache:6379/0?{option}={value}"
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"WARMSTART_CACHE_URL": url})
+    message = str(info.value)
+    assert "\n" not in message and "hunter2" not in message
+    assert message.startswith(f"WARMSTART_CACHE_URL option {option}={value!r}") and "expected" in message
+
+
+def test_unknown_url_option_names_the_accepted_ones():
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"WARMSTART_CACHE_URL": "redis://cache:6379/0?sockettimeout=1"})
+    message = str(info.value)
+    assert "'sockettimeout'" in message and "socket_timeout" in message and "\n" not in message
+
+
+def test_good_url_options_are_accepted():
+    url = ("rediss://w:p@cache:6380/0?socket_timeout=1.5&socket_connect_timeout=0.2&ssl_cert_reqs=required"
+           "&ssl_check_hostname=false&ssl_ca_certs=/etc/ca.pem&compress=off")
+    assert Settings.from_env({"WARMSTART_CACHE_URL": url}).cache_url == url
+
+
+@pytest.mark.parametrize("url", ["redis://writer:hunter2@cache:notaport/0", "http://writer:hunter2@cache:1",
+                                 "redis+cluster://writer:hunter2@a:1,:7000"])
+def test_url_errors_never_echo_the_password(url):
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"WARMSTART_CACHE_URL": url})
+    assert "hunter2" not in str(info.value) and "writer:***@" in str(info.value)
+
+
+def test_redact_url():
+    from warmstart.config import redact_url
+
+    assert redact_url("redis://u:pw@h:1/0?compress=off") == "redis://u:***@h:1/0?compress=off"
+    assert redact_url("redis+cluster://u:p%40w@a:1,b:2") == "redis+cluster://u:***@a:1,b:2"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+@pytest.mark.parametrize("raw,shared", [("", False), ("0", False), ("1", True)])
+def test_cache_dir_shared(raw, shared):
+    env = {"WARMSTART_CACHE_DIR_SHARED": raw} if raw else {}
+    assert Settings.from_env(env).cache_dir_shared is shared
+
+
+def test_bad_cache_dir_shared_is_one_line():
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"WARMSTART_CACHE_DIR_SHARED": "yes"})
+    message = str(info.value)
+    assert message.startswith("WARMSTART_CACHE_DIR_SHARED='yes'") and "expected" in message and "\n" not in message

@@ -84,3 +84,47 @@ def test_override_and_dump_managers_stay_local(machine, tmp_path, monkeypatch):
     get_store().flush(timeout=10)
     assert m.cache_dir.startswith(str(tmp_path / "dump"))
     assert get_store().stats.get("remote", "triton_kernel").writes == 0
+
+
+@pytest.mark.parametrize("name", ["../../evil", "/etc/passwd", "..", "sub/k.cubin", "nul\0.bin"])
+def test_group_entries_naming_files_outside_the_kernel_dir_are_misses(machine, tmp_path, name):
+    machine("a")
+    from warmstart.compile_cache import get_store
+    from warmstart.compile_cache.triton_manager import KIND
+
+    store = get_store()
+    # Entries as a writer to the cache could make them: a group naming the file, and the file.
+    store.put(KIND, "K5/__grp__k.json", json.dumps({"child_paths": {name: "/anywhere", "k.json": "/x"}}).encode(),
+              sync=True)
+    store.put(KIND, f"K5/{name}", b"evil", sync=True)
+    store.put(KIND, "K5/k.json", b"{}", sync=True)
+    store.flush(timeout=10)
+    machine("b")
+    m = WarmstartCacheManager("K5")
+    assert m.get_group("__grp__k.json") is None
+    assert m.get_file(name) is None
+    assert not (tmp_path / "b" / "evil").exists() and not (tmp_path / "evil").exists()
+    assert os.listdir(m.cache_dir) == []  # not even the group file: the entry was refused whole
+
+
+def test_malformed_group_entries_are_misses(machine):
+    machine("a")
+    from warmstart.compile_cache import get_store
+    from warmstart.compile_cache.triton_manager import KIND
+
+    for i, data in enumerate([b"[1, 2]", b'{"child_paths": 3}', b"\xff\xfe", b'{"child_paths": ["a", "b"]}']):
+        get_store().put(KIND, f"K6/__grp__{i}.json", data, sync=True)
+    get_store().flush(timeout=10)
+    machine("b")
+    m = WarmstartCacheManager("K6")
+    assert all(m.get_group(f"__grp__{i}.json") is None for i in range(4))
+
+
+@pytest.mark.parametrize("name", ["../x", "/tmp/x", ""])
+def test_unplain_names_from_triton_itself_are_refused(machine, name):
+    machine("a")
+    m = WarmstartCacheManager("K7")
+    with pytest.raises(ValueError):
+        m.put(b"data", name)
+    with pytest.raises(ValueError):
+        m.put_group("__grp__k.json", {name: "/x"})

@@ -1,8 +1,10 @@
 """Access control on a real server: anonymous clients can do nothing, the reader only reads
-warmstart's keys, the writer reads and writes them but runs no administrative command."""
+warmstart's keys, the writer reads and writes them; both get an allow-list of exactly the commands
+the store and the CLI send, nothing else."""
 
 from __future__ import annotations
 
+import os
 import stat
 
 import pytest
@@ -10,8 +12,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from warmstart.compile_cache import signing
 from warmstart.compile_cache.remote import RemoteTier
 from warmstart.server import Credentials, KEY_PREFIX
+from warmstart.server.acl import CLUSTER_TOPOLOGY, CONNECTION, READ, WRITE
 
 
 def _client(state, user: str | None, password: str | None = None) -> redis.Redis:
@@ -45,13 +49,20 @@ def test_reader_reads_but_cannot_write(single_server):
     assert reader.get(key) == b"payload"
     assert reader.mget([key, key]) == [b"payload", b"payload"]
     assert reader.exists(key) == 1
-    for command in (("SET", key, "evil"), ("DEL", key), ("UNLINK", key), ("EXPIRE", key, "1"), ("APPEND", key, "x"),
-                    ("SETRANGE", key, "0", "x"), ("GETDEL", key), ("RENAME", key, f"{KEY_PREFIX}other"),
-                    ("FLUSHDB",), ("FLUSHALL",)):
+    assert reader.strlen(key) == 7 and reader.getrange(key, 0, 2) == b"pay"
+    for command in (("SET", key, "evil"), ("SET", f"{KEY_PREFIX}new", "evil"), ("DEL", key), ("UNLINK", key),
+                    ("EXPIRE", key, "1"), ("APPEND", key, "x"), ("SETRANGE", key, "0", "x"), ("GETDEL", key),
+                    ("RENAME", key, f"{KEY_PREFIX}other"), ("FLUSHDB",), ("FLUSHALL",),
+                    # Reads the store does not need: no walking (or stalling) the key space.
+                    ("SCAN", "0", "COUNT", "100000000"), ("KEYS", "*"), ("RANDOMKEY",), ("DBSIZE",),
+                    ("LCS", key, key), ("SRANDMEMBER", key), ("HRANDFIELD", key), ("DUMP", key), ("OBJECT", "FREQ", key),
+                    ("MEMORY", "USAGE", key), ("TTL", key), ("TYPE", key), ("SUBSTR", key, "0", "1")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             reader.execute_command(*command)
-    assert writer.get(key) == b"payload"
-    assert writer.ttl(key) == -1
+    admin = _client(single_server, "admin")
+    assert admin.get(key) == b"payload"
+    assert admin.ttl(key) == -1
+    assert admin.exists(f"{KEY_PREFIX}new") == 0
 
 
 @pytest.mark.parametrize("command", [
@@ -62,6 +73,15 @@ def test_reader_reads_but_cannot_write(single_server):
     ("SWAPDB", "0", "1"), ("REPLICAOF", "127.0.0.1", "1"), ("MIGRATE", "127.0.0.1", "1", "k", "0", "10"),
     ("RESTORE", f"{KEY_PREFIX}r", "0", "x"), ("SLOWLOG", "GET"), ("CLUSTER", "RESET"), ("FUNCTION", "LIST"),
     ("SCRIPT", "FLUSH"), ("PUBLISH", "channel", "message"),
+    # Not administrative, but nothing the store sends: refused by the allow-list.
+    ("LCS", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"), ("SETRANGE", f"{KEY_PREFIX}a", "1000000", "x"),
+    ("SETBIT", f"{KEY_PREFIX}a", "4000000000", "1"), ("SRANDMEMBER", f"{KEY_PREFIX}s", "-100000000"),
+    ("HRANDFIELD", f"{KEY_PREFIX}h", "-100000000"), ("APPEND", f"{KEY_PREFIX}a", "x"), ("RENAME", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"),
+    ("EXPIRE", f"{KEY_PREFIX}a", "1"), ("GETDEL", f"{KEY_PREFIX}a"), ("SORT", f"{KEY_PREFIX}l"), ("RANDOMKEY",),
+    ("DBSIZE",), ("TYPE", f"{KEY_PREFIX}a"), ("MULTI",), ("WATCH", f"{KEY_PREFIX}a"), ("SELECT", "0"),
+    ("LPUSH", f"{KEY_PREFIX}l", "x"), ("SADD", f"{KEY_PREFIX}s", "x"), ("XADD", f"{KEY_PREFIX}x", "*", "f", "v"),
+    ("OBJECT", "ENCODING", f"{KEY_PREFIX}a"), ("MEMORY", "USAGE", f"{KEY_PREFIX}a"), ("DUMP", f"{KEY_PREFIX}a"),
+    ("CLIENT", "KILL", "USER", "reader"), ("CLIENT", "NO-EVICT", "on"), ("WAIT", "0", "0"), ("LATENCY", "RESET"),
 ])
 def test_writer_cannot_run_admin_commands(single_server, command):
     writer = _client(single_server, "writer")
@@ -107,10 +127,14 @@ def test_store_writes_with_writer_url_and_reads_with_reader_url(single_server):
 def test_secrets_are_private_and_acl_file_holds_no_clear_password(single_server):
     directory = single_server.options.dir
     creds = Credentials.load(directory)
-    for name in ("admin.password", "writer.password", "reader.password", "secret.key", "users.acl",
-                 "writer.url", "reader.url", "node0/redis.conf"):
+    for name in ("admin.password", "writer.password", "reader.password", "secret.key", "signing.key", "users.acl",
+                 "writer.url", "reader.url", "node0/redis.conf", "state.json"):
         mode = stat.S_IMODE((directory / name).stat().st_mode)
         assert mode == 0o600, (name, oct(mode))
+    # The public half is no secret: readable, and holding nothing private.
+    assert stat.S_IMODE((directory / "verify.pub").stat().st_mode) == 0o644
+    assert b"PRIVATE" not in (directory / "verify.pub").read_bytes()
+    assert b"PRIVATE KEY" in (directory / "signing.key").read_bytes()
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     acl = (directory / "users.acl").read_text()
     for password in creds.passwords.values():
@@ -126,3 +150,70 @@ def test_generated_config_is_safe_by_default(single_server):
     admin = _client(single_server, "admin")
     assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
     assert admin.config_get("appendonly") == {"appendonly": "no"}
+
+
+def test_allow_lists_are_exactly_what_the_store_needs(single_server):
+    """ACL DRYRUN: every listed command is allowed (so the lists load and mean what they say), and the
+    reader gets none of the writer's extra ones."""
+    admin = _client(single_server, "admin")
+    k = f"{KEY_PREFIX}x"
+    samples = {"get": ("GET", k), "mget": ("MGET", k, k), "exists": ("EXISTS", k), "strlen": ("STRLEN", k),
+               "getrange": ("GETRANGE", k, "0", "1"), "set": ("SET", k, "v", "NX", "EX", "10"),
+               "unlink": ("UNLINK", k), "del": ("DEL", k), "scan": ("SCAN", "0", "MATCH", f"{KEY_PREFIX}*"),
+               "ping": ("PING",), "hello": ("HELLO", "2"), "auth": ("AUTH", "u", "p"),
+               "client|setname": ("CLIENT", "SETNAME", "n"), "readonly": ("READONLY",), "asking": ("ASKING",),
+               "command": ("COMMAND", "COUNT"), **{c: ("CLUSTER", c.split("|")[1].upper()) for c in CLUSTER_TOPOLOGY
+                                                 if c.startswith("cluster|") and c != "cluster|keyslot"},
+               "cluster|keyslot": ("CLUSTER", "KEYSLOT", k)}
+    assert set(samples) == {*CONNECTION, *CLUSTER_TOPOLOGY, *READ, *WRITE}
+    for name, command in samples.items():
+        assert admin.execute_command("ACL", "DRYRUN", "writer", *command) == b"OK", name
+        verdict = admin.execute_command("ACL", "DRYRUN", "reader", *command)
+        assert (verdict == b"OK") == (name not in WRITE), (name, verdict)
+    # The reader's key permission is read-only too, whatever the command.
+    assert b"no permissions" in admin.execute_command("ACL", "DRYRUN", "reader", "SET", k, "v")
+    assert b"no permissions" in admin.execute_command("ACL", "DRYRUN", "writer", "GET", "not-warmstart")
+
+
+def test_store_full_path_with_writer_and_reader_credentials(single_server):
+    """Everything the store and ``warmstart cache clear|doctor`` do works under the allow-lists:
+    inline and chunked values, the repair path, key ids, delete, clear; the reader reads."""
+    creds = Credentials.load(single_server.options.dir)
+    ns = "acl-full"
+    writer = RemoteTier(single_server.url("writer", creds), keys=signing.load_key_file(creds.signing_key_file),
+                        namespace=ns, chunk_bytes=64 * 1024)
+    reader = RemoteTier(single_server.url("reader", creds), keys=signing.load_key_file(creds.verify_key_file),
+                        namespace=ns)
+    small, large = b"inline" * 100, os.urandom(300_000)  # incompressible: 5 chunks
+    writer.ping()
+    assert writer.put("fx_graph", "small", small) and writer.put("fx_graph", "large", large)
+    admin = _client(single_server, "admin")
+    blobs = list(admin.scan_iter(f"{KEY_PREFIX}{ns}:b:*"))
+    assert len(blobs) == 5
+    admin.delete(*blobs)
+    assert reader.get("fx_graph", "large") is None  # blob gone: a miss
+    assert writer.put("fx_graph", "large", large)  # the pointer's blob was evicted: repaired
+    # The same blob under another key finds its chunks there already and checks them: still a writer.
+    assert writer.put("cpp_object", "same-bytes", large) and writer.put("fx_graph", "after", small)
+    assert reader.get("cpp_object", "same-bytes") == large
+    for tier in (writer, reader):
+        assert tier.get("fx_graph", "small") == small and tier.get("fx_graph", "large") == large
+    assert writer.key_ids() == {writer.key_id: 4}
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        reader.key_ids()  # SCAN is the writer's only
+    assert writer.delete("fx_graph", "small") and reader.get("fx_graph", "small") is None
+    assert writer.clear() >= 4 and reader.get("fx_graph", "large") is None
+    for tier in (writer, reader):
+        counts = tier.stats.to_dict()["remote"]["fx_graph"]
+        assert counts["errors"] == 0 and counts["rejected"] == 0, counts
+
+
+def test_verify_only_key_never_writes_even_with_the_writer_password(single_server):
+    creds = Credentials.load(single_server.options.dir)
+    tier = RemoteTier(single_server.url("writer", creds), keys=signing.load_key_file(creds.verify_key_file),
+                      namespace="verify-only")
+    assert not tier.keys.can_sign
+    assert tier.put("fx_graph", "k", b"x" * 100) is False
+    assert tier.put("fx_graph", "big", b"y" * 300_000) is False
+    assert tier.stats.to_dict()["remote"]["fx_graph"]["dropped"] == 2
+    assert list(_client(single_server, "admin").scan_iter(f"{KEY_PREFIX}verify-only:*")) == []

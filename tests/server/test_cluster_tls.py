@@ -9,20 +9,16 @@ import os
 import pytest
 import redis
 from click.testing import CliRunner
+from _cli import start_json as _start_json
 from _ports import free_port_block
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from warmstart._defaults import INLINE_BYTES
 from warmstart.cli import cli
+from warmstart.compile_cache import signing
 from warmstart.compile_cache.remote import RemoteTier
 from warmstart.server import Credentials, ServerState
-
-
-def _start_json(*args: str) -> dict:
-    result = CliRunner().invoke(cli, ["server", "start", "--json", *args])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def test_cluster_of_three_serves_store_hits(server_dir):
@@ -97,3 +93,68 @@ def test_tls_works_and_plaintext_is_refused(server_dir, tls_files):
 
     status = json.loads(CliRunner().invoke(cli, ["server", "status", "--dir", str(server_dir), "--json"]).stdout)
     assert status["up"] is True and status["tls"] is True and status["keys"] == 1
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "127.0.0.1 192.0.2.10", "::"])
+def test_cluster_bus_beyond_loopback_needs_tls(server_dir, bind):
+    """Redis 7.0's Cluster bus has no authentication: a plaintext Cluster must stay on loopback."""
+    base = free_port_block(3, bus=True)
+    result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(base),
+                                      "--cluster", "3", "--bind", bind])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Cluster bus" in lines[0] and "--tls-cert" in lines[0] and "127.0.0.1" in lines[0]
+    assert ServerState.load(server_dir) is None
+
+
+def test_cluster_bus_check_accepts_loopback_or_tls(tmp_path):
+    from warmstart.server.config import ServerOptions
+    from warmstart.server.preflight import check_cluster_bus
+
+    for options in (dict(cluster=3), dict(cluster=3, bind="127.0.0.1 -::1"), dict(bind="0.0.0.0"),
+                    dict(cluster=3, bind="0.0.0.0", tls_cert="/c.pem", tls_key="/k.pem")):
+        check_cluster_bus(ServerOptions(dir=tmp_path, **options))
+
+
+def test_tls_cluster_serves_the_store_and_its_bus_wants_a_client_certificate(server_dir, tls_files):
+    import socket
+    import ssl
+
+    cert, key = tls_files
+    base = free_port_block(3, bus=True)
+    info = _start_json("--dir", str(server_dir), "--port", str(base), "--cluster", "3", "--maxmemory", "48MiB",
+                       "--tls-cert", str(cert), "--tls-key", str(key))
+    assert info["writer_url"].startswith("rediss+cluster://writer:")
+    conf = (server_dir / "node0" / "redis.conf").read_text().splitlines()
+    assert "tls-cluster yes" in conf and "port 0" in conf
+    keys = signing.load_key_file(info["signing_key_file"])
+    writer = RemoteTier(info["writer_url"], keys=keys, namespace="tls-cluster")
+    values = {f"k{i}": os.urandom(1000 + 40_000 * i) for i in range(6)}
+    for name, value in values.items():
+        assert writer.put("fx_graph", name, value)
+    reader = RemoteTier(info["reader_url"], keys=signing.load_key_file(info["verify_key_file"]), namespace="tls-cluster")
+    assert all(reader.get("fx_graph", name) == value for name, value in values.items())
+
+    bus = base + 10000
+    # Plaintext on the bus: no Cluster message is accepted; the TLS server answers with at most an
+    # alert and drops the connection.
+    with socket.create_connection(("127.0.0.1", bus), timeout=5) as sock:
+        sock.sendall(b"RCmb" + b"\0" * 64)
+        try:
+            answer = sock.recv(100)
+        except OSError:
+            answer = b""
+        assert answer == b"" or answer[:1] == b"\x15", answer  # 0x15: a TLS alert record
+    # TLS that trusts the server but shows no client certificate: refused.
+    context = ssl.create_default_context(cafile=str(cert))
+    context.check_hostname = False
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        with socket.create_connection(("127.0.0.1", bus), timeout=5) as raw:
+            with context.wrap_socket(raw) as tls:
+                tls.sendall(b"RCmb" + b"\0" * 64)
+                if not tls.recv(100):  # TLS 1.3 reports the missing certificate on the first read
+                    raise ConnectionError("closed")
+    # With the nodes' certificate the bus does take the connection (mutual TLS, not a closed port).
+    context.load_cert_chain(str(cert), str(key))
+    with socket.create_connection(("127.0.0.1", bus), timeout=5) as raw, context.wrap_socket(raw) as tls:
+        assert tls.version() is not None

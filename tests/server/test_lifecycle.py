@@ -17,6 +17,7 @@ import redis
 from click.testing import CliRunner
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from _cli import start_json as _start_json
 from _ports import free_port_block
 
 from warmstart.cli import cli
@@ -30,16 +31,10 @@ def _run(*args: str):
     return result
 
 
-def _start_json(*args: str) -> dict:
-    result = _run("start", "--json", *args)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
 def test_start_status_stop(server_dir):
     port = free_port_block(1)
     info = _start_json("--dir", str(server_dir), "--port", str(port), "--maxmemory", "16MiB")
-    assert set(info) >= {"writer_url", "reader_url", "secret_file", "dir"}
+    assert set(info) >= {"writer_url_file", "reader_url_file", "signing_key_file", "verify_key_file", "secret_file", "dir"}
     assert info["writer_url"].startswith(f"redis://writer:") and info["writer_url"].endswith(f"@127.0.0.1:{port}/0")
     assert info["reader_url"].startswith("redis://reader:")
     assert info["dir"] == str(server_dir)
@@ -149,12 +144,14 @@ def test_foreground_runs_until_sigterm(server_dir):
     port = free_port_block(1)
     proc = _start_foreground(server_dir, port)
     try:
-        info = json.loads(_read_json_object(proc.stdout))
+        printed = _read_json_object(proc.stdout)
+        info = json.loads(printed)
         state = ServerState.load(server_dir)
         assert state.supervisor_pid == proc.pid and pid_alive(state.pids[0])
         creds = Credentials.load(server_dir)
         assert state.client(port, "writer", creds).set("ws:fg", b"1")
-        assert info["writer_url"] == state.url("writer", creds)
+        assert "writer_url" not in info and all(p not in printed for p in creds.passwords.values())
+        assert open(info["writer_url_file"]).read().strip() == state.url("writer", creds)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         assert not pid_alive(state.pids[0])

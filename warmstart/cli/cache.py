@@ -130,7 +130,8 @@ def doctor() -> None:
 
     Checks settings, the local directory, the server URL, authentication, the secret, the
     namespace, a write/read round trip and latency, and whether the server holds entries signed
-    with other secrets (which this job never reads). Exit code 1 if any check fails.
+    with other secrets (which this job never reads). Also warns when TMPDIR is too long for
+    DataLoader workers' sockets (AF_UNIX paths: 107 bytes). Exit code 1 if any check fails.
 
     \b
     Example:
@@ -156,15 +157,27 @@ def doctor() -> None:
           "WARMSTART=1" if settings.enabled else "WARMSTART is not 1: jobs will not use the cache")
     _check_local(settings, check)
     _check_remote(settings, check)
+    _check_tmpdir(check)
     _print_checks(checks)
     if any(ok is False for _, ok, _ in checks):
         raise SystemExit(1)
 
 
+def _check_tmpdir(check) -> None:
+    # DataLoader workers' AF_UNIX sockets live under TMPDIR: warn when they would not fit
+    from warmstart.compile_cache.doctor_checks import tmpdir_check
+
+    ok, detail = tmpdir_check()
+    check("TMPDIR", ok, detail)
+
+
 def _check_local(settings, check) -> None:
     from warmstart.compile_cache import LocalTier
+    from warmstart.compile_cache.local import UnsafeCacheDir, check_private
 
     try:
+        if not settings.cache_dir_shared:
+            check_private(settings.cache_dir)
         tier = LocalTier(settings.cache_dir, settings.cache_size)
         probe = uuid.uuid4().hex
         ok = tier.put("doctor", probe, b"ok") and tier.get("doctor", probe) == b"ok"
@@ -172,6 +185,9 @@ def _check_local(settings, check) -> None:
         tier.close()
         check("local tier", ok, f"{settings.cache_dir} is writable, limit {_human_bytes(settings.cache_size)}"
               if ok else f"{settings.cache_dir}: write/read round trip failed")
+    except UnsafeCacheDir as exc:
+        check("local tier", False, f"{exc}: jobs refuse it (chmod 700 it, or set WARMSTART_CACHE_DIR_SHARED=1 if it "
+              "is shared on purpose)")
     except Exception as exc:
         check("local tier", False, f"{settings.cache_dir}: {exc}")
 
@@ -179,22 +195,36 @@ def _check_local(settings, check) -> None:
 def _check_remote(settings, check) -> None:
     import redis
 
-    from warmstart.compile_cache import RemoteTier
+    from warmstart.compile_cache import RemoteTier, signing
     from warmstart.compile_cache.namespace import components, namespace
+    from warmstart.config import redact_url
+    from warmstart.errors import ConfigError
 
     if not settings.cache_url:
         check("remote tier", None, "WARMSTART_CACHE_URL is not set: local tier only")
         return
-    if not settings.secret:
-        check("secret", False, "no WARMSTART_SECRET or WARMSTART_SECRET_FILE: jobs will refuse the remote tier")
+
+    try:
+        keys = signing.keys_for(settings.key_file, settings.secret)
+    except ConfigError as exc:
+        check("signing key", False, str(exc))
         return
-    check("secret", True, f"{len(settings.secret)}-byte key")
+    if keys is None:
+        check("signing key", False, "no WARMSTART_KEY_FILE, WARMSTART_SECRET or WARMSTART_SECRET_FILE: jobs will "
+              "refuse the remote tier")
+        return
+    if keys.scheme == "ed25519":
+        check("signing key", True, f"Ed25519 {'private key: signs and verifies' if keys.can_sign else 'public key: verifies only, never writes'} "
+              f"(key id {keys.key_id})")
+    else:
+        check("signing key", True, f"{len(settings.secret)}-byte HMAC secret (key id {keys.key_id}); every holder can sign: "
+              "prefer WARMSTART_KEY_FILE (Ed25519) for shared caches")
     ns = namespace(settings.namespace)
     parts = components(settings.namespace)
     check("namespace", True, f"{ns} (torch {parts['torch']}, {parts['python_abi']}, {parts['gpu_arch']}, "
           f"cpu {parts['cpu_isa'].split(':')[0]})")
-    tier = RemoteTier(settings.cache_url, secret=settings.secret, namespace=ns)
-    redacted = _redact(settings.cache_url)
+    tier = RemoteTier(settings.cache_url, keys=keys, namespace=ns)
+    redacted = redact_url(settings.cache_url)
     try:
         start = time.perf_counter()
         tier.ping()
@@ -210,7 +240,7 @@ def _check_remote(settings, check) -> None:
         return
     check("server", True, f"{redacted} answers in {latency_ms:.1f} ms")
     probe = f"doctor-{uuid.uuid4().hex}"
-    if settings.mode == "rw":
+    if settings.mode == "rw" and keys.can_sign:
         if not tier.put("doctor", probe, os.urandom(4096)):
             check("write", False, "the server refused a write: read-only credentials? use WARMSTART_CACHE_MODE=ro "
                   "for readers, or the writer URL")
@@ -244,15 +274,6 @@ def _check_key_ids(tier, check) -> None:
               f"the team the same WARMSTART_SECRET_FILE (old key ids fade out by LRU after a rotation)")
     else:
         check("secret in use", True, f"{ours} entries under this secret's key id {tier.key_id}")
-
-
-def _redact(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
 
 
 def _print_checks(checks) -> None:

@@ -26,9 +26,12 @@ def group() -> None:
 
     \b
     Example:
-      warmstart server start --dir /srv/warmstart --maxmemory 8GiB --bind 0.0.0.0
-      export WARMSTART_CACHE_URL=$(cat /srv/warmstart/writer.url)
-      export WARMSTART_SECRET_FILE=/srv/warmstart/secret.key
+      warmstart server start --dir /srv/warmstart --maxmemory 8GiB --bind 0.0.0.0 \\
+          --tls-cert /etc/warmstart/cert.pem --tls-key /etc/warmstart/key.pem
+      # a job that fills the cache (CI):
+      export WARMSTART_CACHE_URL="$(cat /srv/warmstart/writer.url)" WARMSTART_KEY_FILE=/srv/warmstart/signing.key
+      # every other job:
+      export WARMSTART_CACHE_URL="$(cat /srv/warmstart/reader.url)" WARMSTART_KEY_FILE=/srv/warmstart/verify.pub
     """
 
 
@@ -49,13 +52,17 @@ def group() -> None:
 @click.option("--aof/--no-aof", default=None, help="Persist the cache in an append-only file. [default: off]")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics at :PORT/metrics (0: off).")
 @click.option("--advertise", default=None, help="Host name put in the URLs. [default: the bind address]")
+@click.option("--show-secrets", is_flag=True,
+              help="Also print the writer and reader URLs, passwords included (default: only the files holding them).")
 @json_option
 def start(port, bind, maxmemory, directory, cluster, foreground, tls_cert, tls_key, tls_ca, no_tls, aof,
-          metrics_port, advertise, as_json) -> None:
-    """Start the cache server and print its writer and reader URLs.
+          metrics_port, advertise, show_secrets, as_json) -> None:
+    """Start the cache server and say where its credentials are.
 
-    Returns once every node answers (a Cluster: once it serves every slot). Passwords and the
-    signing secret are generated into --dir (mode 0600) and reused on later starts.
+    Returns once every node answers (a Cluster: once it serves every slot). Passwords, the writer
+    and reader URLs (writer.url, reader.url) and the Ed25519 signing key are generated into --dir
+    (mode 0600; the public verify.pub 0644) and reused on later starts. Nothing secret is printed
+    unless --show-secrets is given: stdout of a service ends up in logs.
 
     \b
     Example:
@@ -71,9 +78,9 @@ def start(port, bind, maxmemory, directory, cluster, foreground, tls_cert, tls_k
              "tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": tls_ca}
     options = _merge_with_previous(directory, given, no_tls=no_tls)
     if foreground:
-        code = server.run_foreground(options, on_ready=lambda state: _print_started(state, as_json))
+        code = server.run_foreground(options, on_ready=lambda state: _print_started(state, as_json, show_secrets))
         raise SystemExit(code)
-    _print_started(server.start(options), as_json)
+    _print_started(server.start(options), as_json, show_secrets)
 
 
 @group.command()
@@ -131,19 +138,22 @@ def stop(directory, as_json) -> None:
 @_DIR_OPTION
 @click.option("--user", "users", multiple=True, type=click.Choice(["writer", "reader", "admin"]),
               help="Give this user a new password (repeatable).")
-@click.option("--secret", is_flag=True, help="Replace the signing secret (every job must get the new file).")
+@click.option("--secret", is_flag=True, help="Replace the HMAC secret (every job using it must get the new file).")
+@click.option("--key-pair", is_flag=True,
+              help="Replace the Ed25519 key pair: writers need the new signing.key, readers the new verify.pub.")
 @json_option
-def rotate(directory, users, secret, as_json) -> None:
-    """Replace passwords and/or the signing secret; a running server takes new passwords at once.
+def rotate(directory, users, secret, key_pair, as_json) -> None:
+    """Replace passwords, the signing key pair and/or the HMAC secret; a running server takes new passwords at once.
 
     Old passwords stop working at once: Redis closes open connections on reload and only clients
-    with the new password get back in. Entries signed with an old secret are refused by jobs holding the new one (counted,
-    treated as misses) and replaced as jobs write them again.
+    with the new password get back in. Entries signed with an old key live under the old key id:
+    jobs holding the new key miss them (and write them again under the new id), jobs still on the
+    old key keep reading them until they get the new file.
 
     \b
     Example:
       warmstart server rotate --dir ./cache-server --user writer
-      warmstart server rotate --dir ./cache-server --secret
+      warmstart server rotate --dir ./cache-server --key-pair
     """
     from warmstart.server import Credentials
     from warmstart.server.credentials import rotate as rotate_files
@@ -151,17 +161,19 @@ def rotate(directory, users, secret, as_json) -> None:
     from warmstart.server.process import reload_acl
 
     directory = directory or _default_dir()
-    if not users and not secret:
-        raise click.UsageError("nothing to rotate: give --user NAME and/or --secret")
+    if not users and not secret and not key_pair:
+        raise click.UsageError("nothing to rotate: give --user NAME, --key-pair and/or --secret")
     try:
         old = Credentials.load(directory)
     except OSError:
         raise click.UsageError(f"no server credentials in {directory}") from None
-    new = rotate_files(directory, tuple(users), secret)
+    new = rotate_files(directory, tuple(users), secret, key_pair)
     nodes = reload_acl(directory, old, new) if users else 0
-    result = {"dir": str(directory), "rotated_users": list(users), "rotated_secret": secret, "nodes_reloaded": nodes,
+    result = {"dir": str(directory), "rotated_users": list(users), "rotated_secret": secret,
+              "rotated_key_pair": key_pair, "nodes_reloaded": nodes,
               "writer_url_file": str(directory / URL_FILES["writer"]),
-              "reader_url_file": str(directory / URL_FILES["reader"]), "secret_file": str(new.secret_file)}
+              "reader_url_file": str(directory / URL_FILES["reader"]), "secret_file": str(new.secret_file),
+              "signing_key_file": str(new.signing_key_file), "verify_key_file": str(new.verify_key_file)}
     if as_json:
         emit_json(result)
         return
@@ -169,7 +181,10 @@ def rotate(directory, users, secret, as_json) -> None:
         click.echo(f"new password for {', '.join(users)}; {nodes} running node(s) reloaded. New URLs: "
                    f"{result['writer_url_file']}, {result['reader_url_file']}")
     if secret:
-        click.echo(f"new signing secret in {new.secret_file}: give it to every job (WARMSTART_SECRET_FILE)")
+        click.echo(f"new HMAC secret in {new.secret_file}: give it to every job that uses it (WARMSTART_SECRET_FILE)")
+    if key_pair:
+        click.echo(f"new key pair (key id {new.key_id()}): writers need {new.signing_key_file}, readers "
+                   f"{new.verify_key_file} (WARMSTART_KEY_FILE)")
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -202,16 +217,22 @@ def _merge_with_previous(directory: Path, given: dict, *, no_tls: bool):
     return ServerOptions(dir=directory, **values)
 
 
-def _print_started(state, as_json: bool) -> None:
+def _print_started(state, as_json: bool, show_secrets: bool = False) -> None:
+    import shlex
+
     from warmstart.server import Credentials
+    from warmstart.server.config import URL_FILES
 
     creds = Credentials.load(state.options.dir)
     opts = state.options
     info = {
-        "writer_url": state.url("writer", creds),
-        "reader_url": state.url("reader", creds),
-        "secret_file": str(creds.secret_file),
         "dir": str(opts.dir),
+        "writer_url_file": str(opts.dir / URL_FILES["writer"]),
+        "reader_url_file": str(opts.dir / URL_FILES["reader"]),
+        "signing_key_file": str(creds.signing_key_file),
+        "verify_key_file": str(creds.verify_key_file),
+        "key_id": creds.key_id(),
+        "secret_file": str(creds.secret_file),
         "mode": "cluster" if opts.cluster else "single",
         "nodes": [{"host": opts.host, "port": p, "pid": pid} for p, pid in zip(opts.ports, state.pids)],
         "maxmemory": opts.maxmemory,
@@ -219,6 +240,8 @@ def _print_started(state, as_json: bool) -> None:
         "aof": opts.aof,
         "metrics_url": f"http://{opts.host}:{opts.metrics_port}/metrics" if opts.metrics_port else None,
     }
+    if show_secrets:
+        info.update(writer_url=state.url("writer", creds), reader_url=state.url("reader", creds))
     if as_json:
         emit_json(info)
     else:
@@ -226,15 +249,37 @@ def _print_started(state, as_json: bool) -> None:
         click.echo(f"warmstart cache server up: {shape} on {opts.host}:{opts.ports[0]}, maxmemory "
                    f"{_size(opts.maxmemory)} (allkeys-lru), TLS {'on' if opts.tls else 'off'}, "
                    f"AOF {'on' if opts.aof else 'off'}")
-        rows = [("writer URL", info["writer_url"], "WARMSTART_CACHE_URL for jobs that fill the cache"),
-                ("reader URL", info["reader_url"], "WARMSTART_CACHE_URL for read-only consumers"),
-                ("secret file", info["secret_file"], "WARMSTART_SECRET_FILE for every job"),
+        rows = [("writer URL", info["writer_url_file"], "file, 0600: WARMSTART_CACHE_URL for jobs that fill the cache"),
+                ("reader URL", info["reader_url_file"], "file, 0600: WARMSTART_CACHE_URL for read-only consumers"),
+                ("signing key", info["signing_key_file"], f"0600: WARMSTART_KEY_FILE for writer jobs; key id {info['key_id']}"),
+                ("verify key", info["verify_key_file"], "public: WARMSTART_KEY_FILE for reader jobs"),
                 ("dir", info["dir"], f"stop with: warmstart server stop --dir {opts.dir}")]
+        if show_secrets:
+            rows[2:2] = [("writer url", info["writer_url"], "secret: the password is in it"),
+                         ("reader url", info["reader_url"], "secret: the password is in it")]
         if info["metrics_url"]:
             rows.append(("metrics", info["metrics_url"], "Prometheus scrape target"))
         for name, value, hint in rows:
             click.echo(f"  {name:<12} {value}\n  {'':<12} ({hint})")
-    sys.stdout.flush()  # --foreground keeps running: whoever reads stdout needs the URLs now
+        q = shlex.quote
+        click.echo("Jobs that fill the cache (CI, trusted pipelines):\n"
+                   f"  export WARMSTART_CACHE_URL=\"$(cat {q(info['writer_url_file'])})\" "
+                   f"WARMSTART_KEY_FILE={q(info['signing_key_file'])}\n"
+                   "Every other job (copy verify.pub to it; it cannot sign, so it never writes):\n"
+                   f"  export WARMSTART_CACHE_URL=\"$(cat {q(info['reader_url_file'])})\" "
+                   f"WARMSTART_KEY_FILE={q(info['verify_key_file'])}")
+    sys.stdout.flush()  # --foreground keeps running: whoever reads stdout needs the file names now
+    _warn_plaintext(opts)
+
+
+def _warn_plaintext(options) -> None:
+    """One line on stderr when a plaintext server will listen beyond this host."""
+    from warmstart.server.config import is_loopback
+
+    if not options.tls and not is_loopback(options.bind):
+        click.echo(f"warmstart: warning: serving plaintext on {options.bind}: passwords and cache entries cross the "
+                   "network unencrypted; use --tls-cert/--tls-key unless every client is on a trusted network",
+                   err=True)
 
 
 def _print_status(result) -> None:

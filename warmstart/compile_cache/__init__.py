@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from warmstart.compile_cache.storage import KINDS, Storage
-from warmstart.config import Settings
+from warmstart.compile_cache.storage import KINDS, Storage, warn_once
+from warmstart.config import Settings, redact_url
 
 if TYPE_CHECKING:
     from warmstart.compile_cache.local import LocalTier
@@ -52,14 +52,19 @@ def stats_path(settings: Settings) -> Path:
 def open_store(settings: Settings | None = None, *, persist_stats: bool = True) -> "TieredStore | None":
     """Build the store ``settings`` describe (the environment when omitted).
 
-    Returns ``None`` when the mode is ``off``. Without a secret the remote tier is refused with one
-    warning and the store is local-only.
+    Returns ``None`` when the mode is ``off``. Entries are signed with ``settings.key_file``
+    (Ed25519) when set, else with ``settings.secret`` (HMAC); with neither the remote tier is
+    refused with one warning and the store is local-only.
+
+    A tier that cannot be opened (a damaged or unwritable directory, one others can write, a key
+    file or URL option the client refuses) is left out with one warning: the store is then
+    local-only or remote-only, and ``None`` when neither tier is left. Nothing here raises once
+    ``settings`` are built.
 
     Raises:
-        ConfigError: a setting is malformed.
+        ConfigError: ``settings`` omitted and a variable in the environment is malformed.
     """
     global _warned_no_secret
-    from warmstart.compile_cache.local import LocalTier
     from warmstart.compile_cache.namespace import namespace
     from warmstart.compile_cache.remote import RemoteTier
     from warmstart.compile_cache.stats import Stats
@@ -69,29 +74,74 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     if settings.mode == "off":
         return None
     stats = Stats()
-    local = LocalTier(settings.cache_dir, settings.cache_size, stats)
+    local = _open_local(settings, stats)
     remote = None
     if settings.cache_url:
-        if settings.secret:
-            remote = RemoteTier(settings.cache_url, secret=settings.secret,
-                                namespace=namespace(settings.namespace), stats=stats)
-        elif not _warned_no_secret:
-            log.warning("warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET or WARMSTART_SECRET_FILE: "
-                        "remote cache refused (unsigned entries would run unverified code); using the local tier only")
-            _warned_no_secret = True
+        try:
+            from warmstart.compile_cache import signing
+
+            keys = signing.keys_for(settings.key_file, settings.secret)
+            if keys is not None:
+                remote = RemoteTier(settings.cache_url, keys=keys, namespace=namespace(settings.namespace), stats=stats)
+            elif not _warned_no_secret:
+                log.warning("warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET, WARMSTART_SECRET_FILE or "
+                            "WARMSTART_KEY_FILE: remote cache refused (unsigned entries would run unverified code); "
+                            "using the local tier only")
+                _warned_no_secret = True
+        except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
+            warn_once(f"remote-open:{type(exc).__name__}", "warmstart: remote cache tier off: cannot use %s (%s: %s)",
+                      redact_url(settings.cache_url), type(exc).__name__, _scrub(str(exc), settings.cache_url))
+    if local is None and remote is None:
+        return None
+    # Counts go next to a usable local tier only: never into a directory that was refused.
     return TieredStore(local, remote, mode=settings.mode, stats=stats,
-                       stats_file=stats_path(settings) if persist_stats else None)
+                       stats_file=stats_path(settings) if persist_stats and local is not None else None)
+
+
+def _open_local(settings: Settings, stats: "Stats") -> "LocalTier | None":
+    """The local tier, or ``None`` (one warning) when its directory is unsafe or unusable."""
+    from warmstart.compile_cache.local import LocalTier, UnsafeCacheDir, check_private
+
+    try:
+        if not settings.cache_dir_shared:
+            check_private(settings.cache_dir)
+        return LocalTier(settings.cache_dir, settings.cache_size, stats)
+    except UnsafeCacheDir as exc:
+        warn_once("local-unsafe", "warmstart: local cache tier off: %s, so others could run code in this job; "
+                  "make it yours and private (chmod 700), or set WARMSTART_CACHE_DIR_SHARED=1 if it is shared on "
+                  "purpose", exc)
+    except Exception as exc:  # a damaged database, a file in the way, no permission, a full disk
+        warn_once(f"local-open:{type(exc).__name__}", "warmstart: local cache tier off: cannot open %s (%s: %s)%s",
+                  settings.cache_dir / "store", type(exc).__name__, exc,
+                  "; remove it to start afresh" if type(exc).__name__ == "DatabaseError" else "")
+    return None
+
+
+def _scrub(text: str, url: str) -> str:
+    """``text`` without the password of ``url`` (a client error may quote its connection string)."""
+    from urllib.parse import unquote, urlsplit
+
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return text
+    return text.replace(password, "***").replace(unquote(password), "***") if password else text
 
 
 def get_store() -> "TieredStore | None":
-    """The process-wide store, built on first use from the environment; ``None`` when warmstart is off."""
+    """The process-wide store, built on first use from the environment; ``None`` when warmstart is off
+    or no tier could be opened. Never raises: torch's C++ build and Triton's cache call it."""
     global _store, _store_loaded
     if _store_loaded:
         return _store
     with _store_lock:
         if not _store_loaded:
-            settings = Settings.from_env()
-            _store = open_store(settings) if settings.enabled else None
+            try:
+                settings = Settings.from_env()
+                _store = open_store(settings) if settings.enabled else None
+            except Exception as exc:  # called from torch's hooks: a bad setting turns the cache off, no more
+                warn_once("settings", "warmstart: compile cache off in this process: %s", exc)
+                _store = None
             _store_loaded = True
     return _store
 

@@ -1,20 +1,51 @@
 """The local tier: a diskcache directory with a size limit, least recently used entries out first.
 
 diskcache is SQLite plus files, safe across processes. Its lock wait is kept short so a busy disk
-costs a miss, never a stall.
+costs a miss, never a stall. Torch runs what this tier holds, so its directory is private: created
+with mode 0700, and refused by ``open_store`` (:func:`check_private`) when another user owns it or
+others can write it, unless it is shared on purpose (``WARMSTART_CACHE_DIR_SHARED=1``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
 import time
 from pathlib import Path
 
 import diskcache
 
 from warmstart.compile_cache.stats import Stats
+from warmstart.compile_cache.storage import warn_once
 
 log = logging.getLogger("warmstart.cache")
+
+
+class UnsafeCacheDir(Exception):
+    """The local cache directory can be written by someone other than this process's user."""
+
+
+def check_private(directory: Path | str) -> None:
+    """Raise :class:`UnsafeCacheDir` unless ``directory`` and its ``store`` subdirectory (where they
+    exist) belong to this process's user and no one else can write them: whoever can write them
+    runs code in every job that reads this tier."""
+    uid = os.geteuid()
+    for path in (Path(directory), Path(directory) / "store"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid != uid:
+            raise UnsafeCacheDir(f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})")
+        if st.st_mode & 0o022:
+            raise UnsafeCacheDir(f"{path} is writable by group or others (mode {st.st_mode & 0o7777:o})")
+
+
+def _corrupt(exc: BaseException) -> bool:
+    # "file is not a database", "database disk image is malformed": plain DatabaseError. Its
+    # subclasses (OperationalError: locked, busy, I/O) can pass, so they only cost a miss.
+    return type(exc) is sqlite3.DatabaseError
 
 
 class LocalTier:
@@ -26,18 +57,26 @@ class LocalTier:
         self.directory = Path(directory)
         self.size_limit = size_limit
         self.stats = stats or Stats()
+        self._off = False
+        # Private from the start (diskcache would make them 0755). Path.mkdir applies ``mode`` to
+        # the last part only, hence two calls.
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.directory / "store").mkdir(mode=0o700, exist_ok=True)
         self._cache = diskcache.Cache(
             str(self.directory / "store"), size_limit=size_limit, eviction_policy="least-recently-used",
             timeout=2.0, disk_min_file_size=64 * 1024,
         )
 
     def get(self, kind: str, key: str) -> bytes | None:
+        if self._off:
+            self.stats.add(self.name, kind, misses=1)
+            return None
         start = time.perf_counter()
         try:
             item = self._cache.get(f"{kind}:{key}", default=None, tag=True)
         except Exception as exc:  # diskcache.Timeout, sqlite errors, a full disk
             self.stats.add(self.name, kind, errors=1, misses=1)
-            log.debug("local tier get failed: %s", exc)
+            self._failed("get", exc)
             return None
         value, cost = item if item is not None else (None, None)
         if value is None:
@@ -49,15 +88,27 @@ class LocalTier:
         return bytes(value)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
+        if self._off:
+            self.stats.add(self.name, kind, dropped=1)
+            return False
         try:
             # The producer's cost rides along as the entry's tag for the "seconds saved" estimate.
             self._cache.set(f"{kind}:{key}", value, tag=round(cost_s, 4))
         except Exception as exc:
             self.stats.add(self.name, kind, errors=1)
-            log.debug("local tier put failed: %s", exc)
+            self._failed("put", exc)
             return False
         self.stats.add(self.name, kind, writes=1, bytes_written=len(value))
         return True
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        if not _corrupt(exc):
+            log.debug("local tier %s failed: %s", op, exc)
+            return
+        # A damaged database fails every call the same way: one line, then the tier stays off.
+        self._off = True
+        warn_once(f"local-corrupt:{self.directory}", "warmstart: local cache tier off: %s is damaged (%s: %s); "
+                  "remove it to start afresh", self.directory / "store", type(exc).__name__, exc)
 
     def volume(self) -> int:
         """Bytes on disk."""

@@ -6,17 +6,30 @@ Layout under the key prefix ``ws:<namespace>:``:
   the key id names the secret, so jobs with different secrets never touch each other's records).
   Values of up to 64 KiB (compressed) live inside it: one round trip to read, one to write;
 * ``b:{<blake3>}:<i>``: chunk ``i`` of a larger zstd-compressed blob, split under Redis value limits.
-  The digest is a hash tag, so all chunks of a blob live in one Cluster slot and come back in one MGET.
+  The digest is a hash tag, so all chunks of a blob live in one Cluster slot and come back in one
+  pipelined round trip.
 
 Identical large artifacts under different keys are stored once. Writes are ``SET NX``: the first
-writer wins when processes race. Timeouts are short, and the first connection failure opens a circuit
-breaker, so a slow or dead server costs a job at most one timeout.
+writer wins when processes race. Chunk keys are predictable, so a chunk that was already there is
+read back and overwritten unless it holds exactly the intended bytes; readers check every chunk's
+length against the signed size before fetching or joining anything.
+
+Every operation has a deadline for the whole of it (``REMOTE_OP_DEADLINE_S`` plus the value's size
+at ``REMOTE_MIN_BYTES_PER_S``), not just per socket read, and the first failure (a timeout, a refused
+connection, an unreachable cluster) opens a circuit breaker, so a slow, stalled or dead server costs
+a job at most one deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -28,6 +41,7 @@ from warmstart import _defaults
 from warmstart.compile_cache import signing
 from warmstart.compile_cache.breaker import CircuitBreaker
 from warmstart.compile_cache.stats import Stats
+from warmstart.compile_cache.storage import warn_once
 from warmstart.config import compression_level, validate_cache_url
 from warmstart.errors import IntegrityError
 
@@ -40,6 +54,119 @@ _PROBE_ABOVE = 1024 * 1024  # below this, compressing everything costs less than
 _URL_OPTIONS = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
                 "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes"),
                 "socket_timeout": float, "socket_connect_timeout": float}
+#: Failures that say the server (or cluster) cannot serve now: they open the circuit breaker.
+_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                redis.exceptions.RedisClusterException,  # "cannot be connected", SlotNotCoveredError
+                redis.exceptions.ClusterError)  # ClusterDownError, MasterDownError
+
+# -- deadlines ---------------------------------------------------------------------------------
+# redis-py's socket_timeout bounds each socket read: a server that sends one byte just before each
+# read would time out stalls a call for as long as it likes. Every remote operation therefore sets a
+# deadline for this thread, and the client's sockets (wrapped as they connect) time out at it.
+
+_op = threading.local()  # .deadline: time.monotonic() by which this thread's remote operation ends
+_T = TypeVar("_T")
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Bound this thread's remote calls in the block to ``seconds`` in all (an enclosing, earlier
+    deadline still holds)."""
+    outer = getattr(_op, "deadline", None)
+    end = time.monotonic() + seconds
+    _op.deadline = end if outer is None else min(outer, end)
+    try:
+        yield
+    finally:
+        _op.deadline = outer
+
+
+def _extend_deadline(seconds: float) -> None:
+    """Give the current operation ``seconds`` more: for moving a value once its size is known."""
+    if getattr(_op, "deadline", None) is not None:
+        _op.deadline += seconds
+
+
+def _bounded(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a :class:`RemoteTier` method under the tier's operation deadline."""
+
+    @functools.wraps(method)
+    def bounded(self: "RemoteTier", *args, **kwargs) -> _T:
+        with _deadline(self.op_deadline_s):
+            return method(self, *args, **kwargs)
+
+    return bounded
+
+
+class _DeadlineSocket:
+    """A connected socket whose reads and writes time out at the calling thread's deadline (and,
+    as before, after the connection's own timeout per call). Past it, redis-py sees an ordinary
+    socket timeout: it drops the connection and raises ``TimeoutError``; no thread is left waiting."""
+
+    __slots__ = ("_sock", "_timeout")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._timeout = sock.gettimeout()
+
+    def _arm(self) -> None:
+        deadline = getattr(_op, "deadline", None)
+        if deadline is None:
+            self._sock.settimeout(self._timeout)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("warmstart: remote operation deadline passed")
+        self._sock.settimeout(remaining if self._timeout is None else min(self._timeout, remaining))
+
+    def recv(self, *args):
+        self._arm()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args):
+        self._arm()
+        return self._sock.recv_into(*args)
+
+    def send(self, *args):
+        self._arm()
+        return self._sock.send(*args)
+
+    def sendall(self, *args):
+        self._arm()  # since Python 3.5 a timeout bounds the whole sendall
+        return self._sock.sendall(*args)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def setblocking(self, flag: bool) -> None:
+        self.settimeout(None if flag else 0.0)
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+def _bound_socket(connection) -> None:
+    # Before the handshake (AUTH, HELLO), so that is bounded too. redis-py has no socket factory
+    # hook: the connected socket is swapped in place, and its parser binds to it in on_connect().
+    if not isinstance(connection._sock, _DeadlineSocket):
+        connection._sock = _DeadlineSocket(connection._sock)
+
+
+def _on_connect(connection) -> None:
+    _bound_socket(connection)
+    connection.on_connect()
+
+
+class _Cluster(redis.RedisCluster):
+    """RedisCluster whose node connections are deadline-bound (it runs ``on_connect`` for each)."""
+
+    def on_connect(self, connection) -> None:
+        _bound_socket(connection)
+        super().on_connect(connection)
 
 
 def connect(url: str, *, connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEOUT_S,
@@ -59,7 +186,8 @@ def connect(url: str, *, connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEO
     common = dict(socket_connect_timeout=options.pop("socket_connect_timeout", connect_timeout),
                   socket_timeout=options.pop("socket_timeout", socket_timeout))
     if not parts.scheme.endswith("+cluster"):
-        return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), health_check_interval=0, **common)
+        return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                                    redis_connect_func=_on_connect, **common)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     nodes = []
@@ -87,7 +215,7 @@ class _LazyCluster:
 
             with warnings.catch_warnings():  # cluster_error_retry_attempts is deprecated but still honoured
                 warnings.simplefilter("ignore")
-                self._client = redis.RedisCluster(**self._kwargs)
+                self._client = _Cluster(**self._kwargs)
         return getattr(self._client, name)
 
 
@@ -98,36 +226,70 @@ class RemoteTier:
         url: ``redis://``, ``rediss://`` or ``redis+cluster://`` URL (credentials in the URL). Query
             options: redis-py's TLS and timeout options, and ``compress=`` (a zstd level, default
             -3, or ``off``) for the values this process writes; readers handle either.
-        secret: HMAC key; entries that do not verify under it are never returned.
+        keys: what entries are signed and verified with (``signing.Ed25519Keys`` from
+            ``WARMSTART_KEY_FILE``, or ``signing.HmacKeys``); entries that do not verify under them
+            are never returned. Keys that cannot sign (a public key only) make a tier that never
+            writes, whatever the URL's credentials allow.
+        secret: shorthand for ``keys=signing.HmacKeys(secret)``.
         namespace: compatibility namespace (see ``namespace.py``); keys never cross namespaces.
         stats: where to count; a private ``Stats`` when omitted.
     """
 
     name = "remote"
+    op_deadline_s: float = _defaults.REMOTE_OP_DEADLINE_S
+    """Seconds one operation may take, plus its value's size at ``min_bytes_per_s``."""
+    min_bytes_per_s: float = _defaults.REMOTE_MIN_BYTES_PER_S
 
-    def __init__(self, url: str, *, secret: bytes, namespace: str, stats: Stats | None = None,
+    def __init__(self, url: str, *, keys: signing.Keys | None = None, secret: bytes | None = None,
+                 namespace: str, stats: Stats | None = None,
                  ttl_s: int = _defaults.REMOTE_TTL_S, chunk_bytes: int = _defaults.CHUNK_BYTES,
                  inline_bytes: int = _defaults.INLINE_BYTES) -> None:
-        if not secret:
-            raise ValueError("RemoteTier needs a non-empty secret")
+        if keys is None:
+            if not secret:
+                raise ValueError("RemoteTier needs keys or a non-empty secret")
+            keys = signing.HmacKeys(secret)
+        elif secret is not None:
+            raise ValueError("RemoteTier takes keys or secret, not both")
         self.url = url
         self.namespace = namespace
         self.stats = stats or Stats()
-        self._secret = secret
+        self.keys = keys
         self._ttl_s = ttl_s
         self._chunk_bytes = chunk_bytes
         self._inline_bytes = inline_bytes
         self._client = connect(url)
         self._prefix = f"{KEY_PREFIX}{namespace}:"
-        self.key_id = signing.key_id(secret)
-        self._read_only = False
+        self.key_id = keys.key_id
+        self._read_only = not keys.can_sign  # a verify-only key never writes, even with a writer URL
+        if not keys.can_sign:
+            log.info("warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
+                     keys.scheme, keys.key_id)
         self._rejected_logged = False
         self._error_logged = False
         self.breaker = CircuitBreaker(self.ping, name="remote")
         compress = parse_qs(urlsplit(url).query).get("compress")
-        level = compression_level(compress[-1]) if compress else _defaults.COMPRESS_LEVEL
-        self._zc = zstandard.ZstdCompressor(level=level) if level is not None else None
-        self._zd = zstandard.ZstdDecompressor()
+        self._level = compression_level(compress[-1]) if compress else _defaults.COMPRESS_LEVEL
+        self._codecs = threading.local()
+
+    # python-zstandard's compressors and decompressors must not be used by two threads at once (it
+    # crashes the process): the job's threads and the background writer each get their own.
+    @property
+    def _zc(self) -> zstandard.ZstdCompressor | None:
+        """This thread's compressor; ``None`` when the URL says ``compress=off``."""
+        if self._level is None:
+            return None
+        zc = getattr(self._codecs, "zc", None)
+        if zc is None:
+            zc = self._codecs.zc = zstandard.ZstdCompressor(level=self._level)
+        return zc
+
+    @property
+    def _zd(self) -> zstandard.ZstdDecompressor:
+        """This thread's decompressor."""
+        zd = getattr(self._codecs, "zd", None)
+        if zd is None:
+            zd = self._codecs.zd = zstandard.ZstdDecompressor()
+        return zd
 
     # -- keys --------------------------------------------------------------------------------
     def _pointer_key(self, kind: str, key: str) -> str:
@@ -141,6 +303,7 @@ class RemoteTier:
         found = self.fetch(kind, key)
         return found[0] if found else None
 
+    @_bounded
     def fetch(self, kind: str, key: str) -> tuple[bytes, float] | None:
         """Like :meth:`get`, also returning the producer's cost in seconds."""
         if not self.breaker.allow():
@@ -152,14 +315,12 @@ class RemoteTier:
             if record is None:
                 self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
                 return None
-            pointer, blob = signing.verify(self._secret, record, namespace=self.namespace, kind=kind, key=key)
+            pointer, blob = self.keys.verify(record, namespace=self.namespace, kind=kind, key=key)
             if pointer.chunks:
-                parts = self._client.mget(self._chunk_keys(pointer.digest, pointer.chunks))
-                if any(p is None for p in parts):  # blob evicted before its pointer
+                blob = self._read_blob(pointer)
+                if blob is None:  # blob evicted before its pointer
                     self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
                     return None
-                blob = parts[0] if len(parts) == 1 else b"".join(parts)
-                signing.check_blob(pointer, blob)
             value = self._zd.decompress(blob) if pointer.compressed else blob
         except IntegrityError as exc:
             self.stats.add(self.name, kind, rejected=1, misses=1)
@@ -185,22 +346,28 @@ class RemoteTier:
         pkey = self._pointer_key(kind, key)
         if len(blob) <= self._inline_bytes:
             pointer = signing.Pointer(self.namespace, kind, key, "", len(blob), 0, compressed, cost_s)
-            record, chunk_keys = signing.sign(self._secret, pointer, blob), []
+            record, chunk_keys = self.keys.sign(pointer, blob), []
         else:
             digest = signing.blob_digest(blob)
             chunk_keys = self._chunk_keys(digest, -(-len(blob) // self._chunk_bytes))
             pointer = signing.Pointer(self.namespace, kind, key, digest, len(blob), len(chunk_keys), compressed, cost_s)
-            record = signing.sign(self._secret, pointer)
+            record = self.keys.sign(pointer)
         try:
-            # One round trip: the blob's chunks, then the pointer. A reader that finds the pointer
-            # before the chunks (another Cluster node) sees a miss, never a wrong value.
-            pipe = self._client.pipeline(transaction=False)
-            view = memoryview(blob)  # chunks without copies
-            for i, ckey in enumerate(chunk_keys):
-                pipe.set(ckey, view[i * self._chunk_bytes:(i + 1) * self._chunk_bytes], nx=True, ex=self._ttl_s)
-            pipe.set(pkey, record, nx=True, ex=self._ttl_s)
-            if not pipe.execute()[-1]:
-                self._repair_pointer(pkey, record, kind, key)
+            with _deadline(self.op_deadline_s + len(blob) / self.min_bytes_per_s):
+                # One round trip: the blob's chunks, then the pointer. A reader that finds the pointer
+                # before the chunks (another Cluster node) sees a miss, never a wrong value.
+                pipe = self._client.pipeline(transaction=False)
+                view = memoryview(blob)  # chunks without copies
+                chunks = [view[i * self._chunk_bytes:(i + 1) * self._chunk_bytes] for i in range(len(chunk_keys))]
+                for ckey, chunk in zip(chunk_keys, chunks):
+                    pipe.set(ckey, chunk, nx=True, ex=self._ttl_s)
+                pipe.set(pkey, record, nx=True, ex=self._ttl_s)
+                results = pipe.execute()
+                existing = [(k, c) for k, c, done in zip(chunk_keys, chunks, results) if not done]
+                if existing:
+                    self._check_chunks(existing)
+                if not results[-1]:
+                    self._repair_pointer(pkey, record, kind, key, pointer)
         except Exception as exc:
             self._failed(kind, exc, writing=True)
             return False
@@ -217,14 +384,71 @@ class RemoteTier:
         blob = self._zc.compress(value)
         return (blob, True) if len(blob) < len(value) else (value, False)
 
-    def _repair_pointer(self, pkey: str, record: bytes, kind: str, key: str) -> None:
-        # First writer wins, unless the existing pointer is unusable (its blob was evicted, or it
-        # does not verify: the key id in its name is our secret's, so it was damaged or tampered
-        # with): then ours replaces it.
+    def _read_blob(self, pointer: signing.Pointer) -> bytes | None:
+        """The chunked blob ``pointer`` names, or ``None`` when a chunk is missing (evicted).
+
+        Chunk lengths are checked against the signed size before anything is joined, and no chunk is
+        fetched past what that size allows: a planted oversize chunk costs its length, not its bytes.
+
+        Raises:
+            IntegrityError: a chunk of the wrong length, or a blob that is not the one signed for.
+        """
+        n = pointer.chunks
+        _extend_deadline(pointer.size / self.min_bytes_per_s)
+        # The writer's chunk size is not signed, but the size and count bound it: all chunks but the
+        # last have one length L, with (n - 1) * L < size <= n * L.
+        cap = pointer.size if n == 1 else -(-pointer.size // (n - 1)) - 1
+        if cap < 1:  # GETRANGE 0 -1 would fetch everything
+            raise IntegrityError(f"signed pointer names {n} chunks for a {pointer.size}-byte blob")
+        pipe = self._client.pipeline(transaction=False)
+        for ckey in self._chunk_keys(pointer.digest, n):
+            pipe.strlen(ckey)
+            pipe.getrange(ckey, 0, cap - 1)
+        replies = pipe.execute()
+        lengths, parts = replies[0::2], replies[1::2]
+        if not all(lengths):
+            return None
+        first = lengths[0]
+        if (any(length != len(part) for length, part in zip(lengths, parts)) or sum(lengths) != pointer.size
+                or any(length != first for length in lengths[:-1]) or lengths[-1] > first):
+            raise IntegrityError(f"blob chunks of {pointer.size}-byte blob have lengths {lengths[:4]}"
+                                 f"{'...' if n > 4 else ''}, not what its signed pointer allows")
+        blob = parts[0] if n == 1 else b"".join(parts)
+        signing.check_blob(pointer, blob)
+        return blob
+
+    def _check_chunks(self, existing: list[tuple[str, memoryview]]) -> None:
+        # Chunks that were there before our SET NX: the same blob stored under another key, a racing
+        # writer, or bytes planted at this predictable key by someone without the secret, which would
+        # make every reader reject the entry until it expires. Keep those holding exactly our bytes,
+        # overwrite the rest. (Not EXPIRE to renew the kept ones: the writer's ACL does not allow it;
+        # a kept chunk that expires before its pointer is a miss that the next write repairs.)
+        _extend_deadline(sum(len(c) for _, c in existing) / self.min_bytes_per_s)
+        pipe = self._client.pipeline(transaction=False)
+        for ckey, chunk in existing:
+            pipe.strlen(ckey)
+            pipe.getrange(ckey, 0, len(chunk) - 1)  # never more than ours, whatever was planted
+        replies = pipe.execute()
+        fix = self._client.pipeline(transaction=False)
+        planted = 0
+        for (ckey, chunk), length, held in zip(existing, replies[0::2], replies[1::2]):
+            if length != len(chunk) or held != chunk:
+                fix.set(ckey, chunk, ex=self._ttl_s)
+                planted += 1
+        if planted:
+            fix.execute()
+            warn_once("remote-planted-chunk", "warmstart: %d remote blob chunk(s) held bytes other than their "
+                      "content address names; overwritten (someone without the secret wrote to the cache?)", planted)
+
+    def _repair_pointer(self, pkey: str, record: bytes, kind: str, key: str, ours: signing.Pointer) -> None:
+        # First writer wins, unless the existing pointer is unusable (its blob was evicted or damaged,
+        # or it does not verify: the key id in its name is our secret's, so it was damaged or
+        # tampered with): then ours replaces it.
         existing = self._client.get(pkey)
         try:
-            old, _ = signing.verify(self._secret, existing or b"", namespace=self.namespace, kind=kind, key=key)
-            if old.chunks == 0 or self._client.exists(self._chunk_keys(old.digest, old.chunks)[-1]):
+            old, _ = self.keys.verify(existing or b"", namespace=self.namespace, kind=kind, key=key)
+            # Same blob as ours: its chunks were just written or checked. Else read it back.
+            if old.chunks == 0 or old.digest == ours.digest or self._read_blob(old) is not None:
                 return
         except IntegrityError:
             pass
@@ -243,8 +467,7 @@ class RemoteTier:
             self.stats.add(self.name, kind, timeouts=1, **({} if writing else {"misses": 1}))
         else:
             self.stats.add(self.name, kind, errors=1, **({} if writing else {"misses": 1}))
-        if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-                            redis.exceptions.AuthenticationError)):
+        if isinstance(exc, _UNREACHABLE):
             self.breaker.trip(f"{type(exc).__name__}: {exc}")
         elif not self._error_logged:  # not the server's state: worth one line, never a failure
             self._error_logged = True
@@ -252,8 +475,9 @@ class RemoteTier:
                         "write" if writing else "read", type(exc).__name__, exc)
 
     # -- operations --------------------------------------------------------------------------
+    @_bounded
     def ping(self) -> None:
-        """Raise unless the server answers."""
+        """Raise unless the server answers (within the operation deadline)."""
         self._client.ping()
 
     def delete(self, kind: str, key: str) -> bool:

@@ -7,7 +7,11 @@ mode and background writes; tiers just store.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Protocol, runtime_checkable
+
+log = logging.getLogger("warmstart.cache")
 
 #: Artifact kinds, as shown in ``warmstart cache stats``.
 KINDS: dict[str, str] = {
@@ -40,3 +44,16 @@ class Storage(Protocol):
             True if stored (or already present), False if the tier refused or failed (counted).
         """
         ...
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(cause: str, message: str, *args: object) -> None:
+    """Log ``message`` as a warning the first time ``cause`` comes up in this process, at debug level
+    after that. A cache fault never fails a job, and costs its log one line, not one per lookup."""
+    with _warned_lock:
+        first = cause not in _warned
+        _warned.add(cause)
+    log.log(logging.WARNING if first else logging.DEBUG, message, *args)

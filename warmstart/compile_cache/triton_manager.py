@@ -5,7 +5,9 @@ An environment variable, not ``triton.knobs``, so Inductor's compile workers use
 Triton's ``RemoteCacheManager``, which asks the network on every lookup, this looks on local disk
 first and goes to the store only on a local miss; fetched files are written locally so the next
 lookup is a file stat. Group files are stored with child *names* (Triton's own store absolute
-paths), so an entry is valid on any machine whatever its cache directory.
+paths), so an entry is valid on any machine whatever its cache directory. Every name is confined to
+the kernel's directory: a cache entry naming ``../x`` or ``/etc/passwd`` is a miss, never a write
+elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +41,19 @@ except ImportError:  # CPU-only installs: the same interface, so the manager is 
         def put_group(self, filename: str, group: dict[str, str]) -> None: ...
 
 KIND = "triton_kernel"
+
+
+def plain_name(name: object) -> bool:
+    """Whether ``name`` is a bare file name, so that joined to a directory it stays inside it: no
+    separator, not ``.`` or ``..``, no NUL (which would also make ``open`` raise)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and not any(sep in name for sep in ("/", "\\", os.sep, os.altsep or "/")))
+
+
+def _require_plain(name: str) -> None:
+    # Names from Triton itself: a bad one is a caller bug, not a cache fault.
+    if not plain_name(name):
+        raise ValueError(f"not a plain file name: {name!r}")
 
 
 def triton_cache_dir() -> Path:
@@ -80,6 +95,8 @@ class WarmstartCacheManager(CacheManager):
         return os.path.join(self.cache_dir, filename)
 
     def get_file(self, filename: str) -> str | None:
+        if not plain_name(filename):  # e.g. a child name read from a group entry
+            return None
         path = self._local(filename)
         if os.path.exists(path):
             return path
@@ -94,6 +111,7 @@ class WarmstartCacheManager(CacheManager):
         return self._write(filename, data)
 
     def put(self, data, filename: str, binary: bool = True) -> str:
+        _require_plain(filename)
         if isinstance(data, str):
             data = data.encode()
         path = self._write(filename, bytes(data))
@@ -109,7 +127,9 @@ class WarmstartCacheManager(CacheManager):
         try:
             with open(grp_path) as f:
                 children = json.load(f)["child_paths"]
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(children, dict):
             return None
         result = {}
         for name in children:
@@ -120,6 +140,8 @@ class WarmstartCacheManager(CacheManager):
         return result
 
     def put_group(self, filename: str, group: dict[str, str]) -> None:
+        for name in (filename, *group):
+            _require_plain(name)
         local = {"child_paths": {name: self._local(name) for name in group}}
         self._write(filename, json.dumps(local).encode())
         store = self._store()
@@ -130,8 +152,10 @@ class WarmstartCacheManager(CacheManager):
     def _localize_group(self, data: bytes) -> bytes | None:
         try:
             children = json.loads(data)["child_paths"]
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, TypeError):
             return None
+        if not isinstance(children, dict) or not all(plain_name(name) for name in children):
+            return None  # an entry naming files outside this kernel's directory: a miss
         return json.dumps({"child_paths": {name: self._local(name) for name in children}}).encode()
 
     def _write(self, filename: str, data: bytes) -> str:

@@ -214,6 +214,20 @@ def _q(path: Path | None) -> str:
     return f'"{text}"'
 
 
+def is_loopback(bind: str) -> bool:
+    """Whether every address of a ``bind`` line is a loopback one (127.0.0.0/8, ::1, localhost)."""
+    for addr in bind.split():
+        addr = addr.lstrip("-")
+        if addr == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(addr).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return bool(bind.split())
+
+
 def _is_wildcard(bind: str) -> bool:
     return any(addr.lstrip("-") in ("0.0.0.0", "::", "*") for addr in bind.split())
 

@@ -1,10 +1,11 @@
-"""Passwords and the signing secret of one server directory.
+"""Passwords and signing keys of one server directory.
 
-This module owns the secret files under ``--dir``: one password per ACL user and the HMAC key that
-signs cache entries (what users point ``WARMSTART_SECRET_FILE`` at). They are generated once, with
-mode 0600, and read back on every later start from the same directory, so URLs and signatures
-stay valid across restarts; :func:`rotate` replaces them on purpose. It never prints or logs a
-secret.
+This module owns the secret files under ``--dir``: one password per ACL user, the Ed25519 key pair
+that signs cache entries (``signing.key``, 0600, for writer jobs' ``WARMSTART_KEY_FILE``;
+``verify.pub``, 0644, for readers') and the HMAC secret of older setups (``secret.key``, for
+``WARMSTART_SECRET_FILE``). They are generated once and read back on every later start from the
+same directory, so URLs and signatures stay valid across restarts; :func:`rotate` replaces them on
+purpose. It never prints or logs a secret.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import os
 import secrets
 from pathlib import Path
 
+from warmstart._fileio import write_private  # re-exported: state.py, process.py and others import it from here
 from warmstart.server.acl import USERS
 
 SECRET_FILE = "secret.key"
+SIGNING_KEY_FILE = "signing.key"
+VERIFY_KEY_FILE = "verify.pub"
 PASSWORD_FILE = "{user}.password"
 
 
@@ -27,7 +31,11 @@ class Credentials:
     passwords: dict[str, str] = dataclasses.field(repr=False)
     """ACL user name -> password (URL-safe characters only)."""
     secret_file: Path
-    """File holding the HMAC signing key (hex)."""
+    """File holding the HMAC signing key (hex), for setups from before key pairs."""
+    signing_key_file: Path
+    """Ed25519 private key (PEM, 0600): ``WARMSTART_KEY_FILE`` of jobs that write entries."""
+    verify_key_file: Path
+    """Its public key (PEM): ``WARMSTART_KEY_FILE`` of jobs that only read."""
 
     @classmethod
     def load_or_create(cls, directory: Path) -> "Credentials":
@@ -40,7 +48,9 @@ class Credentials:
                                            lambda: secrets.token_urlsafe(32)) for user in USERS}
         secret_file = directory / SECRET_FILE
         _read_or_create(secret_file, lambda: secrets.token_hex(32))
-        return cls(passwords=passwords, secret_file=secret_file)
+        ensure_key_pair(directory)
+        return cls(passwords=passwords, secret_file=secret_file, signing_key_file=directory / SIGNING_KEY_FILE,
+                   verify_key_file=directory / VERIFY_KEY_FILE)
 
     @classmethod
     def load(cls, directory: Path) -> "Credentials":
@@ -50,11 +60,55 @@ class Credentials:
             OSError: a file is missing or unreadable.
         """
         passwords = {user: (directory / PASSWORD_FILE.format(user=user)).read_text().strip() for user in USERS}
-        return cls(passwords=passwords, secret_file=directory / SECRET_FILE)
+        return cls(passwords=passwords, secret_file=directory / SECRET_FILE,
+                   signing_key_file=directory / SIGNING_KEY_FILE, verify_key_file=directory / VERIFY_KEY_FILE)
+
+    def key_id(self) -> str:
+        """Key id of the Ed25519 key pair (what pointer keys of its entries carry)."""
+        from warmstart.compile_cache.signing import load_key_file
+
+        return load_key_file(self.verify_key_file).key_id
 
 
-def rotate(directory: Path, users: tuple[str, ...] = (), secret: bool = False) -> Credentials:
-    """Replace the passwords of ``users`` and/or the signing secret with fresh ones.
+def ensure_key_pair(directory: Path) -> None:
+    """Create the Ed25519 key pair in ``directory`` unless ``signing.key`` exists; (re)write
+    ``verify.pub`` from it when missing or not matching, and narrow a widened ``signing.key``.
+
+    Raises:
+        OSError: a file cannot be written.
+        OptionError: ``signing.key`` exists but is no Ed25519 private key.
+    """
+    from warmstart.compile_cache import signing
+    from warmstart.errors import ConfigError
+    from warmstart.server.config import OptionError
+
+    private, public = directory / SIGNING_KEY_FILE, directory / VERIFY_KEY_FILE
+    if not private.exists():
+        signing.generate_key_pair(private, public)
+        return
+    try:
+        keys = signing.load_key_file(private)
+    except ConfigError:
+        keys = None
+    if keys is None or not keys.can_sign:
+        raise OptionError("--dir", str(directory), "a directory whose signing.key is an Ed25519 private key",
+                          f"{private} is not an Ed25519 private key in PEM: restore it, or remove it (and "
+                          f"{VERIFY_KEY_FILE}) to generate a new key pair (jobs then need the new files)")
+    if private.stat().st_mode & 0o077:
+        os.chmod(private, 0o600)  # someone widened it; a private key must not stay readable by others
+    try:
+        current = public.read_bytes()
+    except FileNotFoundError:
+        current = b""
+    if current != keys.public_pem():
+        from warmstart._fileio import write_file
+
+        write_file(public, keys.public_pem(), 0o644)
+
+
+def rotate(directory: Path, users: tuple[str, ...] = (), secret: bool = False,
+           key_pair: bool = False) -> Credentials:
+    """Replace the passwords of ``users``, the HMAC secret and/or the Ed25519 key pair with fresh ones.
 
     Only the files change; :func:`warmstart.server.process.reload_acl` makes a running server
     accept the new passwords.
@@ -69,21 +123,11 @@ def rotate(directory: Path, users: tuple[str, ...] = (), secret: bool = False) -
         write_private(directory / PASSWORD_FILE.format(user=user), secrets.token_urlsafe(32) + "\n")
     if secret:
         write_private(directory / SECRET_FILE, secrets.token_hex(32) + "\n")
+    if key_pair:
+        from warmstart.compile_cache import signing
+
+        signing.generate_key_pair(directory / SIGNING_KEY_FILE, directory / VERIFY_KEY_FILE)
     return Credentials.load(directory)
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by the owner only (0600), replacing it atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o600)  # the umask or an existing file may have left it wider
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _read_or_create(path: Path, make) -> str:

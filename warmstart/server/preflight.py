@@ -2,7 +2,8 @@
 
 This module owns the "one clear line" failures of ``warmstart server start``: ``redis-server`` (or
 ``redis-cli`` for a Cluster) not found, a directory that cannot be written, a port already in use,
-a TLS file that cannot be read, a server already running from the same directory. Each raises
+a TLS file that cannot be read, a server already running from the same directory, a Cluster bus
+other hosts could reach without TLS. Each raises
 :class:`~warmstart.errors.ConfigError` (exit code 2) naming the option, the value and what is
 accepted. It launches nothing.
 """
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from warmstart.errors import ConfigError
-from warmstart.server.config import CLUSTER_BUS_OFFSET, OptionError, ServerOptions
+from warmstart.server.config import CLUSTER_BUS_OFFSET, OptionError, ServerOptions, is_loopback
 from warmstart.server.state import ServerState
 
 
@@ -125,8 +126,27 @@ def check_tls_files(options: ServerOptions) -> None:
             raise OptionError(flag, str(path), "a PEM file", f"{flag}={str(path)!r} is not a PEM file")
 
 
+def check_cluster_bus(options: ServerOptions) -> None:
+    """Refuse a Cluster whose bus other hosts could reach without TLS.
+
+    Redis 7.0's Cluster bus (port+10000) has no authentication: whoever reaches it can join the
+    Cluster and take its slots. With TLS (``tls-cluster yes``) the bus demands a client certificate
+    signed by the CA; without TLS the Cluster must listen on loopback addresses only. Checked at
+    start, not when options are read back, so ``stop`` still works on a server started before.
+
+    Raises:
+        ConfigError: ``--cluster`` with a non-loopback ``--bind`` and no TLS.
+    """
+    if options.cluster and not options.tls and not is_loopback(options.bind):
+        raise OptionError("--bind", options.bind, "a loopback address with --cluster, or TLS",
+                          f"--cluster with --bind={options.bind!r} would expose the Cluster bus (port+"
+                          f"{CLUSTER_BUS_OFFSET}), which Redis does not authenticate: add --tls-cert/--tls-key "
+                          "(the bus then requires the CA's client certificates) or use --bind 127.0.0.1")
+
+
 def run_all(options: ServerOptions) -> tuple[str, str | None]:
     """Every check, cheapest first; returns the redis-server and (for a Cluster) redis-cli paths."""
+    check_cluster_bus(options)
     server = redis_binary("redis-server")
     cli = redis_binary("redis-cli") if options.cluster else None
     check_dir(options.dir)

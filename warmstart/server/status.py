@@ -16,7 +16,7 @@ from typing import Any
 
 from warmstart.server.acl import KEY_PREFIX
 from warmstart.server.config import URL_FILES
-from warmstart.server.credentials import Credentials
+from warmstart.server.credentials import SIGNING_KEY_FILE, VERIFY_KEY_FILE, Credentials
 from warmstart.server.state import ServerState
 
 SAMPLE_KEYS = 2000  # keys measured per node for bytes per namespace; beyond this it is an estimate
@@ -59,6 +59,8 @@ class ServerStatus:
     writer_url_file: str
     reader_url_file: str
     secret_file: str
+    signing_key_file: str = ""
+    verify_key_file: str = ""
 
     @property
     def nodes_up(self) -> int:
@@ -113,6 +115,7 @@ class ServerStatus:
             "namespace_bytes": self.namespace_bytes, "namespace_bytes_exact": self.namespace_bytes_exact,
             "writer_url_file": self.writer_url_file, "reader_url_file": self.reader_url_file,
             "secret_file": self.secret_file,
+            "signing_key_file": self.signing_key_file, "verify_key_file": self.verify_key_file,
             "nodes": [dataclasses.asdict(n) for n in self.nodes],
         }
 
@@ -153,6 +156,7 @@ def collect(directory: Path, *, sample_keys: int = SAMPLE_KEYS) -> ServerStatus 
         namespace_bytes=dict(sorted(namespaces.items(), key=lambda kv: -kv[1])), namespace_bytes_exact=exact,
         writer_url_file=str(opts.dir / URL_FILES["writer"]), reader_url_file=str(opts.dir / URL_FILES["reader"]),
         secret_file=str(credentials.secret_file if credentials else opts.dir / "secret.key"),
+        signing_key_file=str(opts.dir / SIGNING_KEY_FILE), verify_key_file=str(opts.dir / VERIFY_KEY_FILE),
     )
 
 
