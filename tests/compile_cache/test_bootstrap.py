@@ -21,10 +21,12 @@ def test_hook_does_nothing_when_unset():
 
 
 def test_hook_activates_without_importing_torch():
+    # torch's remote-cache switches are never exported (children without warmstart would inherit them):
+    # they are set in torch's config when it is imported.
     proc = _python("import os, sys; print('warmstart' in sys.modules, 'torch' in sys.modules, "
-                   "os.environ['TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE'], os.environ['TORCH_COMPILE_JOB_ID'][:10])",
+                   "os.environ.get('TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE'), os.environ['TORCH_COMPILE_JOB_ID'][:10])",
                    WARMSTART="1")
-    assert proc.stdout.split() == ["True", "False", "1", "warmstart:"], proc.stderr
+    assert proc.stdout.split() == ["True", "False", "None", "warmstart:"], proc.stderr
 
 
 def test_hook_installs_torch_backends_on_import():
@@ -69,3 +71,64 @@ def test_cli_bad_setting_exit_2(monkeypatch):
     assert result.output.strip().splitlines() == [
         "warmstart: WARMSTART_CACHE_URL='http://cache:6379' is not valid: expected redis://[user:pass@]host:port[/db], "
         "rediss://... (TLS) or redis+cluster://host:port[,host:port...]"]
+
+
+# -- the PGO job id: one per entry script or module --------------------------------------------
+
+_PRINT_JOB_ID = "import os, torch\nprint('JOB', torch.compiler.config.job_id, os.environ['TORCH_COMPILE_JOB_ID'])\n"
+
+
+def _job_id(tmp_path, *args: str, cwd=None, **env: str) -> str:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCH_COMPILE"))}
+    base.update(WARMSTART="1", WARMSTART_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path), **env)
+    proc = subprocess.run([sys.executable, *args], env=base, cwd=cwd or tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("JOB ")]
+    _, in_torch, in_env = line.split()
+    assert in_torch == in_env
+    return in_torch
+
+
+def test_python_dash_m_modules_get_their_own_pgo_job_id(tmp_path):
+    """``python -m`` used to hash the ``-m`` that ``sys.argv`` holds at start-up: every module shared one id."""
+    for pkg in ("jobs_a", "jobs_b"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / "train.py").write_text(_PRINT_JOB_ID)
+    a = _job_id(tmp_path, "-m", "jobs_a.train")
+    b = _job_id(tmp_path, "-m", "jobs_b.train")
+    assert a != b and a.startswith("warmstart:")
+    assert _job_id(tmp_path, "-X", "utf8", "-Bu", "-m", "jobs_a.train", "--lr", "3") == a  # same module, same id
+
+
+def test_script_pgo_job_id_is_its_file_name_as_before(tmp_path):
+    import hashlib
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one" / "train.py").write_text(_PRINT_JOB_ID)
+    (tmp_path / "two" / "train.py").write_text(_PRINT_JOB_ID)
+    (tmp_path / "eval.py").write_text(_PRINT_JOB_ID)
+    first = _job_id(tmp_path, str(tmp_path / "one" / "train.py"))
+    assert first == "warmstart:" + hashlib.sha256(b"train.py").hexdigest()[:16]
+    assert _job_id(tmp_path, "one/train.py", "--epochs", "2") == first
+    assert _job_id(tmp_path, "-W", "ignore", str(tmp_path / "two" / "train.py")) == first
+    assert _job_id(tmp_path, str(tmp_path / "eval.py")) != first
+
+
+def test_explicit_job_ids_win(tmp_path):
+    (tmp_path / "train.py").write_text(_PRINT_JOB_ID)
+    assert _job_id(tmp_path, "train.py", WARMSTART_JOB_ID="run-7") == "warmstart:run-7"
+    assert _job_id(tmp_path, "train.py", TORCH_COMPILE_JOB_ID="mine") == "mine"
+
+
+def test_entry_point_parsing_of_interpreter_command_lines():
+    from warmstart.compile_cache.torch_hooks import _entry_from_command_line as entry
+
+    assert entry(["-m", "pkg.train", "--lr", "3"]) == "pkg.train"
+    assert entry(["-Im", "pkg.train"]) == entry(["-mpkg.train"]) == entry(["-X", "dev", "-W", "error", "-m", "pkg.train"]) \
+        == entry(["-Xdev", "--check-hash-based-pycs", "never", "-B", "-m", "pkg.train"]) == "pkg.train"
+    assert entry(["/a/b/train.py", "-m", "x"]) == entry(["-u", "train.py"]) == "train.py"
+    assert entry(["-c", "print(1)", "x"]) == "-c print(1)" != entry(["-c", "print(2)"])
+    assert entry(["-"]) == "-" and entry([]) is None and entry(["-i"]) is None

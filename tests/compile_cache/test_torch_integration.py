@@ -206,3 +206,66 @@ def test_hits_against_a_redis_cluster(redis_cluster, tmp_path):
     assert remote(result, "fx_graph").get("hits", 0) >= 1
     assert remote(result, "cpp_object").get("hits", 0) >= 1
     assert remote(result, "cpp_object").get("misses", 0) == 0
+
+
+_BROKEN_STORE_JOB = r"""
+import collections, json, torch
+from warmstart.compile_cache import set_store
+
+calls = collections.Counter()
+
+
+class BrokenStore:
+    "A store whose every operation raises: warmstart's part must fail open, never torch's compile."
+
+    class stats:
+        @staticmethod
+        def bump(*args, **kwargs):
+            calls["bump"] += 1
+            raise RuntimeError("store down")
+
+    def get(self, kind, key):
+        calls["get:" + kind] += 1
+        raise RuntimeError("store down")
+
+    def put(self, kind, key, data, cost_s=0.0):
+        calls["put:" + kind] += 1
+        raise RuntimeError("store down")
+
+
+set_store(BrokenStore())
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+compiled = torch.compile(model)
+outs = []
+for batch in (8, 5):  # the second shape recompiles
+    x = torch.randn(batch, 16)
+    y = compiled(x)
+    y.sum().backward()
+    outs.append(torch.allclose(y, model(x)))
+print("RESULT " + json.dumps({"ok": outs, "calls": calls}))
+"""
+
+
+def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
+    """Defence in depth: if warmstart's store raises inside torch's path (remote-cache get/put, the C++
+    build, the vector-ISA probe, the recompile counter), torch does what it does without warmstart."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
+    for name in ("home", "tmp"):
+        (tmp_path / name).mkdir()
+    env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+               WARMSTART="1", WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"), TORCHINDUCTOR_COMPILE_THREADS="1",
+               OMP_NUM_THREADS="1", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
+    proc = subprocess.run([sys.executable, "-c", _BROKEN_STORE_JOB], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["ok"] == [True, True]
+    calls = result["calls"]
+    for kind in ("fx_graph", "aot_autograd", "cpp_object", "isa_probe"):
+        assert calls.get(f"get:{kind}", 0) >= 1, calls  # every hook ran and met the broken store
+    assert calls.get("put:fx_graph", 0) >= 1, calls  # a C++ object whose lookup failed is built as torch builds it
+    assert calls.get("bump", 0) >= 1, calls
+    assert proc.stderr.count("failed (RuntimeError: store down); torch compiles without the cache") == 1, \
+        proc.stderr[-3000:]  # one warning for the process, not one per lookup

@@ -4,8 +4,13 @@ What it plugs in, all through the process-wide store (``get_store()``):
 
 * FX graph, AOTAutograd, autotune (per kernel and bundled) and Dynamo PGO entries, through the
   ``backend_override_cls`` hook of the ``Remote*Cache`` classes in ``torch._inductor.remote_cache``
-  (the same hook torch's own tests use); the remote-cache flags are switched on by environment
-  variables so that Inductor's compile workers see them too;
+  (the same hook torch's own tests use). The remote-cache switches are set in the process's own torch
+  config (``torch._inductor.config``, ``torch._functorch.config``, ``torch._dynamo.config``) when those
+  modules are imported, and never exported: a child process that does not run warmstart (``WARMSTART=0``,
+  another environment, a start-up that failed) would otherwise inherit them and send its entries to
+  torch's own Redis backend, which is unauthenticated and unpickles whatever it reads. Inductor's compile
+  workers are new Python processes that inherit ``WARMSTART=1`` and so switch the caches on themselves
+  (or fork from one that did);
 * Inductor's compiled C++ objects on CPU, by wrapping ``CppBuilder.build``: torch bundles Triton
   kernels into FX entries but never the ``.so`` files g++ builds, so without this a new machine
   still pays every C++ compile; and the outcome of Inductor's vector-ISA load probe (a child
@@ -15,7 +20,9 @@ What it plugs in, all through the process-wide store (``get_store()``):
   count of recompilations.
 
 Patches are applied when the torch modules are first imported (a post-import hook), so a process
-that never compiles never pays for importing Inductor.
+that never compiles never pays for importing Inductor. Every patch fails open: if warmstart's part of
+a hooked call raises (a key, the store), torch's own behaviour runs instead (a cache miss, a plain
+build) after one warning per process, and torch's own errors pass through unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from types import ModuleType
+from typing import Any
 
 log = logging.getLogger("warmstart.cache")
 
@@ -47,18 +55,27 @@ REMOTE_CACHE_CLASSES = {
     "RemoteDynamoPGOCache": "pgo",
 }
 
-#: Environment switches, set (unless the user chose otherwise) before torch reads its config.
-TORCH_ENV = {
-    "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1",
-    "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
-    "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO": "1",
-}
+#: torch's remote-cache switches: (config module, attribute, the environment variable torch reads it
+#: from). Set in this process's config when the module is imported, unless the user chose a value
+#: (the variable, or code that ran before); never exported.
+TORCH_FLAGS = (
+    ("torch._inductor.config", "fx_graph_remote_cache", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE"),
+    ("torch._functorch.config", "enable_remote_autograd_cache", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE"),
+    ("torch._dynamo.config", "automatic_dynamic_remote_pgo", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO"),
+)
 
 #: Switched on only where Triton is installed: autotuning is Triton's, and without it torch's
 #: bundled-autotune cache asserts on the missing backend hash (torch 2.13, CPU wheels).
+TRITON_FLAGS = (
+    ("torch._inductor.config", "autotune_remote_cache", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE"),
+    ("torch._inductor.config", "bundled_autotune_remote_cache", "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE"),
+)
+
+#: Exported (unless the user set it) where Triton is installed. Triton reads it in Inductor's compile
+#: workers, forked or not. It names warmstart's own manager, which verifies what it fetches and, in a
+#: process where warmstart is off, has no store and behaves as Triton's local file cache: inheriting it
+#: can never reach an unauthenticated backend.
 TRITON_ENV = {
-    "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE": "1",
-    "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE": "1",
     "TRITON_CACHE_MANAGER": "warmstart.compile_cache.triton_manager:WarmstartCacheManager",
 }
 
@@ -66,15 +83,24 @@ _TIME_TAKEN_RE = re.compile(rb'"time_taken_ms":\s*(\d+)')
 
 
 def configure_environment(environ: MutableMapping[str, str], job_id: str | None = None) -> None:
-    """Set torch's and Triton's cache switches in ``environ`` (children inherit them).
+    """Prepare this process's torch switches and export what children may inherit to ``environ``.
 
-    Values the user already set win. ``job_id`` becomes torch's PGO job id when none is set.
+    The remote-cache switches are not exported (see the module docstring): they are set in torch's
+    config modules when those are imported. Exported, unless the user set them: the Triton cache
+    manager (where Triton is installed) and ``job_id`` as torch's PGO job id (default: derived from the
+    entry script or module, see :func:`pgo_job_id`), so that the processes of one job share it.
     """
     import importlib.util
 
+    global _flags
     has_triton = importlib.util.find_spec("triton") is not None
-    for name, value in (TORCH_ENV | TRITON_ENV if has_triton else TORCH_ENV).items():
-        environ.setdefault(name, value)
+    _flags = TORCH_FLAGS + TRITON_FLAGS if has_triton else TORCH_FLAGS
+    for module_name in {module for module, _, _ in _flags}:
+        _PATCHES.setdefault(module_name, _switch_on_flags)
+    _PATCHES.setdefault("torch.compiler.config", _set_job_id)
+    if has_triton:
+        for name, value in TRITON_ENV.items():
+            environ.setdefault(name, value)
     if not (environ.get("TORCH_COMPILE_JOB_ID") or environ.get("TORCH_COMPILE_STICKY_PGO_KEY")):
         environ["TORCH_COMPILE_JOB_ID"] = pgo_job_id(job_id)
 
@@ -82,14 +108,56 @@ def configure_environment(environ: MutableMapping[str, str], job_id: str | None 
 def pgo_job_id(job_id: str | None = None) -> str:
     """A stable identity for PGO state: the user's job id, else the entry script or module.
 
-    Restarts and repeats of the same script share it, so dynamic shapes learnt once are reused.
+    Restarts and repeats of the same script share it, so dynamic shapes learnt once are reused. The
+    entry is read from the command line the interpreter was started with (``sys.orig_argv``): this
+    runs at start-up, before ``runpy`` has set ``sys.argv[0]`` and ``__main__`` for ``python -m``.
     """
     if job_id:
         return f"warmstart:{job_id}"
-    main = sys.modules.get("__main__")
+    return "warmstart:" + hashlib.sha256(_entry_point().encode()).hexdigest()[:16]
+
+
+#: Interpreter options that take a value (``-W arg``, ``-X opt``, ``--check-hash-based-pycs mode``).
+_OPTIONS_WITH_VALUE = frozenset("WX")
+_LONG_OPTIONS_WITH_VALUE = frozenset({"--check-hash-based-pycs"})
+
+
+def _entry_point() -> str:
+    """What this interpreter runs: ``pkg.mod`` for ``python -m pkg.mod``, the script's file name
+    for ``python dir/train.py`` (as before), ``-c <code>`` for ``python -c <code>``."""
+    entry = _entry_from_command_line(list(getattr(sys, "orig_argv", None) or [])[1:])
+    if entry:
+        return entry
+    main = sys.modules.get("__main__")  # an embedded interpreter, or a command line not understood
     spec = getattr(main, "__spec__", None)
-    entry = spec.name if spec is not None else os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python")
-    return "warmstart:" + hashlib.sha256(entry.encode()).hexdigest()[:16]
+    return spec.name if spec is not None else os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python")
+
+
+def _entry_from_command_line(args: list[str]) -> str | None:
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return os.path.basename(args[i + 1]) if i + 1 < len(args) else None
+        if arg == "-":
+            return "-"  # the program comes from standard input
+        if arg.startswith("--"):
+            i += 2 if arg in _LONG_OPTIONS_WITH_VALUE else 1
+            continue
+        if arg.startswith("-"):
+            for j in range(1, len(arg)):  # a cluster of one-letter options: -Bu, -Im pkg.mod, -mpkg.mod
+                letter = arg[j]
+                if letter in ("m", "c"):
+                    value = arg[j + 1:] or (args[i + 1] if i + 1 < len(args) else "")
+                    return value if letter == "m" else f"-c {value}"
+                if letter in _OPTIONS_WITH_VALUE:
+                    if not arg[j + 1:]:
+                        i += 1  # the value is the next argument
+                    break
+            i += 1
+            continue
+        return os.path.basename(arg)  # the script (or directory, or zip file)
+    return None
 
 
 # -- installing patches on import ------------------------------------------------------------
@@ -142,35 +210,69 @@ def _apply(name: str, module: ModuleType) -> None:
 
 
 def install() -> None:
-    """Hook every watched torch module: now if already imported, else when it is imported."""
+    """Hook every watched torch module: now if already imported, else when it is imported.
+
+    When torch was imported before ``warmstart.enable()``, its config modules are switched on in place.
+    """
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
     for name in list(_PATCHES):
         if name in sys.modules:
             _apply(name, sys.modules[name])
-    # Config modules read the environment at import; when torch was imported before
-    # warmstart.enable(), switch the flags on directly as well.
-    if "torch._inductor.config" in sys.modules:
-        _set_torch_flags()
 
 
-def _set_torch_flags() -> None:
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+# -- torch's switches, in this process's config ------------------------------------------------
 
-    for flag, env in (("fx_graph_remote_cache", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE"),
-                      ("autotune_remote_cache", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE"),
-                      ("bundled_autotune_remote_cache", "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE")):
-        if os.environ.get(env) == "1":
-            setattr(inductor_config, flag, True)
-    if os.environ.get("TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE") == "1":
-        functorch_config.enable_remote_autograd_cache = True
-    if "torch._dynamo.config" in sys.modules and os.environ.get("TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO") == "1":
-        sys.modules["torch._dynamo.config"].automatic_dynamic_remote_pgo = True
-    import torch.compiler.config as compiler_config
+_flags: tuple[tuple[str, str, str], ...] = TORCH_FLAGS
+#: (config module, attribute) that warmstart switched on, to switch off again if the remote-cache
+#: hook cannot be installed: a switch without warmstart's backend would reach torch's Redis backend.
+_switched: list[tuple[ModuleType, str]] = []
+_remote_hook_failed = False
 
+
+def _switch_on_flags(config: ModuleType) -> None:
+    """Turn torch's remote caches on in one of its config modules, where nobody chose otherwise.
+
+    A value of ``None`` is torch's "not set" (its tristate default when the environment variable is
+    unset); ``True`` or ``False`` came from the user's environment or code and is kept.
+    """
+    if _remote_hook_failed:
+        return
+    for module_name, attr, _env in _flags:
+        if module_name == config.__name__ and getattr(config, attr) is None:
+            setattr(config, attr, True)
+            _switched.append((config, attr))
+
+
+def _switch_off_flags() -> None:
+    global _remote_hook_failed
+    _remote_hook_failed = True
+    while _switched:
+        config, attr = _switched.pop()
+        setattr(config, attr, None)
+
+
+def _set_job_id(compiler_config: ModuleType) -> None:
+    # torch reads TORCH_COMPILE_JOB_ID when torch.compiler.config is imported; when that happened
+    # before warmstart.enable() exported it, set it here.
     if compiler_config.job_id is None and os.environ.get("TORCH_COMPILE_JOB_ID"):
         compiler_config.job_id = os.environ["TORCH_COMPILE_JOB_ID"]
+
+
+_warned = False
+
+
+def _fail_open(where: str, exc: BaseException) -> None:
+    """Warn once per process that warmstart's part of a hooked torch call raised (later failures, in
+    any hook, are logged at debug level); the caller then does what torch does without warmstart."""
+    global _warned
+    if _warned:
+        log.debug("warmstart: %s failed", where, exc_info=True)
+        return
+    _warned = True
+    log.warning("warmstart: %s failed (%s: %s); torch compiles without the cache where it fails "
+                "(further failures are logged at debug level)", where, type(exc).__name__, exc,
+                exc_info=log.isEnabledFor(logging.DEBUG))
 
 
 def on_import(module_name: str, patch: Callable[[ModuleType], None]) -> None:
@@ -191,31 +293,51 @@ def _patch(module_name: str) -> Callable[[Callable[[ModuleType], None]], Callabl
 
 @_patch("torch._inductor.remote_cache")
 def _hook_remote_caches(remote_cache: ModuleType) -> None:
+    try:
+        _install_store_backend(remote_cache)
+    except Exception:
+        _switch_off_flags()  # without warmstart's backend, a switch would reach torch's Redis backend
+        raise
+
+
+def _install_store_backend(remote_cache: ModuleType) -> None:
+    if "backend_override_cls" not in vars(remote_cache.RemoteCache):
+        raise AttributeError("RemoteCache.backend_override_cls is gone")
+    classes = {cls_name: getattr(remote_cache, cls_name) for cls_name in REMOTE_CACHE_CLASSES}
     backend_base = remote_cache.RemoteCacheBackend
 
     class StoreBackend(backend_base):  # type: ignore[misc, valid-type]
-        """torch's remote-cache backend interface over warmstart's store (bytes in, bytes out)."""
+        """torch's remote-cache backend interface over warmstart's store (bytes in, bytes out).
+
+        Fails open: an error of warmstart's (the store, the key) is a miss, or a put not made."""
 
         def __init__(self, kind: str) -> None:
             super().__init__()
             self.kind = kind
 
         def _get(self, key: str) -> bytes | None:
-            from warmstart.compile_cache import get_store
+            try:
+                from warmstart.compile_cache import get_store
 
-            store = get_store()
-            return store.get(self.kind, key) if store is not None else None
+                store = get_store()
+                return store.get(self.kind, key) if store is not None else None
+            except Exception as exc:
+                _fail_open(f"{self.kind} cache read", exc)
+                return None
 
         def _put(self, key: str, data: bytes) -> None:
-            from warmstart.compile_cache import get_store
+            try:
+                from warmstart.compile_cache import get_store
 
-            store = get_store()
-            if store is not None:
-                match = _TIME_TAKEN_RE.search(data[-200:]) or _TIME_TAKEN_RE.search(data[:200])
-                store.put(self.kind, key, data, cost_s=int(match.group(1)) / 1000 if match else 0.0)
+                store = get_store()
+                if store is not None:
+                    match = _TIME_TAKEN_RE.search(data[-200:]) or _TIME_TAKEN_RE.search(data[:200])
+                    store.put(self.kind, key, data, cost_s=int(match.group(1)) / 1000 if match else 0.0)
+            except Exception as exc:
+                _fail_open(f"{self.kind} cache write", exc)
 
     for cls_name, kind in REMOTE_CACHE_CLASSES.items():
-        getattr(remote_cache, cls_name).backend_override_cls = functools.partial(StoreBackend, kind)
+        classes[cls_name].backend_override_cls = functools.partial(StoreBackend, kind)
 
 
 # -- compiled C++ objects ----------------------------------------------------------------------
@@ -225,26 +347,16 @@ def _hook_cpp_builder(cpp_builder: ModuleType) -> None:
     original_build = cpp_builder.CppBuilder.build
 
     def build(self) -> None:
-        from warmstart.compile_cache import get_store
-
-        store = get_store()
-        key = None
-        if store is not None and not getattr(self, "_use_relative_path", False):
-            try:
-                key = cpp_object_key(self.get_command_line(), self.get_target_file_path())
-            except Exception:
-                log.debug("no cache key for C++ build", exc_info=True)
+        # warmstart's part (key, store) fails open to the plain build; g++'s errors are torch's and
+        # pass through unchanged.
+        try:
+            key = _cpp_lookup(self)
+        except Exception as exc:
+            _fail_open("C++ object cache", exc)
+            return original_build(self)
         if key is None:
             return original_build(self)
-        target = self.get_target_file_path()
-        if target.endswith(".gch"):
-            # A precompiled header (~150 MB) only speeds up builds that miss; g++ falls back to the
-            # plain header next to it when it is absent. Materialise it only when a build needs it.
-            with _pch_lock:
-                _deferred_pch[target[: -len(".gch")]] = (self, key)
-            return None
-        data = store.get("cpp_object", key)
-        if data is not None and _write_atomic(target, data):
+        if key is _DONE:
             return None
         _materialize_pch(self.get_command_line(), original_build)
         _build_and_store(self, key, original_build)
@@ -252,6 +364,33 @@ def _hook_cpp_builder(cpp_builder: ModuleType) -> None:
 
     build.__wrapped__ = original_build  # type: ignore[attr-defined]
     cpp_builder.CppBuilder.build = build
+
+
+_DONE: Any = object()  # _cpp_lookup: the output is in place
+
+
+def _cpp_lookup(builder) -> Any:
+    """The store key of ``builder``'s output, ``None`` to build uncached, or ``_DONE`` when the output
+    was fetched (or its building deferred)."""
+    from warmstart.compile_cache import get_store
+
+    store = get_store()
+    if store is None or getattr(builder, "_use_relative_path", False):
+        return None
+    target = builder.get_target_file_path()
+    key = cpp_object_key(builder.get_command_line(), target)
+    if key is None:
+        return None
+    if target.endswith(".gch"):
+        # A precompiled header (~150 MB) only speeds up builds that miss; g++ falls back to the
+        # plain header next to it when it is absent. Materialise it only when a build needs it.
+        with _pch_lock:
+            _deferred_pch[target[: -len(".gch")]] = (builder, key)
+        return _DONE
+    data = store.get("cpp_object", key)
+    if data is not None and _write_atomic(target, data):
+        return _DONE
+    return key
 
 
 _deferred_pch: dict[str, tuple[object, str]] = {}
@@ -264,14 +403,17 @@ def _build_and_store(builder, key: str, original_build: Callable) -> None:
     start = time.perf_counter()
     original_build(builder)
     cost = time.perf_counter() - start
-    store = get_store()
     try:
-        with open(builder.get_target_file_path(), "rb") as f:
-            data = f.read()
-    except OSError:
-        return
-    if store is not None:
-        store.put("cpp_object", key, data, cost_s=cost)
+        store = get_store()
+        try:
+            with open(builder.get_target_file_path(), "rb") as f:
+                data = f.read()
+        except OSError:
+            return
+        if store is not None:
+            store.put("cpp_object", key, data, cost_s=cost)
+    except Exception as exc:  # the object is built; only sharing it failed
+        _fail_open("C++ object cache", exc)
 
 
 def _materialize_pch(command_line: str, original_build: Callable) -> None:
@@ -284,9 +426,14 @@ def _materialize_pch(command_line: str, original_build: Callable) -> None:
             target = header + ".gch"
             if os.path.exists(target):
                 continue
-            store = get_store()
-            data = store.get("cpp_object", key) if store is not None else None
-            if data is None or not _write_atomic(target, data):
+            try:
+                store = get_store()
+                data = store.get("cpp_object", key) if store is not None else None
+                fetched = data is not None and _write_atomic(target, data)
+            except Exception as exc:
+                _fail_open("C++ object cache", exc)
+                fetched = False
+            if not fetched:
                 _build_and_store(builder, key, original_build)
 
 
@@ -350,20 +497,27 @@ def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
     def _probe_load(self, output_path: str) -> bool:
         from warmstart.compile_cache import get_store
 
-        store = get_store()
         try:
-            with open(output_path, "rb") as f:
-                key = hashlib.sha256(f.read()).hexdigest()
-        except OSError:
-            key = None
+            store = get_store()
+            try:
+                with open(output_path, "rb") as f:
+                    key = hashlib.sha256(f.read()).hexdigest()
+            except OSError:
+                key = None
+            if store is not None and key is not None and store.get("isa_probe", key) == b"loads":
+                return True
+        except Exception as exc:
+            _fail_open("vector-ISA probe cache", exc)
+            return original_probe(self, output_path)
         if store is None or key is None:
             return original_probe(self, output_path)
-        if store.get("isa_probe", key) == b"loads":
-            return True
         start = time.perf_counter()
         ok = original_probe(self, output_path)
         if ok:
-            store.put("isa_probe", key, b"loads", cost_s=time.perf_counter() - start)
+            try:
+                store.put("isa_probe", key, b"loads", cost_s=time.perf_counter() - start)
+            except Exception as exc:
+                _fail_open("vector-ISA probe cache", exc)
         return ok
 
     _probe_load.__wrapped__ = original_probe  # type: ignore[attr-defined]
@@ -379,9 +533,12 @@ def _hook_recompiles(convert_frame: ModuleType) -> None:
     def counted(*args, **kwargs):
         from warmstart.compile_cache import get_store
 
-        store = get_store()
-        if store is not None:
-            store.stats.bump("recompiles")
+        try:
+            store = get_store()
+            if store is not None:
+                store.stats.bump("recompiles")
+        except Exception as exc:
+            _fail_open("recompilation count", exc)
         return original(*args, **kwargs)
 
     convert_frame.get_and_maybe_log_recompilation_reasons = counted

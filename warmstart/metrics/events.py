@@ -2,8 +2,10 @@
 
 This module is the interface file of ``warmstart.metrics``: what a line holds, how it is written (one
 ``write`` per batch of whole lines, appended, so several writers never clobber each other) and how a
-run directory is read back (a torn last line is skipped with a warning; any other malformed line is an
-:class:`EventFormatError` naming the file and line). It knows nothing about buckets or reports.
+run directory is read back: torn lines (fragments of interrupted writes, see :func:`read_events`) are
+skipped with a warning naming the file and line, anywhere in a file; a line that is a complete JSON
+value but not a valid event is an :class:`EventFormatError` naming the file and line. It knows nothing
+about buckets or reports.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class EventFormatError(WarmstartError, ValueError):
 
 
 class TornLineWarning(UserWarning):
-    """The last line of an event file was cut short (the writer died mid-write) and was skipped."""
+    """A torn line of an event file (a fragment of an interrupted write) was skipped; the message names
+    the file and line."""
 
 
 class Event(msgspec.Struct, frozen=True, gc=False):
@@ -157,35 +160,92 @@ def _parse_checked(obj: Any) -> Event:
 def read_events(path: str | os.PathLike) -> list[Event]:
     """Read one JSON-lines event file.
 
-    Blank lines are ignored. A last line without its newline that does not parse is a torn write: it is
-    skipped with a :class:`TornLineWarning`.
+    Blank lines are ignored. A *torn line* is a non-blank line that is not valid JSON: what an
+    interrupted write leaves (a writer killed mid-write, a forked child that died with half a batch
+    written, a short write retried after another writer appended). It is skipped, wherever it is in
+    the file, with a :class:`TornLineWarning` naming file and line. A fragment that lacked its newline
+    is glued to the line written after it: when a torn line ends with a complete JSON object that
+    starts at a ``{`` (the next writer's event), that object is kept (validated like any line) and
+    only the fragment before it is skipped. Warnings name the first
+    :data:`TORN_WARNINGS_PER_FILE` torn lines of a file, then one more counts the rest.
 
     Raises:
-        EventFormatError: any other line is not valid JSON or not a valid event (file and line named).
+        EventFormatError: a line that is valid JSON is not a valid event (file and line named).
     """
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise EventFormatError(path, 0, f"cannot read: {exc.strerror}") from None
+    torn = _TornLines(path)
     cut = data.rfind(b"\n") + 1
     if data[cut:].strip():  # the last line lacks its newline: complete, or torn?
         try:
             json.loads(data[cut:])
         except ValueError:
-            line = data.count(b"\n") + 1
-            warnings.warn(f"{path}:{line}: torn last line skipped (the writer died mid-write)", TornLineWarning,
-                          stacklevel=2)
-            data = data[:cut]
+            last = data.count(b"\n") + 1
+            recovered = _recover_glued(data[cut:])
+            if recovered is None:  # the usual torn write: keep the whole file on the fast path
+                torn.note(last, "torn last line skipped (the writer died mid-write)")
+                data = data[:cut]
+            # else the line-by-line reader keeps the event and reports the fragment
     # Fast path: decode and type-check the whole file in C, then the per-kind rules in one pass. Any
     # refusal sends the file through the line-by-line reference check, which names the line.
     try:
         events = _DECODER.decode_lines(data)
     except msgspec.DecodeError:
-        return _read_lines(path, data.split(b"\n"))
-    if _first_kind_problem(events) is not None or not _one_event_per_line(data, len(events)):
-        return _read_lines(path, data.split(b"\n"))
+        events = _read_mixed(path, data.split(b"\n"), torn)
+    else:
+        if _first_kind_problem(events) is not None or not _one_event_per_line(data, len(events)):
+            events = _read_mixed(path, data.split(b"\n"), torn)
+    torn.flush()
     return events
+
+
+#: How many torn lines of one file get a warning each; the rest are counted in one more.
+TORN_WARNINGS_PER_FILE = 5
+
+
+class _TornLines:
+    """Collects a file's torn lines and warns about them (file and line named), a bounded number."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines: list[tuple[int, str]] = []
+
+    def note(self, line: int, what: str) -> None:
+        self.lines.append((line, what))
+
+    def flush(self) -> None:
+        self.lines.sort()
+        for line, what in self.lines[:TORN_WARNINGS_PER_FILE]:
+            warnings.warn(f"{self.path}:{line}: {what}", TornLineWarning, stacklevel=3)
+        rest = self.lines[TORN_WARNINGS_PER_FILE:]
+        if rest:
+            shown = ", ".join(str(line) for line, _ in rest[:20]) + (", ..." if len(rest) > 20 else "")
+            warnings.warn(f"{self.path}:{rest[0][0]}: {len(rest)} more torn lines skipped (lines {shown})",
+                          TornLineWarning, stacklevel=3)
+        self.lines = []
+
+
+def _recover_glued(raw: bytes) -> Any | None:
+    """The complete JSON object that ends a torn line (a fragment without its newline, then the next
+    write's line), or ``None``. The leftmost ``{`` after the start from which the rest parses wins;
+    at most :data:`_GLUE_TRIES` are tried, so a long line of garbage costs little."""
+    start = raw.find(b"{", 1)
+    for _ in range(_GLUE_TRIES):
+        if start == -1:
+            break
+        try:
+            obj = json.loads(raw[start:])
+        except ValueError:
+            start = raw.find(b"{", start + 1)
+            continue
+        return obj if isinstance(obj, dict) else None
+    return None
+
+
+_GLUE_TRIES = 64
 
 
 def _one_event_per_line(data: bytes, n_events: int) -> bool:
@@ -213,20 +273,71 @@ def _first_kind_problem(events: list[Event]) -> int | None:
     return None
 
 
-def _read_lines(path: Path, lines: list[bytes]) -> list[Event]:
+def _read_lines(path: Path, lines: list[bytes], torn: _TornLines | None = None) -> list[Event]:
+    """The line-by-line reference reader: torn lines are noted in ``torn`` (warned about at once when
+    none is given), any other bad line raises :class:`EventFormatError`."""
+    notes = _TornLines(path) if torn is None else torn
     events: list[Event] = []
+    last = len(lines) - 1
     for index, raw in enumerate(lines):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise EventFormatError(path, index + 1, f"not valid JSON ({exc})") from None
-        try:
-            events.append(parse_event(obj))
-        except ValueError as exc:
-            raise EventFormatError(path, index + 1, str(exc)) from None
+        if raw.strip():
+            event = _parse_line(path, index + 1, raw, notes, index == last)
+            if event is not None:
+                events.append(event)
+    if torn is None:
+        notes.flush()
     return events
+
+
+def _read_mixed(path: Path, lines: list[bytes], torn: _TornLines) -> list[Event]:
+    """:func:`_read_lines`, with each line first tried in C as the whole-file fast path does; a line
+    refused there goes through the reference check. A file with a torn line reads at near fast-path
+    speed instead of the reference's (1M events, one torn line: 2 s, not 13 s; 1 s without it)."""
+    events: list[Event] = []
+    decode = _DECODER.decode
+    last = len(lines) - 1
+    for index, raw in enumerate(lines):
+        try:
+            event = decode(raw)
+        except msgspec.DecodeError:
+            pass
+        else:
+            if _first_kind_problem((event,)) is None:
+                events.append(event)
+                continue
+        if raw.strip():
+            event = _parse_line(path, index + 1, raw, torn, index == last)
+            if event is not None:
+                events.append(event)
+    return events
+
+
+def _parse_line(path: Path, line: int, raw: bytes, torn: _TornLines, last: bool) -> Event | None:
+    """One non-blank line: its event, or ``None`` for a torn line (noted in ``torn``).
+
+    Raises:
+        EventFormatError: the line is valid JSON but not a valid event.
+    """
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        obj = _recover_glued(raw)
+        if obj is not None:
+            try:
+                event = parse_event(obj)
+            except ValueError:  # the split guessed wrong: the whole line is a fragment
+                pass
+            else:
+                torn.note(line, "torn fragment skipped before the event on this line (a write cut short before "
+                                "its newline); the event was kept")
+                return event
+        torn.note(line, "torn last line skipped (the writer died mid-write)" if last else
+                  "torn line skipped (a fragment of an interrupted write)")
+        return None
+    try:
+        return parse_event(obj)
+    except ValueError as exc:
+        raise EventFormatError(path, line, str(exc)) from None
 
 
 def event_files(run_dir: str | os.PathLike) -> list[Path]:
