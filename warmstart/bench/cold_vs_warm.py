@@ -3,13 +3,20 @@
 Each configuration runs the reference job under ``torchrun`` (2 ranks, one restart allowed), and
 each attempt of each configuration lands on "a new machine": a fresh ``HOME``, ``TMPDIR``,
 Inductor, Triton and warmstart cache directory, made by a two-line shell launcher keyed on
-``TORCHELASTIC_RESTART_COUNT`` before Python starts. Only the checkpoint folder (durable storage)
+``TORCHELASTIC_RESTART_COUNT`` before Python starts. The machines' ``TMPDIR`` lives under a short
+directory of its own (not under the work dir), so that DataLoader workers' ``AF_UNIX`` sockets fit in
+107 bytes whatever the caller's ``TMPDIR``. Only the checkpoint folder (durable storage)
 and the shared cache server survive a restart, as in a fleet. ``baseline`` runs without warmstart;
 ``cold`` runs with warmstart on and a throwaway ``warmstart server`` that starts empty; ``warm``
 runs against the same server, filled by ``cold``. The ETT figures come from the metrics calculator
 over each configuration's run directory. This module owns the orchestration (server, launches,
 progress, results); the job is ``reference_job`` and the page and table are built here from the
 metrics package's report code.
+
+A watchdog stops a configuration that records no new ETT event for ``stall_timeout_s``: it first
+has every rank dump its Python stacks into the log (the job registers ``faulthandler`` on
+``SIGUSR1``), then kills the configuration and raises one line naming the configuration, the
+attempt, each rank's last stage and the log.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from warmstart.bench.config import JobConfig
+from warmstart.compile_cache.doctor_checks import AF_UNIX_PATH_MAX, SOCKET_SUFFIX, effective_tmpdir
 from warmstart.errors import WarmstartError
 
 CONFIGS = ("baseline", "cold", "warm")
@@ -40,14 +49,21 @@ FIGURES = ("time_to_start_s", "time_to_recover_s", "compile_s", "sharding_plan_s
 """The per-configuration figures of the table and of ``--json`` (CONTRACT §6), in table order."""
 
 # The "new machine" of every attempt: fresh local directories, made before Python (and with it
-# warmstart's start-up hook, Inductor and Triton) reads any of them.
+# warmstart's start-up hook, Inductor and Triton) reads any of them. $1: the configuration's machines
+# (under the work dir), $2: its short temporary root (TMPDIR: AF_UNIX socket paths are made under it);
+# the rest is Python's command line.
 _LAUNCHER = """\
-m="$1/attempt-${TORCHELASTIC_RESTART_COUNT:-0}"; shift
-mkdir -p "$m/home" "$m/tmp" "$m/inductor" "$m/triton" "$m/warmstart-cache"
-export HOME="$m/home" XDG_CACHE_HOME="$m/home/.cache" TMPDIR="$m/tmp" TORCHINDUCTOR_CACHE_DIR="$m/inductor" \
+a="attempt-${TORCHELASTIC_RESTART_COUNT:-0}"; m="$1/$a"; t="$2/$a"; shift 2
+mkdir -p "$m/home" "$t" "$m/inductor" "$m/triton" "$m/warmstart-cache"
+export HOME="$m/home" XDG_CACHE_HOME="$m/home/.cache" TMPDIR="$t" TORCHINDUCTOR_CACHE_DIR="$m/inductor" \
 TRITON_CACHE_DIR="$m/triton" WARMSTART_CACHE_DIR="$m/warmstart-cache"
-exec @PYTHON@ -m warmstart.bench.reference_job "$@"
+exec @PYTHON@ "$@"
 """
+_JOB_MODULE = ("-m", "warmstart.bench.reference_job")
+_TMP_ATTEMPT = "/attempt-99"  # room for the launcher's attempt folder under the short root (the bench uses 0 and 1)
+_TMP_PREFIX = "ws-"  # tempfile.mkdtemp(prefix=...) appends 8 random characters
+_TMP_BASES = ("/tmp", "/dev/shm")
+"""Where the short temporary roots go when the caller's TMPDIR is too long for them."""
 
 # Variables a configuration must not inherit from the caller's shell: each run sets its own.
 _INHERITED_PREFIXES = ("WARMSTART", "TORCHINDUCTOR_", "TRITON_", "TORCHELASTIC_")
@@ -69,6 +85,9 @@ class BenchOptions:
     """Ranks per job (torchrun ``--nproc-per-node``)."""
     timeout_s: float = 900.0
     """A configuration still running after this long is stopped and the bench fails."""
+    stall_timeout_s: float = 180.0
+    """A configuration that records no new ETT event (its run directory's event files stop growing)
+    for this long is stopped, after its ranks dumped their Python stacks into its log; the bench fails."""
 
 
 @dataclasses.dataclass
@@ -184,28 +203,35 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
     log_path = root / "job.log"
     job = dataclasses.replace(options.job, mode="baseline" if name == "baseline" else "warmstart",
                               checkpoint_dir=root / "checkpoints")
-    env = _job_env(name, root, run_dir, bench_id, server)
-    launcher = _LAUNCHER.replace("@PYTHON@", shlex.quote(sys.executable))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
-           "--max-restarts=1", "--no-python", "/bin/sh", "-c", launcher, "sh", str(machines), *job.to_args()]
-    started = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
-                                start_new_session=True)
-        tail = _EventTail(run_dir)
-        try:
-            while proc.poll() is None:
-                if time.monotonic() - started > options.timeout_s:
-                    _stop(proc)
-                    raise BenchError(f"{name}: still running after {options.timeout_s:.0f} s; stopped it "
-                                     f"(log: {log_path})")
-                phase, step = tail.poll()
-                report(name, phase, step, job.steps)
-                time.sleep(0.5)
-        except BaseException:
-            _stop(proc)
-            raise
-    wall = time.monotonic() - started
+    tmp_root = short_tmp_root()
+    try:
+        env = _job_env(name, root, tmp_root, run_dir, bench_id, server)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
+               "--max-restarts=1", "--no-python", *launcher_args(machines, tmp_root), *_JOB_MODULE,
+               *job.to_args()]
+        started = time.monotonic()
+        with open(log_path, "ab") as log:  # O_APPEND: the watchdog's notes never overwrite the job's lines
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+                                    start_new_session=True)
+            tail = _EventTail(run_dir)
+            watchdog = _Watchdog(run_dir, options.stall_timeout_s)
+            try:
+                while proc.poll() is None:
+                    if time.monotonic() - started > options.timeout_s:
+                        _stop(proc)
+                        raise BenchError(f"{name}: still running after {options.timeout_s:.0f} s; stopped it "
+                                         f"(log: {log_path})")
+                    if watchdog.stalled():
+                        raise _stalled(name, proc, run_dir, log_path, options)
+                    phase, step = tail.poll()
+                    report(name, phase, step, job.steps)
+                    time.sleep(0.5)
+            except BaseException:
+                _stop(proc)
+                raise
+        wall = time.monotonic() - started
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
     if proc.returncode != 0:
         raise BenchError(f"{name}: the job exited with status {proc.returncode} (log: {log_path})")
     report(name, "done", job.steps, job.steps)
@@ -216,12 +242,44 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
                         startup=_startup_reports(run_dir), cache=_cache_counters(machines))
 
 
-def _job_env(name: str, root: Path, run_dir: Path, bench_id: str, server: CacheServer | None) -> dict[str, str]:
+def launcher_args(machines: Path, tmp_root: Path) -> list[str]:
+    """The command line that runs Python (its arguments follow) on a new machine under ``machines``,
+    with ``TMPDIR`` under ``tmp_root``: the launcher torchrun starts for every rank of every attempt."""
+    launcher = _LAUNCHER.replace("@PYTHON@", shlex.quote(sys.executable))
+    return ["/bin/sh", "-c", launcher, "sh", str(machines), str(tmp_root)]
+
+
+def short_tmp_root() -> Path:
+    """A fresh, empty directory for one configuration's machines' ``TMPDIR`` (the caller removes it).
+
+    DataLoader workers hand batches over ``AF_UNIX`` sockets that multiprocessing makes under
+    ``TMPDIR`` (``pymp-XXXXXXXX/listener-XXXXXXXX``), and Linux refuses paths over 107 bytes: the
+    batch is then lost and the job hangs. The root goes under the caller's ``TMPDIR`` when the
+    longest socket path of the deepest attempt fits there, else under ``/tmp``, else ``/dev/shm``.
+
+    Raises:
+        BenchError: none of them is a writable directory short enough.
+    """
+    suffix = len(f"/{_TMP_PREFIX}XXXXXXXX{_TMP_ATTEMPT}{SOCKET_SUFFIX}")
+    tried = []
+    for base in (effective_tmpdir(), *_TMP_BASES):
+        if base in tried:
+            continue
+        tried.append(base)
+        if (len(os.fsencode(base)) + suffix <= AF_UNIX_PATH_MAX and os.path.isdir(base)
+                and os.access(base, os.W_OK | os.X_OK)):
+            return Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=base))
+    raise BenchError(f"no writable temporary directory short enough for DataLoader sockets "
+                     f"(at most {AF_UNIX_PATH_MAX - suffix} bytes): tried {', '.join(tried)}")
+
+
+def _job_env(name: str, root: Path, tmp_root: Path, run_dir: Path, bench_id: str,
+             server: CacheServer | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_PREFIXES)}
     home = root / "home"
-    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
     env.update({
-        "HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONUNBUFFERED": "1",
+        "HOME": str(home), "TMPDIR": str(tmp_root), "PYTHONUNBUFFERED": "1",
         "WARMSTART_RUN_DIR": str(run_dir), "WARMSTART_JOB_ID": f"{name}-{bench_id}",
         # 2 ranks on a small machine: one thread each, and one Inductor compile thread
         "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
@@ -231,24 +289,219 @@ def _job_env(name: str, root: Path, run_dir: Path, bench_id: str, server: CacheS
     })
     if server is not None:
         env.update({"WARMSTART": "1", "WARMSTART_CACHE_URL": server.writer_url,
-                    "WARMSTART_SECRET_FILE": server.secret_file, "WARMSTART_NAMESPACE": f"bench-{bench_id}"})
+                    "WARMSTART_KEY_FILE": server.signing_key_file, "WARMSTART_NAMESPACE": f"bench-{bench_id}"})
     return env
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Stop the launcher and every process it started (its own session)."""
+    """Stop torchrun (its own session) and every process it started: torchrun stops its ranks on
+    SIGTERM; whatever is left once it is gone (each rank runs in a session of its own) is killed."""
     if proc.poll() is not None:
         return
+    left = _descendants(proc.pid)
     for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    _kill_all(left)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill torchrun first (so that it restarts nothing), then every process under it."""
+    left = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_all(left)
+
+
+def _kill_all(pids: list[int]) -> None:
+    # each rank leads a session of its own (torchrun's subprocess handler): kill its group (the rank,
+    # its loader workers, its compile workers), then any stray process by pid
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+# -- the no-progress watchdog ------------------------------------------------------------------------
+
+class _Watchdog:
+    """Says when the run directory's event files have not grown for ``timeout_s``."""
+
+    def __init__(self, run_dir: Path, timeout_s: float) -> None:
+        self.run_dir, self.timeout_s = run_dir, timeout_s
+        self._size = -1
+        self._since = time.monotonic()
+
+    def stalled(self) -> bool:
+        size = 0
+        for path in self.run_dir.glob("*.jsonl"):
+            try:
+                size += path.stat().st_size
+            except OSError:
+                continue
+        now = time.monotonic()
+        if size != self._size:
+            self._size, self._since = size, now
+        return now - self._since > self.timeout_s
+
+
+def _stalled(name: str, proc: subprocess.Popen, run_dir: Path, log_path: Path, options: BenchOptions) -> BenchError:
+    """Dump every rank's Python stacks into the log, kill the configuration, say where it stood."""
+    ranks = _ranks(proc.pid)
+    for pid, label in _dumpable(proc.pid).items():
+        _note(log_path, f"warmstart bench watchdog: no ETT event for {options.stall_timeout_s:.0f} s; "
+                        f"Python stacks of {label} (pid {pid}):")
+        try:
+            os.kill(pid, signal.SIGUSR1)  # faulthandler, registered by the reference job
+            os.kill(pid, signal.SIGCONT)  # a stopped process dumps once it runs again
+        except ProcessLookupError:
+            continue
+        _wait_quiet(log_path, quiet_s=0.3, limit_s=3.0)  # one process at a time: the dumps do not interleave
+    _kill(proc)
+    _note(log_path, "warmstart bench watchdog: stopped the configuration")
+    attempts = sorted({a for a in ranks.values() if a is not None})
+    attempt, stages = _last_stages(run_dir, options.nproc, attempts[-1] if attempts else None)
+    return BenchError(f"{name}: attempt {attempt} recorded no ETT event for {options.stall_timeout_s:.0f} s "
+                      f"(last stage: {stages}); dumped every rank's Python stacks into the log and stopped it "
+                      f"(log: {log_path})")
+
+
+def _note(log_path: Path, line: str) -> None:
+    with open(log_path, "a") as log:
+        log.write(f"\n--- {line}\n")
+
+
+def _wait_quiet(path: Path, *, quiet_s: float, limit_s: float) -> None:
+    """Wait until ``path`` has not grown for ``quiet_s`` (at most ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    size, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now_size = path.stat().st_size if path.exists() else 0
+        if now_size != size:
+            size, since = now_size, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
+
+
+def _last_stages(run_dir: Path, nproc: int, attempt: int | None) -> tuple[int, str]:
+    """The attempt (the live ranks' one, else the latest with events) and each of its ranks' last event."""
+    last: dict[tuple[int, int], dict[str, Any]] = {}
+    for path in run_dir.glob("events-r*-a*.jsonl"):
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            last[(int(event.get("attempt", 0)), int(event.get("rank", 0)))] = event
+            break
+    if attempt is None:
+        attempt = max((a for a, _ in last), default=0)
+    parts = [f"rank {rank} {_describe(last.get((attempt, rank)))}" for rank in range(nproc)]
+    return attempt, ", ".join(parts)
+
+
+def _describe(event: dict[str, Any] | None) -> str:
+    if event is None:
+        return "no event yet"
+    kind = event.get("event")
+    if kind == "begin":
+        return f"in {event.get('span')}"
+    if kind == "end":
+        return f"after {event.get('span')}"
+    if kind == "step":
+        return f"in step {event.get('step')}"
+    if kind == "checkpoint_committed":
+        return f"after committing step {event.get('step')}"
+    if kind == "failure":
+        return f"failed ({event.get('reason')})"
+    return f"after {kind}"
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid to child pids, from ``/proc``."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(b")") + 2:].split()[1])  # after "(comm)": state, ppid
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _descendants(pid: int) -> list[int]:
+    tree, found, todo = _children(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _rank_envs(torchrun_pid: int) -> dict[int, dict[bytes, bytes]]:
+    """torchrun's children that are ranks (``sh`` exec'd the job; torchrun set ``RANK``): pid to environment."""
+    ranks = {}
+    for pid in _children().get(torchrun_pid, []):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            ranks[pid] = env
+    return ranks
+
+
+def _ranks(torchrun_pid: int) -> dict[int, int | None]:
+    """The ranks' pids to their attempt number (``TORCHELASTIC_RESTART_COUNT``)."""
+    out = {}
+    for pid, env in _rank_envs(torchrun_pid).items():
+        count = env.get(b"TORCHELASTIC_RESTART_COUNT", b"")
+        out[pid] = int(count) if count.isdigit() else None
+    return out
+
+
+def _dumpable(torchrun_pid: int) -> dict[int, str]:
+    """The ranks, then their descendants, that catch SIGUSR1 (faulthandler's; forked loader workers
+    inherit it), to a label. A process that does not catch it would die of it, so it is left alone."""
+    targets: dict[int, str] = {}
+    ranks = {pid: env.get(b"RANK", b"?").decode() for pid, env in _rank_envs(torchrun_pid).items()}
+    candidates = [(pid, f"rank {rank}") for pid, rank in ranks.items()]
+    candidates += [(child, f"a child process of rank {rank}") for pid, rank in ranks.items()
+                   for child in _descendants(pid)]
+    for pid, label in candidates:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        if caught & (1 << (signal.SIGUSR1 - 1)):
+            targets.setdefault(pid, label)
+    return targets
 
 
 def _startup_reports(run_dir: Path) -> list[dict[str, Any]]:
@@ -320,7 +573,7 @@ class CacheServer:
 
     directory: Path
     writer_url: str
-    secret_file: str
+    signing_key_file: str
 
     @classmethod
     def start(cls, directory: Path) -> CacheServer:
@@ -335,7 +588,8 @@ class CacheServer:
         if done.returncode != 0:
             raise BenchError(f"could not start the cache server: {done.stderr.strip() or done.stdout.strip()}")
         info = json.loads(done.stdout)
-        return cls(directory=directory, writer_url=info["writer_url"], secret_file=info["secret_file"])
+        writer_url = Path(info["writer_url_file"]).read_text().strip()
+        return cls(directory=directory, writer_url=writer_url, signing_key_file=info["signing_key_file"])
 
     def stop(self) -> None:
         """``warmstart server stop --dir DIRECTORY`` (errors are ignored: it is a throwaway server)."""

@@ -12,12 +12,18 @@ Example:
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run one attempt of the reference job on this rank."""
+    # `kill -USR1 <rank pid>` writes every thread's Python stack to stderr (the job's log) and the job
+    # goes on; the benchmark's no-progress watchdog does that before it stops a stalled job. Forked
+    # processes (the loader workers) inherit it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from warmstart.bench.config import JobConfig
     from warmstart.metrics import get_recorder
 

@@ -4,8 +4,9 @@ Read it top to bottom: ``Trainer.__init__`` builds the job one stage at a time (
 ETT span), ``train`` is one loop (step, checkpoint, maybe the injected failure), ``close`` releases
 everything. The two modes differ only where warmstart plugs in, each marked ``# warmstart:``:
 
-* ``baseline`` runs the stages in sequence with plain TorchRec and torch: ``planner.collective_plan``,
-  a plain DataLoader, a plain ``torch.compile`` and synchronous ``torch.distributed.checkpoint.save``.
+* ``baseline`` runs the stages in sequence with plain TorchRec and torch: a plain DataLoader (its
+  workers forked first, before any thread starts), ``planner.collective_plan``, a plain
+  ``torch.compile`` and synchronous ``torch.distributed.checkpoint.save``.
 * ``warmstart`` runs the same stages through the start-up graph (independent stages overlap), serves
   the sharding plan from the plan cache (as ``cached_plan`` does), saves checkpoints asynchronously
   (pre-warmed, the copy overlapped with the next forward pass), and gets the
@@ -98,20 +99,23 @@ class Trainer:
     def _start_in_sequence(self) -> None:
         cfg, rec = self.cfg, self.rec
 
-        # process group: gloo, the CPU backend; every collective below runs on it
-        with rec.span("process_group_init"):
-            dist.init_process_group(backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout_s))
-
-        # resume point: the latest checkpoint whose DCP metadata (its commit) exists
+        # resume point: the latest checkpoint whose DCP metadata (its commit) exists (a directory listing)
         resume = _latest_dcp_checkpoint(cfg.checkpoint_dir)
         self.resumed_from = None if resume is None else resume[0]
         self.step = 0 if resume is None else resume[0] + 1
 
-        # data loader: workers start at iter(); the first batch proves they are up
+        # data loader first: iter() forks the workers, and a fork must come before gloo's and the
+        # compiler's threads exist (a thread holding a lock at the fork leaves the worker deadlocked).
+        # Plain torch practice, as the start-up graph does it; the first batch proves they are up and
+        # is fetched here, in sequence, before the next stage starts.
         with rec.span("data_loader_init"):
             self._loader = make_loader(self._dataset(self.step), num_workers=cfg.loader_workers)
             batches = iter(self._loader)
             self.batches = _prepend(next(batches), batches)
+
+        # process group: gloo, the CPU backend; every collective below runs on it
+        with rec.span("process_group_init"):
+            dist.init_process_group(backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout_s))
 
         # the model: tables on the meta device, dense part with real weights
         with rec.span("model_build", bucket="model_transform"):

@@ -48,8 +48,11 @@ def group() -> None:
               help="Keep the work dir (always kept when --work-dir is given).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=10), default=900.0, show_default=True,
               help="Seconds one configuration may run before it is stopped.")
+@click.option("--stall-timeout", "stall_timeout_s", type=click.FloatRange(min=1), default=180.0, show_default=True,
+              help="Seconds a configuration may record no new ETT event before it is stopped (its ranks' "
+                   "Python stacks are dumped into its log first).")
 def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_every, fail_at_step,
-                 checkpoint_mode, work_dir, keep, timeout_s) -> None:
+                 checkpoint_mode, work_dir, keep, timeout_s, stall_timeout_s) -> None:
     """Run the reference job as baseline, cold and warm, each on fresh machines, and compare.
 
     baseline: no warmstart. cold: warmstart on, a throwaway `warmstart server` that starts empty.
@@ -75,7 +78,7 @@ def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_eve
                     fail_at_step=fail_at_step, checkpoint_mode=checkpoint_mode)
     temporary = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="warmstart-bench-")) if temporary else work_dir
-    options = BenchOptions(job=job, work_dir=work, timeout_s=timeout_s)
+    options = BenchOptions(job=job, work_dir=work, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s)
     try:
         results = _run_with_progress(options)
         if temporary and not keep:
