@@ -17,6 +17,7 @@ import json
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from warmstart.checkpoint import Checkpointer, RankLocal
+from warmstart.init_pipeline import release_process_groups
 
 TABLES, ROWS, DIM, BATCH = 2, 512, 16, 16
 
@@ -176,8 +178,17 @@ def main() -> None:
     (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
     final = {"model": local(dmp.state_dict()), "optim": local(optimizer.state_dict())}
     torch.save(final, args.out / f"final-r{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would; then the groups are freed
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    else:
+        code = 0
+    # With main's frame (the DMP, the checkpointer) gone, the process groups are freed and their gloo
+    # threads joined before the interpreter finalizes (see release_process_groups).
+    release_process_groups()
+    sys.exit(code)

@@ -150,6 +150,8 @@ def test_plain_optimizer_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kwargs, variable", [
     ({"mode": "fast"}, "mode"), ({"keep": 0}, "keep"), ({"on_error": "ignore"}, "on_error"),
+    ({"commit_timeout_s": 0}, "commit_timeout_s"), ({"commit_timeout_s": float("inf")}, "commit_timeout_s"),
+    ({"commit_timeout_s": "60"}, "commit_timeout_s"),
 ])
 def test_bad_settings(tmp_path: Path, kwargs: dict, variable: str) -> None:
     with pytest.raises(ConfigError, match=variable) as info:

@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import _plan_models as m
 from warmstart.init_pipeline import (CompileWarmup, StageFailed, TorchRecStartup, cached_plan,
-                                     torchrec_startup_graph)
+                                     release_process_groups, torchrec_startup_graph)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -109,7 +109,6 @@ def mode_plan(out: dict, cache_url: str, secret: str) -> None:
     model = DistributedModelParallel(build_model(torch.device("meta")), env=ShardingEnv.from_process_group(
         dist.group.WORLD), device=torch.device("cpu"), plan=plan, sharders=m.sharders())
     out.update(train(model, (batch(i) for i in range(100)), 3))
-    dist.destroy_process_group()
 
 
 class Batches(torch.utils.data.IterableDataset):
@@ -174,10 +173,23 @@ def _write(out: dict) -> None:
 def main() -> None:
     mode = sys.argv[1]
     out: dict = {"rank": RANK}
-    if mode == "plan":
-        mode_plan(out, sys.argv[3], sys.argv[4])
+    try:
+        if mode == "plan":
+            mode_plan(out, sys.argv[3], sys.argv[4])
+        else:
+            mode_graph(out, fail=mode == "fail")
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the groups are released
+        sys.excepthook(*sys.exc_info())
+        failed = True
     else:
-        mode_graph(out, fail=mode == "fail")
+        failed = False
+    # The model, plan and loader of the mode are gone with its frame (and, on failure, with the
+    # traceback): the process group can be freed now, its gloo threads joined before the interpreter
+    # finalizes. A gloo thread still freeing a collective's tensors then would take the GIL during
+    # finalization and abort the rank (SIGABRT, 'terminate called without an active exception').
+    out["gloo_threads_at_exit"] = release_process_groups()
+    if failed:
+        sys.exit(1)
     _write(out)
 
 

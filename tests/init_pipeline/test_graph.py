@@ -261,8 +261,8 @@ def test_first_stages_run_before_any_other_stage_starts():
     g = _graph()
     seen: list[tuple[str, list[str]]] = []
 
-    def stage_threads() -> list[str]:  # the graph names the threads it starts for this graph's stages
-        ours = {"warmstart-stage-model", "warmstart-stage-prefetch"}
+    def stage_threads() -> list[str]:  # the graph names the threads it starts: its stages' and its watchdog
+        ours = {"warmstart-stage-model", "warmstart-stage-prefetch", "warmstart-test-watchdog"}
         return [t.name for t in threading.enumerate() if t.name in ours]
 
     # the model stage lasts a while: had it started before the fork, its thread would still be alive
@@ -271,7 +271,7 @@ def test_first_stages_run_before_any_other_stage_starts():
           runs_on="first")
     g.add("prefetch", lambda fork_workers: fork_workers + "!", deps=["fork_workers"])
     result = g.run()
-    assert seen[0] == ("fork_workers", [])  # no stage thread existed yet
+    assert seen[0] == ("fork_workers", [])  # no thread of the graph existed yet, not even its watchdog
     assert seen[1][0] == "model" and "warmstart-stage-model" in seen[1][1]  # then stages get their threads
     assert result["prefetch"] == "it!" and result.timings["fork_workers"].runs_on == "first"
 

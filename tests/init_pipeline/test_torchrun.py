@@ -41,11 +41,20 @@ def test_cached_plan_over_two_ranks_then_a_new_machine_hits_the_shared_cache(tmp
         assert rank["equal_to_collective_plan"] is True
         assert len(rank["losses"]) == 3 and all(loss == loss for loss in rank["losses"])  # finite, trained
         assert rank["tables_changed"] == rank["tables_local"] > 0  # fused optimizer updated the shards
+        assert rank["gloo_threads_at_exit"] == 0  # every process group freed before exit (see below)
     # Only rank 0 looks up or plans; on the new machine it plans nothing and reads the shared Redis.
     assert (cold0["planner_calls"], cold1["planner_calls"]) == (1, 0)
     assert (warm0["planner_calls"], warm1["planner_calls"]) == (0, 0)
     assert cold1["store_lookups"] == warm1["store_lookups"] == 0
     assert warm0["hits"].get("remote") == 1
+
+
+# Each worker ends with release_process_groups(), and its JSON says how many gloo worker threads
+# were still running after it: 0, i.e. no process group outlives the job into interpreter exit.
+# Before, the DistributedModelParallel kept the group alive past destroy_process_group(); a gloo
+# thread that was still freeing the last collectives' tensors when the interpreter finalized took the
+# GIL, CPython ended it with pthread_exit, and its unwinding through the noexcept ~AsyncWork aborted
+# the rank (SIGABRT, 'terminate called without an active exception') on loaded machines.
 
 
 def test_startup_graph_builds_a_trainable_torchrec_job(tmp_path, fresh_machine):
@@ -64,6 +73,7 @@ def test_startup_graph_builds_a_trainable_torchrec_job(tmp_path, fresh_machine):
     for rank in (rank0, rank1):
         assert rank["prefetched"] == 3 and rank["compile_s"] > 0
         assert len(rank["losses"]) == 2 and rank["tables_changed"] == rank["tables_local"] > 0
+        assert rank["gloo_threads_at_exit"] == 0
 
 
 def test_a_stage_failing_on_one_rank_fails_every_rank_naming_it(tmp_path, fresh_machine):

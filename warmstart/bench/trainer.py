@@ -338,7 +338,12 @@ class Trainer:
             self._loader = None
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+        # destroy_process_group() alone leaves gloo's threads running while the model still holds the
+        # group; they would run into interpreter exit (a rank can abort there): drop them first.
+        self.model = self.optimizer = self.checkpointer = None
+        from warmstart.init_pipeline import release_process_groups
+
+        release_process_groups()
 
 
 def latest_step(found: CommittedCheckpoint | None) -> int | None:

@@ -7,21 +7,28 @@ checkpoint folder in a thread or a separate process, and *commit* runs on every 
 upload: rank 0 writes the commit marker and renames the folder (see ``layout``), then tells every
 rank the outcome, and each rank records ``checkpoint_committed``. A save first waits for the
 previous one, so at most one is in flight and staging buffers are reused. The blocking part is
-recorded as a ``checkpoint_save`` span. This module owns the save/commit/load sequence and the
-error policy; the folder protocol is in ``layout``, the state adapters in ``state``, the interval
-arithmetic in ``interval``.
+recorded as a ``checkpoint_save`` span. Every collective of a save gives up after
+``commit_timeout_s``, so a rank that is gone costs a bounded wait and a save reported as not
+committed; the commit runs on a daemon thread that interpreter exit waits for only that long. This
+module owns the save/commit/load sequence and the error policy; the folder protocol is in
+``layout``, the state adapters in ``state``, the interval arithmetic in ``interval``.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import pickle
+import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future
 from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, Mapping, MutableMapping
@@ -50,6 +57,11 @@ from warmstart.errors import ConfigError, WarmstartError
 log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "continue"]
+
+DEFAULT_COMMIT_TIMEOUT_S = 60.0
+"""Default of ``Checkpointer(commit_timeout_s=...)``: how long a collective of a save waits for the
+other ranks before the save is given up as not committed."""
+_EXIT_JOIN_MARGIN_S = 5.0  # interpreter exit waits for an in-flight commit this much beyond its timeout
 
 # A single-process checkpointer is a supported use, not an accident: DCP's warning about it is noise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
@@ -138,22 +150,35 @@ class Checkpointer:
             for TorchRec fused optimizers, before the next backward).
         save_rng: also save and restore each rank's RNG states (Python, NumPy, torch, CUDA).
         interval: an :class:`AdaptiveInterval` for :meth:`maybe_save`.
+        commit_timeout_s: how long each collective of a save waits for the other ranks (default
+            60 s): the checkpointer's own gloo group is created with this timeout (DCP's exchange of
+            plans and write results, the commit broadcast), and the commit broadcast uses it on a
+            ``process_group`` you pass too. A rank that is gone (killed, its machine lost) is noticed
+            after at most this long, and the save is reported as not committed (no
+            ``checkpoint_committed``; ``CheckpointError`` or a warning per ``on_error``) instead of
+            waiting out gloo's 30 minutes. Keep it above the largest difference between the ranks'
+            write times of one checkpoint: ranks wait in DCP's last collective for the slowest writer.
 
     Raises:
-        ConfigError: a bad ``mode``, ``keep`` or ``on_error``.
+        ConfigError: a bad ``mode``, ``keep``, ``on_error`` or ``commit_timeout_s``.
         CheckpointError: the directory cannot be created (with ``on_error="raise"``).
     """
 
     def __init__(self, directory: str | os.PathLike, *, mode: AsyncMode | str = AsyncMode.ASYNC, keep: int = 3,
                  recorder: Any = None, on_error: OnError = "raise", process_group: dist.ProcessGroup | None = None,
                  overlap_staging: bool = False, save_rng: bool = True,
-                 interval: AdaptiveInterval | None = None) -> None:
+                 interval: AdaptiveInterval | None = None,
+                 commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
         self.directory = Path(directory)
         self.mode = AsyncMode.parse(mode)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError("keep", keep, "an integer >= 1")
         if on_error not in ("raise", "continue"):
             raise ConfigError("on_error", on_error, "'raise' or 'continue'")
+        if isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float)) \
+                or not 0 < commit_timeout_s < float("inf"):
+            raise ConfigError("commit_timeout_s", commit_timeout_s, "a number of seconds > 0")
+        self.commit_timeout_s = float(commit_timeout_s)
         self.keep, self.on_error = keep, on_error
         self.overlap_staging, self.save_rng, self.interval = overlap_staging, save_rng, interval
         if recorder is None:
@@ -165,8 +190,10 @@ class Checkpointer:
         if self.mode is AsyncMode.ASYNC_PROCESS and not self._distributed:
             raise ConfigError("mode", self.mode.value,
                               "sync or async-thread when torch.distributed is not initialized")
+        self._owns_pg = self._distributed and process_group is None
         if self._distributed:
-            self._pg = process_group if process_group is not None else dist.new_group(backend="gloo")
+            self._pg = process_group if process_group is not None else dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.commit_timeout_s))
             self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
         else:
             self._pg, self.rank, self.world_size = None, 0, 1
@@ -183,7 +210,10 @@ class Checkpointer:
         self._reported: set[str] = set()
         self._next_due: int | None = None
         self._closed = False
-        self._commit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmstart-ckpt-commit")
+        # The commit runs on a daemon thread (not a ThreadPoolExecutor, whose threads interpreter exit
+        # joins without a bound); exit waits for it at most commit_timeout_s + a margin (_at_exit).
+        self._commit_thread: threading.Thread | None = None
+        _live.add(self)
 
         failure, latest = None, None
         session = uuid.uuid4().hex[:8]
@@ -312,6 +342,8 @@ class Checkpointer:
             The step the checkpoint was saved at (training resumes at the step after it), or None
             when there is no committed checkpoint.
         """
+        if self._closed:
+            raise RuntimeError("Checkpointer.load_latest() after close()")
         self._finish_pending()
         with self._recorder.span("checkpoint_load"):
             found, saved_rng = None, False
@@ -351,7 +383,9 @@ class Checkpointer:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for the in-flight save to commit, then releases the staging buffers and threads.
+        """Waits for the in-flight save to commit (or fail), then releases the staging buffers, the
+        commit thread and the checkpointer's own process group (its gloo threads are joined now,
+        not during interpreter exit).
 
         Raises:
             CheckpointError: the last save failed and ``on_error="raise"``.
@@ -364,7 +398,8 @@ class Checkpointer:
             self._closed = True
             if self._stager is not None:
                 self._stager.close()
-            self._commit_pool.shutdown(wait=True)
+            if self._join_commit():
+                self._release_group()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -373,9 +408,52 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:
-            # Training is failing: do not wait on a save whose peers may be gone.
+            # Training is failing: do not wait on a save whose peers may be gone (interpreter exit
+            # waits for the commit, bounded by commit_timeout_s, and then releases the group).
             self._closed = True
-            self._commit_pool.shutdown(wait=False)
+
+    def _join_commit(self, timeout: float | None = None) -> bool:
+        """Waits for the commit thread (at most ``timeout`` seconds); True once it has ended."""
+        thread = self._commit_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                return False
+        self._commit_thread = None
+        return True
+
+    def _release_group(self) -> None:
+        """Destroys the gloo group this checkpointer created and lets go of it, so that its worker
+        threads end now: left to interpreter exit, a gloo thread freeing the tensors of the last
+        commit broadcast takes the GIL while the interpreter finalizes, and CPython's ending of that
+        thread aborts the process (SIGABRT, 'terminate called without an active exception')."""
+        pg, self._pg = self._pg, None
+        if pg is None or not self._owns_pg:
+            return
+        self._owns_pg = False
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(pg)
+        except Exception:  # noqa: BLE001 - already destroyed (destroy_process_group() of everything)
+            log.debug("checkpoint process group already destroyed", exc_info=True)
+        del pg  # the last reference: the group's destructor joins its worker threads here
+
+    def _at_exit(self) -> None:
+        pending = self._pending
+        if not self._join_commit(self.commit_timeout_s + _EXIT_JOIN_MARGIN_S):
+            log.warning("the commit of the checkpoint of step %s did not end within %.0f s of interpreter exit; "
+                        "exiting without it", pending.step if pending else "?",
+                        self.commit_timeout_s + _EXIT_JOIN_MARGIN_S)
+            return
+        if pending is not None and pending.commit.done() and self._pending is pending:
+            # Nobody will call save/wait/close again to hear how the last save ended: say it once.
+            try:
+                failure = pending.commit.result()
+            except BaseException as e:  # noqa: BLE001
+                failure = (f"checkpoint of step {pending.step} was not saved: {_cause(e)}", _cause(e))
+            if failure is not None and self.rank == 0:
+                log.warning("%s (at exit)", failure[0])
+        self._release_group()
 
     # -- internals -----------------------------------------------------------------------------------
 
@@ -412,8 +490,20 @@ class Checkpointer:
         else:
             staging, upload = Future(), response
             staging.set_result(None)
-        commit = self._commit_pool.submit(self._commit_after, step, partial, upload, started)
+        commit: Future = Future()
+        thread = threading.Thread(target=self._run_commit, args=(commit, step, partial, upload, started),
+                                  name=f"warmstart-ckpt-commit-{step}", daemon=True)
         self._pending = _Pending(step, staging, upload, commit)
+        self._commit_thread = thread
+        thread.start()
+
+    def _run_commit(self, commit: Future, step: int, partial: Path, upload: Future, started: float) -> None:
+        if not commit.set_running_or_notify_cancel():
+            return
+        try:
+            commit.set_result(self._commit_after(step, partial, upload, started))
+        except BaseException as e:  # noqa: BLE001 - the caller's next save/wait/close sees it
+            commit.set_exception(e)
 
     def _commit_after(self, step: int, partial: Path, upload: Future, started: float) -> tuple[str, str] | None:
         error: BaseException | None = None
@@ -440,12 +530,17 @@ class Checkpointer:
                     error = e
             if error is not None:
                 layout.discard_partial(partial)
-                cause = _cause(error)
-                latest = layout.latest_committed(self.directory)
-                failure = (f"checkpoint of step {step} was not saved in {self.directory}: {cause}; earlier "
-                           f"checkpoints are intact (latest committed: "
-                           f"{'step %d' % latest.step if latest else 'none'})", cause)
-        failure = self._broadcast(failure)
+                failure = self._not_saved(step, _cause(error))
+        try:
+            failure = self._broadcast_bounded(failure)
+        except Exception as e:  # noqa: BLE001 - a rank is gone or did not answer within commit_timeout_s
+            cause = f"no answer from every rank within {self.commit_timeout_s:g} s ({_cause(e)})"
+            if self.rank != 0:
+                failure = (f"checkpoint of step {step}: the outcome of its commit did not reach rank {self.rank}: "
+                           f"{cause}", cause)
+            elif failure is None:  # committed on disk (every rank had written its part); only the telling failed
+                log.warning("checkpoint of step %d is committed in %s, but not every rank heard of it: %s",
+                            step, self.directory, cause)
         if failure is None:
             self.last_committed_step = step
             self.last_save_to_commit_s = time.monotonic() - started
@@ -489,12 +584,44 @@ class Checkpointer:
                     use_async_staging=True, use_non_blocking_copy=cuda))
         return self._stager
 
+    def _not_saved(self, step: int, cause: str) -> tuple[str, str]:
+        latest = layout.latest_committed(self.directory)
+        return (f"checkpoint of step {step} was not saved in {self.directory}: {cause}; earlier "
+                f"checkpoints are intact (latest committed: {'step %d' % latest.step if latest else 'none'})", cause)
+
     def _broadcast(self, obj: Any) -> Any:
         if not self._distributed:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, group=self._pg, group_src=0)
         return box[0]
+
+    def _broadcast_bounded(self, obj: Any) -> Any:
+        """``_broadcast`` whose two collectives each give up after ``commit_timeout_s`` whatever the
+        group's own timeout (a ``process_group`` passed in keeps its own, 30 min by default).
+
+        Raises:
+            RuntimeError: a rank is gone (its connection closed) or did not join in time.
+        """
+        if not self._distributed:
+            return obj
+        assert self._pg is not None
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast_tensor(size)
+        if self.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast_tensor(data)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def _broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = timedelta(seconds=self.commit_timeout_s)
+        self._pg.broadcast([tensor], opts).wait()  # type: ignore[union-attr]
 
 
 def _cause(exc: BaseException) -> str:
@@ -508,7 +635,35 @@ def _cause(exc: BaseException) -> str:
     if os_error is not None:
         return f"{os.strerror(os_error.errno)} (errno {os_error.errno})"  # type: ignore[arg-type]
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    # gloo prefixes its errors with its source location: '[/…/gloo/transport/tcp/pair.cc:553] Connection
+    # closed by peer [127.0.0.1]:8876. This is typically caused by…': keep the sentence that says what happened.
+    line = text[0]
+    if line.startswith("[") and "] " in line and (".cc:" in line.split("] ", 1)[0] or ".h:" in line.split("] ", 1)[0]):
+        line = line.split("] ", 1)[1].split(". ", 1)[0]
+    return f"{type(exc).__name__}: {line}"
+
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    """Interpreter exit waits for in-flight commits (each at most ``commit_timeout_s`` + 5 s), then
+    frees the checkpointers' own process groups while the interpreter is still whole."""
+    for ckpt in list(_live):
+        try:
+            ckpt._at_exit()
+        except Exception:  # noqa: BLE001 - exit goes on whatever a checkpointer does
+            log.debug("checkpointer exit hook failed", exc_info=True)
+
+
+# With threading's exit hooks (as concurrent.futures' executors): they run before the atexit module's,
+# so a commit that ends during exit is recorded before the metrics recorder's own exit hook closes it.
+try:
+    threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another Python, or imported during shutdown
+    atexit.register(_at_exit)
 
 
 def _os_error(exc: BaseException) -> OSError | None:

@@ -24,7 +24,8 @@ _LAZY = {
     "PlanMismatch": "plan_cache", "PlanningFailed": "plan_cache", "PlanOutcome": "plan_cache",
     "PLAN_KIND": "plan_cache",
     "TorchRecStartup": "stages", "CompileWarmup": "stages", "PrefetchedLoader": "stages",
-    "StoreFailureChannel": "stages", "torchrec_startup_graph": "stages",
+    "StoreFailureChannel": "stages", "torchrec_startup_graph": "stages", "release_process_groups": "stages",
+    "gloo_worker_threads": "stages",
 }
 
 __all__ = ["RUNS_ON", "FailureChannel", "Stage", "StageFailed", "StageTiming", "StartupGraph", "StartupResult",

@@ -44,9 +44,11 @@ log = logging.getLogger("warmstart.init_pipeline")
 
 RUNS_ON = ("thread", "process", "main", "first")
 """Where a stage runs: its own thread, a forked child process, or the thread that called ``run``;
-``first`` stages run on that thread before any other stage starts: work that forks (data loader
-workers), since a fork while another thread holds a lock (torch's RNG, the allocator's) can leave
-the child deadlocked. ``first`` stages may depend only on the graph's inputs."""
+``first`` stages run on that thread before any other stage, and before the graph's watchdog thread,
+starts: work that forks (data loader workers), since a fork while another thread holds a lock (torch's
+RNG, the allocator's) can leave the child deadlocked. ``first`` stages may depend only on the graph's
+inputs; their ``timeout_s`` is not enforced (no watchdog runs yet), and a peer's failure is heard
+once they are done."""
 
 _DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0  # as torch's default process-group timeout
 _DEFAULT_ABORT_GRACE_S = 10.0  # a rank stuck in a collective after a failure is aborted after this
@@ -340,13 +342,17 @@ class _Run:
     # -- scheduling ------------------------------------------------------------------------------
 
     def execute(self) -> StartupResult:
-        watchdog = threading.Thread(target=self._watch, name=f"warmstart-{self.graph.name}-watchdog", daemon=True)
-        watchdog.start()
         try:
             if not self.sequential:
+                # Before the watchdog too: a 'first' stage forks (data loader workers), and a fork must
+                # find no other thread of ours (one inside a store call or holding a lock at the fork
+                # leaves the child with that lock held forever).
                 for name in self.order:
                     if self.stages[name].runs_on == "first":
                         self._run_main(name)
+            watchdog = threading.Thread(target=self._watch, name=f"warmstart-{self.graph.name}-watchdog",
+                                        daemon=True)
+            watchdog.start()
             with self.cond:
                 self.before_threads = False
                 self._start_ready()

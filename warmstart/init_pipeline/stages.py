@@ -15,13 +15,16 @@ Rank 0 resolves the plan while every rank still waits in the rendezvous; the loa
 and the dense part compiles while the model is planned, sharded and loaded. Collectives (the
 rendezvous, the plan broadcast, DistributedModelParallel, the checkpoint hook) run on the main
 thread in that order on every rank. :class:`StoreFailureChannel` tells the other ranks when a stage
-fails, through torch's TCPStore. This module owns the TorchRec specifics; scheduling is ``graph.py``.
+fails, through torch's TCPStore. :func:`release_process_groups` ends a job: it frees the process
+groups (and joins their gloo threads) before the interpreter exits. This module owns the TorchRec
+specifics; scheduling is ``graph.py``.
 
 Example:
     >>> spec = TorchRecStartup(build_model=lambda device: DLRM(..., device=device),  # doctest: +SKIP
     ...                        build_loader=lambda rank, world: DataLoader(...), batch_size=512)
     >>> result = torchrec_startup_graph(spec).run()                                  # doctest: +SKIP
     >>> model, batches = result["model_transform"], result["data_loader_init"]       # doctest: +SKIP
+    >>> del result, model, batches; release_process_groups()   # at the end of the job # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -343,6 +346,56 @@ def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank
             graph.add("checkpoint_load", lambda model_transform: hook(model_transform, None),
                       deps=["model_transform"], collective=True)
     return graph
+
+
+def release_process_groups() -> int | None:
+    """Destroy every process group and free it now, while the interpreter is fully alive; call it
+    last in a job, after dropping the model, optimizer and anything else that holds a group.
+
+    ``destroy_process_group()`` only unregisters a group: the C++ ``ProcessGroupGloo`` and its
+    worker threads live on while any Python object still refers to it (``DistributedModelParallel``
+    and its ``ShardingEnv``, a plan, a checkpointer), which at the end of a script means until the
+    interpreter finalizes. A gloo worker thread frees each finished collective, and freeing a tensor
+    that Python has already let go of (``broadcast_object_list``'s, TorchRec's all-to-all buffers)
+    takes the GIL. When that happens while the interpreter finalizes, CPython ends the thread with
+    ``pthread_exit``; its unwinding through the ``noexcept`` ``~AsyncWork`` calls ``std::terminate``
+    and the rank dies of SIGABRT (``terminate called without an active exception``) after its work
+    is done. Freed here, each group's destructor joins its worker threads (it releases the GIL while
+    it waits), so that nothing of torch.distributed runs into interpreter exit.
+
+    Returns:
+        How many gloo worker threads are still running afterwards: ``0`` when every group is gone,
+        more when something still refers to one (logged as a warning); ``None`` where threads
+        cannot be listed (no ``/proc``).
+    """
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # the groups referenced only from reference cycles (TorchRec modules) go now
+    left = gloo_worker_threads()
+    if left:
+        log.warning("warmstart: %d gloo worker thread(s) still running after destroy_process_group(): something "
+                    "still refers to a process group (a model, a ShardingEnv, a checkpointer); its threads "
+                    "will run into interpreter exit", left)
+    return left
+
+
+def gloo_worker_threads() -> int | None:
+    """How many of torch's gloo worker threads (``pt_gloo_runloop``) this process runs; ``None``
+    where threads cannot be listed (no ``/proc``)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
 
 
 def _default_planner(batch_size: int) -> Callable[[int, int, str], Any]:

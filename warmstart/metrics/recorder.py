@@ -414,7 +414,31 @@ def _at_exit() -> None:
             pass
 
 
+_held_at_fork: list[Recorder] = []
+_FORK_LOCK_WAIT_S = 1.0
+
+
+def _before_fork() -> None:
+    # The flusher thread must not be half-way through a write when the process forks: the child would
+    # inherit the buffer's popped records and the writer in that state. Holding every flush lock across
+    # the fork makes it happen between two flushes (the lock is re-entrant: a fork from inside a flush
+    # on this thread still goes through). Bounded: a write stuck on a dead file system delays a fork by
+    # a second at most, and the child then starts with fresh locks and an empty buffer all the same.
+    for rec in list(_live):
+        try:
+            if rec._flush_lock.acquire(timeout=_FORK_LOCK_WAIT_S):
+                _held_at_fork.append(rec)
+        except Exception:  # noqa: BLE001 - a fork must never fail because of the metrics
+            continue
+
+
+def _after_fork_in_parent() -> None:
+    while _held_at_fork:
+        _held_at_fork.pop()._flush_lock.release()
+
+
 def _after_fork_in_child() -> None:
+    _held_at_fork.clear()  # the child replaces the locks (held by the forking thread) with new ones
     for rec in list(_live):
         rec._after_fork_in_child()
 
@@ -426,7 +450,8 @@ def _install_process_hooks() -> None:
             return
         _hooks_installed = True
         atexit.register(_at_exit)
-        os.register_at_fork(after_in_child=_after_fork_in_child)
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                            after_in_child=_after_fork_in_child)
         _prev_excepthook = sys.excepthook
         sys.excepthook = _excepthook
         if threading.current_thread() is threading.main_thread():
