@@ -50,11 +50,12 @@ def run(machine: Path, model: str, *, env_extra: dict[str, str], args: list[str]
     return json.loads(line[len("RESULT "):])
 
 
-def bench_model(model: str, work: Path, torch_redis_port: int, ws_url: str, progress, repeats: int) -> dict:
+def bench_model(model: str, work: Path, torch_redis_port: int, ws_url: str, key_file: Path, progress,
+                repeats: int) -> dict:
     mega = work / f"{model}.mega"
     native = {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
               "TORCHINDUCTOR_REDIS_HOST": "127.0.0.1", "TORCHINDUCTOR_REDIS_PORT": str(torch_redis_port)}
-    ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": ws_url, "WARMSTART_SECRET": "benchmark-secret"}
+    ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": ws_url, "WARMSTART_KEY_FILE": str(key_file)}  # Ed25519
     results: dict = {}
     progress(f"{model}: cold")
     results["cold"] = [run(work / f"{model}-cold", model, env_extra=native, args=["--mega-save", str(mega)])]
@@ -94,8 +95,12 @@ def main() -> None:
 
     from _redis import RedisNode
 
+    from warmstart.compile_cache.signing import generate_key_pair
+
     console = Console(width=160)
     work = Path(tempfile.mkdtemp(prefix="ws-bench-compile-"))
+    key_file = work / "signing.key"
+    generate_key_pair(key_file, work / "verify.pub")
     torch_redis = RedisNode(work / "torch-redis").start()
     ws_redis = RedisNode(work / "ws-redis").start()
     out: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
@@ -103,7 +108,7 @@ def main() -> None:
     try:
         with console.status("") as status:
             for model in args.models.split(","):
-                out["models"][model] = bench_model(model, work, torch_redis.port, ws_redis.url,
+                out["models"][model] = bench_model(model, work, torch_redis.port, ws_redis.url, key_file,
                                                    lambda msg: status.update(f"compiling {msg}"), args.repeats)
     finally:
         torch_redis.stop()

@@ -119,12 +119,14 @@ def verify(key: str, size: int, value: bytes) -> bool:
 class _StoreClient:
     """Through warmstart's store: what a job's processes do."""
 
-    def __init__(self, url: str, secret: bytes, run: str) -> None:
+    def __init__(self, url: str, key_file: str, run: str) -> None:
         import logging
 
         from warmstart.compile_cache.remote import RemoteTier
 
-        self.tier = RemoteTier(url, secret=secret, namespace=run)
+        from warmstart.compile_cache import signing
+
+        self.tier = RemoteTier(url, keys=signing.load_key_file(key_file), namespace=run)
         self.read_errors = self.write_errors = self._failures = 0
         # The store swallows errors (a job must never fail on the cache) and logs them: keep the
         # distinct messages so the report can say what went wrong.
@@ -171,7 +173,7 @@ class _StoreClient:
 class _RawClient:
     """Plain redis-py GET/SET of the same bytes under the same credentials."""
 
-    def __init__(self, url: str, secret: bytes, run: str) -> None:
+    def __init__(self, url: str, key_file: str, run: str) -> None:
         import redis
 
         self.client = redis.Redis.from_url(url, socket_timeout=60)
@@ -233,8 +235,8 @@ class WorkerResult:
     error_messages: list[str] = field(default_factory=list)
 
 
-def _throughput_worker(side, url, secret, run, index, plan, sizes, compressible, barrier, queue) -> None:
-    client = _CLIENTS[side](url, secret, run)
+def _throughput_worker(side, url, key_file, run, index, plan, sizes, compressible, barrier, queue) -> None:
+    client = _CLIENTS[side](url, key_file, run)
     values = {key: payload(key, sizes[key], compressible) for op, key in plan if op == "put"}
     result = WorkerResult()
     barrier.wait()
@@ -269,8 +271,8 @@ def _throughput_worker(side, url, secret, run, index, plan, sizes, compressible,
     queue.put((index, result))
 
 
-def _fill_worker(url, secret, run, index, budget, min_size, max_size, barrier, queue) -> None:
-    client = _StoreClient(url, secret, run)
+def _fill_worker(url, key_file, run, index, budget, min_size, max_size, barrier, queue) -> None:
+    client = _StoreClient(url, key_file, run)
     rng = random.Random(f"fill-{index}")
     written: list[tuple[str, int]] = []
     result = WorkerResult()
@@ -369,16 +371,16 @@ def summarize(results: list[WorkerResult]) -> dict[str, float | int]:
 
 def _start_server(workdir: Path, name: str, maxmemory: int):
     """A ``warmstart server`` node for one phase: (its directory, the writer's URL, the signing
-    secret, an admin client)."""
+    key file (Ed25519 private key), an admin client)."""
     directory = workdir / name
     state = start(ServerOptions(dir=directory, port=_free_port(), maxmemory=maxmemory))
     creds = Credentials.load(directory)
-    url, secret = state.url("writer", creds), creds.secret_file.read_bytes().strip()
-    return directory, url, secret, state.client(state.options.ports[0], credentials=creds)
+    url, key_file = state.url("writer", creds), str(creds.signing_key_file)
+    return directory, url, key_file, state.client(state.options.ports[0], credentials=creds)
 
 
 def phase_throughput(args, workdir: Path, console) -> dict:
-    directory, url, secret, admin = _start_server(workdir, "throughput", parse_size(args.throughput_maxmemory))
+    directory, url, key_file, admin = _start_server(workdir, "throughput", parse_size(args.throughput_maxmemory))
     corpus()  # built once here; forked workers share it
     plan = plans(args.procs, args.writes, args.mixed, args.seed)
     keys = {key for p in plan for _, key in p if key}
@@ -395,7 +397,7 @@ def phase_throughput(args, workdir: Path, console) -> dict:
             cpu_before = _server_cpu(admin)
             results = _run_processes(
                 _throughput_worker,
-                lambda i: (side, url, secret, run, i, plan[i], sizes, not args.random_payloads),
+                lambda i: (side, url, key_file, run, i, plan[i], sizes, not args.random_payloads),
                 args.procs)
             summary = summarize(results)
             summary["server_cpu_s"] = _server_cpu(admin) - cpu_before
@@ -427,12 +429,12 @@ def phase_throughput(args, workdir: Path, console) -> dict:
 
 def phase_fill(args, workdir: Path, console) -> dict:
     maxmemory = parse_size(args.fill_maxmemory)
-    directory, url, secret, admin = _start_server(workdir, "fill", maxmemory)
+    directory, url, key_file, admin = _start_server(workdir, "fill", maxmemory)
     budget = args.fill_factor * maxmemory // args.procs
     console.log(f"fill: {args.procs} processes write {args.fill_factor}x maxmemory ({maxmemory / 2**20:.0f} MiB)")
     try:
         results = _run_processes(
-            _fill_worker, lambda i: (url, secret, "fill", i, budget, args.min_size, args.max_size), args.procs)
+            _fill_worker, lambda i: (url, key_file, "fill", i, budget, args.min_size, args.max_size), args.procs)
         info = admin.info()
         up = bool(admin.ping())
     finally:
@@ -450,7 +452,7 @@ def phase_cost(args, workdir: Path, console) -> dict:
     phase's plan (its writes, then its 3:1 mix), and the store's own per-byte steps timed alone on
     the same values. Where clients and the server share the CPUs, as here, throughput is bounded by
     the inverse of the totals, so their ratio is the store's ceiling on such a machine."""
-    directory, url, secret, admin = _start_server(workdir, "cost", parse_size(args.throughput_maxmemory))
+    directory, url, key_file, admin = _start_server(workdir, "cost", parse_size(args.throughput_maxmemory))
     plan = plans(min(args.procs, 8), args.writes, args.mixed, args.seed)
     ops = [(op, key) for p in plan for op, key in p if op == "put" and "-w" in key]
     ops += [(op, key) for p in plan for op, key in p if op != "sync" and not (op == "put" and "-w" in key)]
@@ -463,7 +465,7 @@ def phase_cost(args, workdir: Path, console) -> dict:
         for n in range(args.cost_rounds):
             for side in (("raw", "store") if n % 2 == 0 else ("store", "raw")):
                 admin.flushall()
-                client = _CLIENTS[side](url, secret, f"cost{n}")
+                client = _CLIENTS[side](url, key_file, f"cost{n}")
                 try:
                     client.put("warm-up", b"x" * 100)  # connect outside the measurement
                     server0, client0 = _server_cpu(admin), time.process_time()
@@ -481,7 +483,9 @@ def phase_cost(args, workdir: Path, console) -> dict:
         stop(directory)
     from warmstart.compile_cache.remote import RemoteTier
 
-    tier = RemoteTier(url, secret=secret, namespace="steps")  # its codec settings; never connects
+    from warmstart.compile_cache import signing
+
+    tier = RemoteTier(url, keys=signing.load_key_file(key_file), namespace="steps")  # its codec settings; never connects
     steps = _store_steps(tier, values, [key for op, key in ops if op == "get"], total)
     tier.close()
     median = lambda xs: float(np.median(xs))  # noqa: E731
@@ -513,7 +517,23 @@ def _store_steps(tier, values: dict[str, bytes], reads: list[str], total_gib: fl
         if compressed:
             tier._zd.decompress(blob)
     read_s = time.process_time() - t0
+    # Signing (Ed25519): one signature per write and one verification per read, of a pointer record
+    # (values up to 64 KiB compressed ride inline in it, so its signature covers them).
+    records = {}
+    t0 = time.process_time()
+    for key, (blob, compressed) in blobs.items():
+        inline = blob if len(blob) <= tier._inline_bytes else b""
+        pointer = signing.Pointer(tier.namespace, "fx_graph", key, "" if inline else "0" * 64, len(blob),
+                                  0 if inline else 1, compressed, 0.0)
+        records[key] = tier.keys.sign(pointer, inline)
+    sign_s = time.process_time() - t0
+    t0 = time.process_time()
+    for key in reads:
+        tier.keys.verify(records[key], namespace=tier.namespace, kind="fx_graph", key=key)
+    verify_s = time.process_time() - t0
     return {"compress": compress_s / total_gib, "digest_on_write": digest_put_s / total_gib,
+            "sign_on_write": sign_s / total_gib, "verify_on_read": verify_s / total_gib,
+            "us_per_sign": sign_s / len(blobs) * 1e6, "us_per_verify": verify_s / max(1, len(reads)) * 1e6,
             "digest_and_decompress_on_read": read_s / total_gib,
             "stored_fraction": sum(len(b) for b, _ in blobs.values()) / sum(len(v) for v in values.values())}
 
@@ -573,11 +593,15 @@ def _print_cost(out, c: dict) -> None:
         r = c[side]
         table.add_row(side, f"{r['client_s_per_gib']:.2f}", f"{r['server_s_per_gib']:.2f}", f"{r['total_s_per_gib']:.2f}")
     steps = c["store_steps_s_per_gib"]
-    rest = c["store"]["client_s_per_gib"] - steps["compress"] - steps["digest_on_write"] - steps["digest_and_decompress_on_read"]
+    rest = (c["store"]["client_s_per_gib"] - steps["compress"] - steps["digest_on_write"] - steps["sign_on_write"]
+            - steps["digest_and_decompress_on_read"] - steps["verify_on_read"])
     for name, value in (("  of which zstd compress (writes)", steps["compress"]),
                         ("  of which BLAKE3 (writes)", steps["digest_on_write"]),
+                        (f"  of which Ed25519 signing (writes, {steps['us_per_sign']:.0f} us each)", steps["sign_on_write"]),
                         ("  of which BLAKE3 + zstd decompress (reads)", steps["digest_and_decompress_on_read"]),
-                        ("  of which the rest (redis-py on fewer bytes, signing, round trips)", rest)):
+                        (f"  of which Ed25519 verification (reads, {steps['us_per_verify']:.0f} us each)",
+                         steps["verify_on_read"]),
+                        ("  of which the rest (redis-py on fewer bytes, round trips)", rest)):
         table.add_row(name, f"{value:.2f}", "", "")
     out.print(table)
     out.print(f"raw / store CPU per GiB: {c['ceiling'] * 100:.0f}% "

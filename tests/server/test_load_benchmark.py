@@ -39,7 +39,9 @@ def test_server_load_benchmark_small(bench, tmp_path):
     cost = report["cost"]
     for side in ("raw", "store"):
         assert cost[side]["client_s_per_gib"] > 0 and cost[side]["server_s_per_gib"] >= 0
-    assert 0 < cost["store_steps_s_per_gib"]["stored_fraction"] < 1  # compressible payloads shrink
+    steps = cost["store_steps_s_per_gib"]
+    assert 0 < steps["stored_fraction"] < 1  # compressible payloads shrink
+    assert steps["us_per_sign"] > 0 and steps["us_per_verify"] > 0  # Ed25519, from the server's key pair
     fill = report["fill"]
     assert fill["server_up"] and fill["evicted_keys"] > 0 and fill["misses"] > 0
     assert fill["errors"] == fill["corrupt"] == 0
