@@ -136,6 +136,31 @@ def test_the_users_explicit_choice_wins(tmp_path):
     assert proc.stdout.split() == ["False", "True"]
 
 
+def test_switches_hold_in_every_thread(tmp_path):
+    """torch keeps a value set with setattr per thread context: the switches must hold in threads
+    other than the one that first imported the config (a compile warm-up thread, then training)."""
+    env = machine_env(tmp_path, WARMSTART="1")
+    proc = run_python("""
+        import threading
+
+        seen = []
+
+        def read():
+            import torch._functorch.config as functorch_config
+            import torch._inductor.config as inductor_config
+            seen.append((inductor_config.fx_graph_remote_cache, functorch_config.enable_remote_autograd_cache))
+
+        worker = threading.Thread(target=read)  # imports the config modules first, in its own context
+        worker.start()
+        worker.join()
+        read()  # the main thread
+        threading.Thread(target=read).start()  # a thread started afterwards
+        import time; time.sleep(0.5)
+        print(seen)
+    """, env)
+    assert proc.stdout.strip() == "[(True, True), (True, True), (True, True)]"
+
+
 def test_switches_set_when_torch_was_imported_before_enable(tmp_path):
     """``warmstart.enable()`` after ``import torch``: the config modules are already loaded, and are
     switched on in place; an explicit in-code choice made before is kept."""

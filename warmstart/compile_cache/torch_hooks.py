@@ -240,8 +240,24 @@ def _switch_on_flags(config: ModuleType) -> None:
         return
     for module_name, attr, _env in _flags:
         if module_name == config.__name__ and getattr(config, attr) is None:
-            setattr(config, attr, True)
+            _set_default(config, attr, True)
             _switched.append((config, attr))
+
+
+def _set_default(config: ModuleType, attr: str, value: bool | None) -> None:
+    # torch's config modules keep a value set with setattr in a ContextVar: it would hold only in the
+    # thread that imported the module (a compile warm-up thread, say), and every other thread would
+    # compile uncached. The default is what the environment variable would have set: process-wide.
+    entry = getattr(config, "_config", {}).get(attr)
+    if entry is None or not hasattr(entry, "default"):
+        setattr(config, attr, value)
+        return
+    entry.default = value
+    for mark in ("_mark_get_dict_dirty",):
+        if hasattr(config, mark):
+            getattr(config, mark)(attr)
+    if hasattr(config, "_hash_dirty_var"):
+        config._hash_dirty_var.set(True)
 
 
 def _switch_off_flags() -> None:
@@ -249,7 +265,7 @@ def _switch_off_flags() -> None:
     _remote_hook_failed = True
     while _switched:
         config, attr = _switched.pop()
-        setattr(config, attr, None)
+        _set_default(config, attr, None)
 
 
 def _set_job_id(compiler_config: ModuleType) -> None:
