@@ -214,8 +214,8 @@ def _check_remote(settings, check) -> None:
               "refuse the remote tier")
         return
     if keys.scheme == "ed25519":
-        check("signing key", True, f"Ed25519 {'private key: signs and verifies' if keys.can_sign else 'public key: verifies only, never writes'} "
-              f"(key id {keys.key_id})")
+        role = "private key: signs and verifies" if keys.can_sign else "public key: verifies only, never writes"
+        check("signing key", True, f"Ed25519 {role} (key id {keys.key_id})")
     else:
         check("signing key", True, f"{len(settings.secret)}-byte HMAC secret (key id {keys.key_id}); every holder can sign: "
               "prefer WARMSTART_KEY_FILE (Ed25519) for shared caches")

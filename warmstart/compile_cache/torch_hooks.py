@@ -253,9 +253,8 @@ def _set_default(config: ModuleType, attr: str, value: bool | None) -> None:
         setattr(config, attr, value)
         return
     entry.default = value
-    for mark in ("_mark_get_dict_dirty",):
-        if hasattr(config, mark):
-            getattr(config, mark)(attr)
+    if hasattr(config, "_mark_get_dict_dirty"):  # torch caches the config's dict and hash
+        config._mark_get_dict_dirty(attr)
     if hasattr(config, "_hash_dirty_var"):
         config._hash_dirty_var.set(True)
 
