@@ -1,6 +1,9 @@
-"""Settings: one frozen dataclass built from the environment (CONTRACT §2).
+"""Settings: the one place warmstart reads its environment variables (docs/reference.md#environment).
 
-Explicit arguments to :func:`warmstart.enable` beat environment variables, which beat the defaults in
+:class:`Settings` holds what a job's cache and metrics need; :func:`job_identity` the few fields
+that say which job, rank and attempt a process belongs to (read on their own so that recording
+events never depends on the cache's settings); :func:`server_settings` what ``warmstart server``
+reads. Explicit arguments to :func:`warmstart.enable` beat environment variables, which beat the defaults in
 ``_defaults.py``. Parsing is pure (``Settings.from_env(environ)``) so it is tested without touching
 the process environment. Every bad value raises :class:`~warmstart.errors.ConfigError` whose message
 is one line naming the variable, the value and what is accepted.
@@ -150,6 +153,113 @@ def _default_cache_dir(environ: Mapping[str, str]) -> Path:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class JobIdentity:
+    """Which job, rank and attempt this process belongs to, and where its ETT events go."""
+
+    enabled: bool
+    """``WARMSTART=1``."""
+    job_id: str
+    """``WARMSTART_JOB_ID``, else ``TORCHELASTIC_RUN_ID`` (unless torchrun's ``none``); empty when neither."""
+    run_dir: Path | None
+    """``WARMSTART_RUN_DIR``; ``None`` when unset (the recorder then uses ``warmstart-runs/<job id>``)."""
+    rank: int
+    """``RANK`` (torchrun's global rank), else 0."""
+    attempt: int
+    """``WARMSTART_ATTEMPT``, else ``TORCHELASTIC_RESTART_COUNT``, else 0."""
+    quiet_errors: bool
+    """``WARMSTART_QUIET_ERRORS=1``: a parent already printed why warmstart is off; say nothing."""
+
+
+def job_identity(environ: Mapping[str, str] | None = None) -> JobIdentity:
+    """The job identity from ``environ`` (default ``os.environ``).
+
+    Raises:
+        ConfigError: ``RANK``, ``WARMSTART_ATTEMPT`` or ``TORCHELASTIC_RESTART_COUNT`` is not an integer.
+    """
+    env = os.environ if environ is None else environ
+    job_id = env.get("WARMSTART_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or ""
+    if job_id == "none":  # torchrun sets TORCHELASTIC_RUN_ID=none when no --rdzv-id is given
+        job_id = ""
+    run_dir = env.get("WARMSTART_RUN_DIR", "").strip()
+    if env.get("WARMSTART_ATTEMPT", "").strip():
+        attempt = _env_int(env, "WARMSTART_ATTEMPT", 0, minimum=0)
+    else:
+        attempt = _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0)
+    return JobIdentity(enabled=env.get("WARMSTART", "") == "1", job_id=job_id,
+                       run_dir=Path(run_dir).expanduser() if run_dir else None,
+                       rank=_env_int(env, "RANK", 0, minimum=-1), attempt=attempt,
+                       quiet_errors=bool(env.get("WARMSTART_QUIET_ERRORS")))
+
+
+def _env_int(env: Mapping[str, str], variable: str, default: int, minimum: int | None = None) -> int:
+    raw = env.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(variable, raw, "an integer") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(variable, raw, f"an integer >= {minimum}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """What ``warmstart server`` reads from the environment."""
+
+    dir: Path
+    """``WARMSTART_SERVER_DIR``, else ``$XDG_STATE_HOME/warmstart/server``, else ``~/.local/state/warmstart/server``."""
+    redis_server: str | None
+    """``WARMSTART_REDIS_SERVER``: the ``redis-server`` binary to run; ``None``: the one on ``PATH``."""
+    redis_cli: str | None
+    """``WARMSTART_REDIS_CLI``: the ``redis-cli`` binary; ``None``: next to redis-server, else on ``PATH``."""
+
+
+def server_settings(environ: Mapping[str, str] | None = None) -> ServerSettings:
+    """The server settings from ``environ`` (default ``os.environ``). Never raises: binaries are
+    checked where they are looked up."""
+    env = os.environ if environ is None else environ
+    if env.get("WARMSTART_SERVER_DIR"):
+        directory = Path(env["WARMSTART_SERVER_DIR"]).expanduser()
+    else:
+        base = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+        directory = Path(base) / "warmstart" / "server"
+    return ServerSettings(dir=directory, redis_server=env.get("WARMSTART_REDIS_SERVER", "").strip() or None,
+                          redis_cli=env.get("WARMSTART_REDIS_CLI", "").strip() or None)
+
+
+#: ``warmstart.enable()``'s keyword arguments and the variables they set.
+ENABLE_VARIABLES: dict[str, str] = {
+    "cache_url": "WARMSTART_CACHE_URL",
+    "cache_dir": "WARMSTART_CACHE_DIR",
+    "cache_size": "WARMSTART_CACHE_SIZE",
+    "mode": "WARMSTART_CACHE_MODE",
+    "secret": "WARMSTART_SECRET",
+    "secret_file": "WARMSTART_SECRET_FILE",
+    "key_file": "WARMSTART_KEY_FILE",
+    "namespace": "WARMSTART_NAMESPACE",
+    "run_dir": "WARMSTART_RUN_DIR",
+    "job_id": "WARMSTART_JOB_ID",
+}
+
+
+def enable_environment(environ: Mapping[str, str], **given: object) -> dict[str, str]:
+    """``environ`` plus ``WARMSTART=1`` and the variables for ``warmstart.enable()``'s arguments
+    (``None`` values left out), checked: the environment a job gets from ``enable(**given)``.
+
+    Raises:
+        ConfigError: a setting is malformed.
+    """
+    env = dict(environ)
+    env["WARMSTART"] = "1"
+    env.update({ENABLE_VARIABLES[name]: str(value) for name, value in given.items() if value is not None})
+    Settings.from_env(env)
+    job_identity(env)
+    return env
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Settings:
     """Everything warmstart reads from the environment, parsed and checked."""
 
@@ -177,10 +287,8 @@ class Settings:
     wins: the job signs and verifies with it alone."""
     namespace: str = ""
     """``WARMSTART_NAMESPACE``: extra namespace (team, trust domain)."""
-    job_id: str = ""
-    """``WARMSTART_JOB_ID``, else ``TORCHELASTIC_RUN_ID``, else generated."""
-    run_dir: Path = Path("warmstart-runs")
-    """``WARMSTART_RUN_DIR``: where this job's ETT events go."""
+    job: JobIdentity = dataclasses.field(default_factory=lambda: JobIdentity(False, "", None, 0, 0, False))
+    """Which job, rank and attempt this process belongs to (see :func:`job_identity`)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> "Settings":
@@ -210,15 +318,11 @@ class Settings:
         namespace = env.get("WARMSTART_NAMESPACE", "").strip()
         if namespace and not re.fullmatch(r"[A-Za-z0-9._\-]+", namespace):
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
-        job_id = env.get("WARMSTART_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or ""
-        if job_id in ("", "none"):  # torchrun sets TORCHELASTIC_RUN_ID=none when no --rdzv-id is given
-            job_id = ""
-        run_dir_raw = env.get("WARMSTART_RUN_DIR", "")
+        job = job_identity(env)
         values: dict[str, object] = dict(
             enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",
             cache_size=cache_size,
-            mode=mode, secret=secret, key_file=key_file, namespace=namespace, job_id=job_id,
-            run_dir=Path(run_dir_raw) if run_dir_raw else Path("warmstart-runs") / (job_id or "unnamed"),
+            mode=mode, secret=secret, key_file=key_file, namespace=namespace, job=job,
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
