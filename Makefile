@@ -1,4 +1,4 @@
-# `make demo` and `make test` (CONTRACT §1). Both create .venv when missing and reuse it after.
+# `make demo` and `make test` (docs/reference.md#setup). Both create .venv when missing and reuse it after.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

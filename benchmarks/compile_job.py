@@ -130,7 +130,9 @@ def main() -> None:
     result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
               "compile_s": compile_s, "mega_load_s": mega_load_s,
               "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"])}
-    if os.environ.get("WARMSTART") == "1":
+    from warmstart.config import Settings
+
+    if Settings.from_env().enabled:
         from warmstart.compile_cache import get_store
 
         store = get_store()

@@ -1,4 +1,4 @@
-"""`warmstart ett report` over a run of about 1 million events (target: <= 10 s).
+"""`warmstart ett report` over a run of about 1 million events (wall and CPU seconds).
 
 Times the whole command in a fresh interpreter (as a user runs it; wall and CPU seconds, since the
 machine may be shared), then the same work in process split into reading (parse + validate) and

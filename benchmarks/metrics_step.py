@@ -1,4 +1,4 @@
-"""Cost of the recorder's hot calls (target: ``step()`` <= 5 us median), with its flusher thread running.
+"""Cost of the recorder's hot calls (median microseconds per call), with its flusher thread running.
 
     .venv/bin/python benchmarks/metrics_step.py [--calls 1000000]
 """

@@ -10,7 +10,7 @@ For each (tables, world size), three "machines" (processes with empty cache dire
 
 The model is an ``EmbeddingBagCollection`` on the meta device with a mix of table sizes; the planner
 is TorchRec's default ``EmbeddingShardingPlanner`` for a simulated ``Topology(world_size,
-compute_device="cuda")`` (planning needs no GPU; research note §1.6). Usage::
+compute_device="cuda")`` (planning itself needs no GPU). Usage::
 
     python benchmarks/plan_cache.py [--cases 100x8,100x16] [--json FILE]
 """

@@ -1,4 +1,4 @@
-"""Cost of warmstart's ``.pth`` start-up hook with ``WARMSTART`` unset (target: under 5 ms).
+"""Cost of warmstart's ``.pth`` start-up hook with ``WARMSTART`` unset (milliseconds per start-up).
 
 Each sample is a fresh interpreter started without the site module (``-S``) that then processes a
 directory holding only ``warmstart.pth`` with ``site.addsitedir`` and times it: exactly the work

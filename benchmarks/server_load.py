@@ -1,4 +1,4 @@
-"""Load benchmark of the shared cache server (issue 3): warmstart's store vs raw redis-py, then a
+"""Load benchmark of the shared cache server: warmstart's store vs raw redis-py, then a
 fill to 3x ``maxmemory``.
 
 Phase 1 (throughput): a ``warmstart server`` node; N client processes (default 32) each write W
@@ -159,7 +159,7 @@ class _StoreClient:
         return ok
 
     def get(self, key: str) -> bytes | None:
-        value = self.tier.get(_KIND, key)
+        value = self.tier.get(_KIND, key).value
         if value is None:
             self.read_errors += self._failed()
         return value

@@ -1,5 +1,9 @@
 """Shared fixtures: real redis-server processes (single node and a 3-node Cluster) on free ports,
-and a fresh "machine" (empty HOME, TMPDIR and cache directories) per test."""
+a fresh "machine" (empty HOME, TMPDIR and cache directories) per test, and process-wide state
+(the compile-cache store, the recorder, the warn-once causes) reset after every test.
+
+Ports, nodes and clusters come from ``_redis.py``. A test that needs ``redis-server`` is skipped,
+with the reason, where it is not installed (and fails under CI); every other test runs anyway."""
 
 from __future__ import annotations
 
@@ -12,10 +16,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _redis import RedisCluster, RedisNode  # noqa: E402
+from _redis import RedisCluster, RedisNode, in_ci  # noqa: E402
 
-if shutil.which("redis-server") is None:  # pragma: no cover - the Makefile installs it
-    raise RuntimeError("redis-server not found: run `make test` (it installs Debian's redis-server)")
+
+def pytest_report_header(config) -> str:
+    path = shutil.which("redis-server")
+    if path is not None:
+        return f"redis-server: {path}"
+    return "redis-server: not found; tests that need it " + ("fail (CI is set)" if in_ci() else "are skipped")
 
 
 @pytest.fixture
@@ -32,6 +40,28 @@ def redis_cluster(tmp_path_factory):
     cluster = RedisCluster(tmp_path_factory.mktemp("cluster"), size=3).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _reset_process_state():
+    """After each test, the process is as a new one would be: no process-wide store (closed first,
+    if one was built), no process-wide recorder, no cause warned about yet.
+
+    Only modules the test imported are touched: nothing is imported here (never torch)."""
+    yield
+    cache = sys.modules.get("warmstart.compile_cache")
+    if cache is not None:
+        store = cache._store if cache._store_loaded else None
+        cache.reset_store()
+        if store is not None:
+            store.close()
+    recorder = sys.modules.get("warmstart.metrics.recorder")
+    if recorder is not None:
+        recorder.reset_process_recorder()
+    storage = sys.modules.get("warmstart.compile_cache.storage")
+    if storage is not None:
+        with storage._warned_lock:
+            storage._warned.clear()
 
 
 @pytest.fixture

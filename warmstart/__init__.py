@@ -1,6 +1,6 @@
 """warmstart: win back the wall time training jobs lose outside training.
 
-Turn it on with the environment alone (``WARMSTART=1``; see CONTRACT §2), or from Python::
+Turn it on with the environment alone (``WARMSTART=1``; see docs/reference.md), or from Python::
 
     import warmstart
     warmstart.enable(cache_url="redis://cache:6379/0", key_file="/etc/warmstart/verify.pub")
@@ -9,22 +9,9 @@ Turn it on with the environment alone (``WARMSTART=1``; see CONTRACT §2), or fr
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 __version__ = "0.1.0"
 __all__ = ["enable", "__version__"]
-
-_ENABLE_ENV = {
-    "cache_url": "WARMSTART_CACHE_URL",
-    "cache_dir": "WARMSTART_CACHE_DIR",
-    "cache_size": "WARMSTART_CACHE_SIZE",
-    "mode": "WARMSTART_CACHE_MODE",
-    "secret_file": "WARMSTART_SECRET_FILE",
-    "key_file": "WARMSTART_KEY_FILE",
-    "namespace": "WARMSTART_NAMESPACE",
-    "run_dir": "WARMSTART_RUN_DIR",
-    "job_id": "WARMSTART_JOB_ID",
-}
 
 
 def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None = None,
@@ -44,20 +31,18 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     Raises:
         ConfigError: a setting is malformed (one line: variable, value, what is accepted).
     """
-    from warmstart.config import Settings, new_job_id
+    from warmstart.config import ENABLE_VARIABLES, enable_environment, job_identity, new_job_id
 
-    given = dict(cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode,
-                 secret_file=secret_file, key_file=key_file, namespace=namespace, run_dir=run_dir, job_id=job_id)
-    env = dict(os.environ)
-    env["WARMSTART"] = "1"
-    env.update({_ENABLE_ENV[k]: str(v) for k, v in given.items() if v is not None})
-    if secret is not None:
-        env["WARMSTART_SECRET"] = secret
-    Settings.from_env(env)  # validate everything before changing anything
+    env = enable_environment(  # checks everything before changing anything
+        os.environ, cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode, secret=secret,
+        secret_file=secret_file, key_file=key_file, namespace=namespace, run_dir=run_dir, job_id=job_id)
     os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
-    _activate(pgo_job_id=os.environ.get("WARMSTART_JOB_ID"))
-    if not os.environ.get("WARMSTART_JOB_ID") and os.environ.get("TORCHELASTIC_RUN_ID", "none") == "none":
-        os.environ["WARMSTART_JOB_ID"] = new_job_id()  # children share one generated id
+    identity = job_identity(os.environ)
+    # The PGO state is named before an id is generated: a generated id is new on every run, and
+    # repeats of a job should share what Dynamo learnt.
+    _activate(pgo_job_id=identity.given_job_id or None)
+    if not identity.job_id:
+        os.environ[ENABLE_VARIABLES["job_id"]] = new_job_id()  # children share one generated id
 
 
 def _activate(pgo_job_id: str | None) -> None:
@@ -66,14 +51,22 @@ def _activate(pgo_job_id: str | None) -> None:
     ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
     """
     from warmstart import compile_cache
-    from warmstart.compile_cache import torch_hooks
+    from warmstart.compile_cache import import_hooks, torch_hooks
 
     torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
     compile_cache.reset_store()  # the next get_store() builds from the settings now in force
     # Compile spans for the ETT metrics, registered once torch's compile callbacks exist: importing
     # them here would import all of torch into every process.
-    torch_hooks.on_import("torch._dynamo.callback", _install_compile_spans)
+    import_hooks.on_import("torch._dynamo.callback", _install_compile_spans)
+    compile_cache.add_observer(_cache_spans)
     torch_hooks.install()
+
+
+def _cache_spans():
+    # Made when the store is first built: a process that never uses the cache never imports the metrics.
+    from warmstart.metrics.cache_spans import CacheSpans
+
+    return CacheSpans()
 
 
 def _install_compile_spans(_module: object) -> None:

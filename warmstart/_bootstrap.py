@@ -14,12 +14,21 @@ def _start() -> None:
         from warmstart import _activate
         from warmstart.config import Settings
 
-        Settings.from_env()  # fail on a bad setting here, once, with one line
-        _activate(pgo_job_id=os.environ.get("WARMSTART_JOB_ID"))
+        settings = Settings.from_env()  # fail on a bad setting here, once, with one line
+        _activate(pgo_job_id=settings.job.given_job_id or None)
     except Exception as exc:  # never break an interpreter because of the cache
-        if not os.environ.get("WARMSTART_QUIET_ERRORS"):
+        if not _quiet():
             sys.stderr.write(f"warmstart: disabled in this process: {exc}\n")
             os.environ["WARMSTART_QUIET_ERRORS"] = "1"  # children: say it once per job, not per process
+
+
+def _quiet() -> bool:
+    try:
+        from warmstart.config import quiet_errors
+
+        return quiet_errors()  # never raises, unlike the job identity it belongs to
+    except Exception:  # warmstart itself does not import: say so
+        return False
 
 
 _start()

@@ -95,6 +95,25 @@ URL_OPTIONS: dict[str, str] = {
 }
 
 
+def url_options(url: str) -> dict[str, object]:
+    """The query options of a checked cache URL, parsed: ``compress`` as a zstd level or ``None``
+    (off), timeouts as floats, ``ssl_check_hostname`` as a bool, the rest as strings. Options
+    not given are left out."""
+    parsed: dict[str, object] = {}
+    for name, values in parse_qs(urlsplit(url).query, keep_blank_values=True).items():
+        value = values[-1]
+        _check_url_option(name, value, "WARMSTART_CACHE_URL")
+        if name == "compress":
+            parsed[name] = compression_level(value)
+        elif URL_OPTIONS[name] == _SECONDS:
+            parsed[name] = float(value)
+        elif name == "ssl_check_hostname":
+            parsed[name] = value.lower() in ("1", "true", "yes")
+        else:
+            parsed[name] = value
+    return parsed
+
+
 def _check_url_option(name: str, value: str, variable: str) -> None:
     accepted = URL_OPTIONS.get(name)
     if accepted is None:
@@ -168,6 +187,9 @@ class JobIdentity:
     """``WARMSTART_ATTEMPT``, else ``TORCHELASTIC_RESTART_COUNT``, else 0."""
     quiet_errors: bool
     """``WARMSTART_QUIET_ERRORS=1``: a parent already printed why warmstart is off; say nothing."""
+    given_job_id: str = ""
+    """``WARMSTART_JOB_ID`` alone, empty when unset. It names Dynamo's PGO state, which repeats of a
+    job share: torchrun's run id, new on every launch, must not."""
 
 
 def job_identity(environ: Mapping[str, str] | None = None) -> JobIdentity:
@@ -188,7 +210,14 @@ def job_identity(environ: Mapping[str, str] | None = None) -> JobIdentity:
     return JobIdentity(enabled=env.get("WARMSTART", "") == "1", job_id=job_id,
                        run_dir=Path(run_dir).expanduser() if run_dir else None,
                        rank=_env_int(env, "RANK", 0, minimum=-1), attempt=attempt,
-                       quiet_errors=bool(env.get("WARMSTART_QUIET_ERRORS")))
+                       quiet_errors=quiet_errors(env), given_job_id=env.get("WARMSTART_JOB_ID", ""))
+
+
+def quiet_errors(environ: Mapping[str, str] | None = None) -> bool:
+    """:attr:`JobIdentity.quiet_errors` on its own. Never raises: it is what decides whether a
+    process says that its settings are bad, :func:`job_identity`'s errors included."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("WARMSTART_QUIET_ERRORS"))
 
 
 def _env_int(env: Mapping[str, str], variable: str, default: int, minimum: int | None = None) -> int:

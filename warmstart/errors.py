@@ -18,7 +18,3 @@ class ConfigError(WarmstartError, ValueError):
 
 class IntegrityError(WarmstartError):
     """A cached entry failed its signature or checksum and was not handed to torch."""
-
-
-class BackendUnavailable(WarmstartError):
-    """A storage tier did not answer in time or is switched off by its circuit breaker."""

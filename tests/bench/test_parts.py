@@ -1,13 +1,16 @@
-"""The reference job's parts on their own (fast): data, configuration, model shapes, CLI checks."""
+"""The reference job's parts on their own (fast): data, configuration, model shapes, CLI checks, the
+bench's cache server and page."""
 
 from __future__ import annotations
 
+import html
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from _redis import require_redis_server
 
 from warmstart.bench.config import JobConfig
 from warmstart.bench.data import NUM_DENSE, ClickLogDataset, make_tables
@@ -71,3 +74,54 @@ def test_cli_rejects_a_failure_step_past_the_end():
                            "--fail-at-step", "12"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--fail-at-step" in done.stderr and "--steps" in done.stderr
+
+
+def test_bench_cache_server_serves_signed_entries_until_stopped(tmp_path):
+    require_redis_server()
+    from warmstart.bench.cold_vs_warm import CacheServer
+    from warmstart.compile_cache import signing
+    from warmstart.compile_cache.remote import RemoteTier
+    from warmstart.server import ServerState
+
+    server = CacheServer.start(tmp_path / "cache-server")
+    try:
+        keys = signing.load_key_file(server.signing_key_file)
+        tier = RemoteTier(server.writer_url, keys=keys, namespace="bench-test")
+        assert tier.put("fx_graph", "k", b"graph" * 100)
+        assert tier.get("fx_graph", "k").value == b"graph" * 100
+        tier.close()
+    finally:
+        server.stop()
+    assert ServerState.load(server.directory).running_pids() == []
+
+
+def test_bench_page_shows_the_figures_then_the_report_of_each_run(tmp_path):
+    from warmstart.bench.cold_vs_warm import CONFIGS, ConfigResult, render_page
+    from warmstart.metrics import compute_runs
+    from warmstart.metrics.events import write_events
+
+    results = {}
+    for i, name in enumerate(CONFIGS):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        t0 = 1_700_000_000.0
+        events = [("attempt_start", 0, {"devices": 2}), ("begin", 0, {"span": "compile"}),
+                  ("end", 5 - i, {"span": "compile"}), ("step", 6, {"step": 0}), ("step", 7, {"step": 1}),
+                  ("train_end", 8, {}), ("attempt_end", 9, {})]
+        write_events(run_dir / "events-r0-a0.jsonl", [{"ts": t0 + t, "job": f"{name}-job", "attempt": 0, "rank": 0,
+                                                       "event": kind, **fields} for kind, t, fields in events])
+        (result,) = compute_runs([run_dir])
+        results[name] = ConfigResult(name=name, run_dir=run_dir, log_path=run_dir / "job.log", wall_s=9.0,
+                                     result=result, startup=[], cache={})
+    page = render_page(results)
+    assert page.startswith("<!DOCTYPE html>") and "<title>warmstart bench cold-vs-warm</title>" in page
+    table = page[page.index('<table class="bench">'):page.index("</table>")]
+    assert all(f"<th>{html.escape(h)}</th>" in table for h in ("figure", *CONFIGS, "warm / baseline"))
+    assert "<td>compile (s)</td><td>5.00</td><td>4.00</td><td>3.00</td><td>0.60x</td>" in table
+    # The report of the three runs comes after the table, whole, as the embedded page's source.
+    srcdoc = page[page.index("srcdoc='") + len("srcdoc='"):page.rindex("'></iframe>")]
+    assert "'" not in srcdoc and page.index("<table") < page.index("srcdoc=")
+    report = html.unescape(srcdoc)
+    assert report.startswith("<!DOCTYPE html>") and "Plotly" in report
+    assert report.count('<section class="run">') == 3
+    assert [report.index(f"{name}-job") for name in CONFIGS] == sorted(report.index(f"{name}-job") for name in CONFIGS)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _redis import free_port
 
 from warmstart.checkpoint import latest_committed
 from warmstart.metrics import read_events
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("_dead_peer.py")
 COMMIT_TIMEOUT_S = 5.0
 BOUND_S = COMMIT_TIMEOUT_S + 15
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stopped(pid: int) -> bool:
@@ -47,7 +41,7 @@ def test_rank0_exits_within_the_commit_timeout_when_its_peer_is_lost(tmp_path: P
     env = dict(os.environ, OMP_NUM_THREADS="1", WARMSTART_RUN_DIR=str(tmp_path / "events"),
                WARMSTART_JOB_ID="dead-peer", PYTHONWARNINGS="ignore")
     env.pop("WARMSTART", None)
-    port, ckpt_dir = str(_free_port()), tmp_path / "ckpt"
+    port, ckpt_dir = str(free_port()), tmp_path / "ckpt"
     procs = []
     for rank in (0, 1):
         log = open(tmp_path / f"rank{rank}.log", "w")
@@ -60,13 +54,11 @@ def test_rank0_exits_within_the_commit_timeout_when_its_peer_is_lost(tmp_path: P
             assert time.monotonic() < deadline, (tmp_path / "rank1.log").read_text()[-3000:]
             assert rank0.poll() is None, (tmp_path / "rank0.log").read_text()[-3000:]
             time.sleep(0.05)
-        lost = time.monotonic()
-        try:
+        try:  # hang guard, not a speed check: before, rank 0 waited out gloo's 30 min default timeout
             rank0.wait(timeout=BOUND_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"rank 0 still running {BOUND_S:g} s after rank 1 was lost:\n"
                         + (tmp_path / "rank0.log").read_text()[-3000:])
-        exit_s = time.monotonic() - lost
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -76,7 +68,6 @@ def test_rank0_exits_within_the_commit_timeout_when_its_peer_is_lost(tmp_path: P
     assert rank0.returncode == 0, output[-3000:]
     if how == "kill":
         assert rank1.returncode == -signal.SIGKILL  # the peer really died in its write
-    assert exit_s <= BOUND_S
     assert "terminate called" not in output
     # One warning names the save that was lost and why; rank 1 never answered.
     lines = [line for line in output.splitlines() if "checkpoint of step 1 was not saved in" in line]
@@ -85,7 +76,6 @@ def test_rank0_exits_within_the_commit_timeout_when_its_peer_is_lost(tmp_path: P
     report = json.loads((tmp_path / "report.json").read_text())
     if how == "kill":
         assert report["failures"] == 1 and report["last_committed_step"] == 0
-        assert report["close_s"] <= BOUND_S
         assert report["gloo_threads_at_exit"] == 0  # close() destroyed and let go of its own gloo group
     committed = [e.step for path in (tmp_path / "events").glob("events-r0-a*.jsonl") for e in read_events(path)
                  if e.event == "checkpoint_committed"]

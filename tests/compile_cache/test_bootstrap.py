@@ -44,6 +44,45 @@ def test_bad_setting_is_one_line_and_the_program_still_runs():
     assert "WARMSTART_CACHE_SIZE='lots'" in lines[0] and "10GiB" in lines[0]
 
 
+def test_bad_job_identity_is_said_once_per_job():
+    # A bad RANK fails the job identity itself: whether to stay quiet must not depend on parsing it.
+    proc = _python("import subprocess, sys; print('ran'); subprocess.run([sys.executable, '-c', 'print(1)'])",
+                   WARMSTART="1", RANK="zero")
+    assert proc.stdout.split() == ["ran", "1"]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "RANK='zero'" in lines[0], proc.stderr
+
+
+def test_enable_keeps_torchruns_run_id_out_of_the_pgo_job_id():
+    proc = _python("import os, warmstart; warmstart.enable(); "
+                   "print(os.environ.get('WARMSTART_JOB_ID'), os.environ['TORCH_COMPILE_JOB_ID'])",
+                   TORCHELASTIC_RUN_ID="elastic-1")
+    job_id, pgo = proc.stdout.split()
+    assert job_id == "None" and pgo.startswith("warmstart:") and pgo != "warmstart:elastic-1", proc.stderr
+    proc = _python("import os, warmstart; warmstart.enable(job_id='run-7'); print(os.environ['TORCH_COMPILE_JOB_ID'])")
+    assert proc.stdout.strip() == "warmstart:run-7", proc.stderr
+
+
+_IMPORT_HOOKS = """
+import sys
+from warmstart.compile_cache import import_hooks
+import_hooks.on_import("json", lambda m: print("already", m.__name__))
+import_hooks.on_import("wave", lambda m: print("hooked", m.__name__, hasattr(m, "open")))
+import_hooks.on_import("colorsys", lambda m: 1 / 0)
+import json
+import_hooks.install()
+import_hooks.install()  # once per process
+import wave, colorsys
+print("imported", colorsys.__name__)
+"""
+
+
+def test_import_hooks_run_once_after_the_import_and_never_break_it():
+    proc = _python(_IMPORT_HOOKS)
+    assert proc.stdout.splitlines() == ["already json", "hooked wave True", "imported colorsys"], proc.stderr
+    assert "could not hook colorsys (ZeroDivisionError" in proc.stderr
+
+
 def test_enable_exports_settings_to_children(tmp_path):
     proc = _python(
         "import os, subprocess, sys, warmstart; warmstart.enable(cache_dir=%r, namespace='team-a'); "

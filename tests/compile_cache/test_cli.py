@@ -7,7 +7,7 @@ import json
 import redis
 from click.testing import CliRunner
 
-from tests_helpers import closed_port_url
+from _redis import closed_port_url
 from warmstart.cli import cli
 from warmstart.compile_cache import open_store
 from warmstart.config import Settings
@@ -42,6 +42,30 @@ def test_doctor_reports_entries_signed_with_another_secret(redis_node, tmp_path)
     assert "0 entries under this secret's key id" in text and "3 under other secrets" in text
 
 
+def test_doctor_json_has_stable_keys_and_what_it_found(redis_node, tmp_path):
+    result = _invoke(["cache", "doctor", "--json"], _env(redis_node.url, tmp_path))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert list(data) == ["ok", "checks", "namespace", "key_id", "key_id_entries", "other_key_ids"]
+    assert data["ok"] is True
+    assert all(set(c) == {"name", "status", "detail"} and c["status"] in ("ok", "warn", "fail")
+               for c in data["checks"])
+    assert {c["name"]: c["status"] for c in data["checks"]}["round trip"] == "ok"
+    assert data["namespace"]["id"].startswith("v") and data["namespace"]["components"]["user"] == "cli"
+    assert data["key_id"] and data["key_id_entries"] == 0 and data["other_key_ids"] == {}
+
+
+def test_doctor_exit_codes_tell_a_failed_check_from_a_malformed_setting(tmp_path):
+    down = _invoke(["cache", "doctor", "--json"], _env(closed_port_url(), tmp_path))
+    assert down.exit_code == 1
+    data = json.loads(down.stdout)
+    assert data["ok"] is False and {c["name"]: c["status"] for c in data["checks"]}["server"] == "fail"
+    malformed = _invoke(["cache", "doctor", "--json"], {**_env(closed_port_url(), tmp_path), "WARMSTART": "yes"})
+    assert malformed.exit_code == 2
+    checks = json.loads(malformed.stdout)["checks"]
+    assert [(c["name"], c["status"]) for c in checks] == [("settings", "fail")] and "WARMSTART" in checks[0]["detail"]
+
+
 def test_doctor_fails_naming_an_unreachable_server(tmp_path):
     result = _invoke(["cache", "doctor"], _env(closed_port_url(), tmp_path))
     assert result.exit_code == 1
@@ -52,8 +76,8 @@ def test_stats_and_clear(redis_node, tmp_path):
     env = _env(redis_node.url, tmp_path)
     writer = open_store(Settings.from_env(env))
     writer.put("fx_graph", "k", b"graph" * 1000, sync=True)
-    assert writer.get("fx_graph", "k") == b"graph" * 1000
-    assert writer.get("fx_graph", "missing") is None
+    assert writer.get("fx_graph", "k").value == b"graph" * 1000
+    assert writer.get("fx_graph", "missing").value is None
     writer.close()
 
     stats = json.loads(_invoke(["cache", "stats", "--json"], env).stdout)

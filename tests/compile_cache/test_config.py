@@ -1,4 +1,4 @@
-"""Settings.from_env: every variable of CONTRACT §2, and one-line errors for bad values."""
+"""Settings.from_env: every variable of docs/reference.md#environment, and one-line errors for bad values."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from warmstart.config import Settings, parse_size
+from warmstart.config import (ENABLE_VARIABLES, JobIdentity, ServerSettings, Settings, enable_environment,
+                              job_identity, parse_size, quiet_errors, server_settings)
 from warmstart.errors import ConfigError
 
 
@@ -26,8 +27,8 @@ def test_xdg_cache_home_and_all_variables(tmp_path):
         "WARMSTART_NAMESPACE": "team-a", "TORCHELASTIC_RUN_ID": "run7",
     })
     assert s.enabled and s.cache_dir == Path("/xdg/warmstart") and s.cache_size == 512 * 1024**2
-    assert (s.mode, s.secret, s.namespace, s.job_id) == ("ro", b"abc", "team-a", "run7")
-    assert s.run_dir == Path("warmstart-runs/run7")
+    assert (s.mode, s.secret, s.namespace, s.job.job_id) == ("ro", b"abc", "team-a", "run7")
+    assert s.job.run_dir is None  # unset: the recorder chooses warmstart-runs/<job id>
 
 
 @pytest.mark.parametrize("text,expected", [("10GiB", 10 * 1024**3), ("2GB", 2 * 10**9), ("1024", 1024),
@@ -61,7 +62,88 @@ def test_cluster_url_accepted():
 
 
 def test_torchrun_default_run_id_is_not_a_job_id():
-    assert Settings.from_env({"TORCHELASTIC_RUN_ID": "none"}).job_id == ""
+    assert Settings.from_env({"TORCHELASTIC_RUN_ID": "none"}).job.job_id == ""
+    assert job_identity({"TORCHELASTIC_RUN_ID": "none"}).job_id == ""
+
+
+def test_job_identity_defaults():
+    job = job_identity({})
+    assert job == JobIdentity(enabled=False, job_id="", run_dir=None, rank=0, attempt=0, quiet_errors=False)
+
+
+def test_job_identity_from_warmstart_variables():
+    job = job_identity({"WARMSTART": "1", "WARMSTART_JOB_ID": "run-7", "TORCHELASTIC_RUN_ID": "elastic-1",
+                        "WARMSTART_RUN_DIR": " runs/a ", "RANK": "3", "WARMSTART_ATTEMPT": "2",
+                        "TORCHELASTIC_RESTART_COUNT": "5", "WARMSTART_QUIET_ERRORS": "1"})
+    assert (job.enabled, job.job_id, job.given_job_id, job.run_dir) == (True, "run-7", "run-7", Path("runs/a"))
+    assert (job.rank, job.attempt, job.quiet_errors) == (3, 2, True)
+
+
+def test_job_identity_falls_back_to_torchrun():
+    job = job_identity({"TORCHELASTIC_RUN_ID": "elastic-1", "TORCHELASTIC_RESTART_COUNT": "4"})
+    # torchrun's run id is new on every launch: it names the job's events, never its PGO state
+    assert (job.job_id, job.given_job_id, job.attempt) == ("elastic-1", "", 4)
+
+
+@pytest.mark.parametrize("env,variable", [
+    ({"RANK": "zero"}, "RANK"),
+    ({"RANK": "-2"}, "RANK"),
+    ({"WARMSTART_ATTEMPT": "first"}, "WARMSTART_ATTEMPT"),
+    ({"WARMSTART_ATTEMPT": "-1"}, "WARMSTART_ATTEMPT"),
+    ({"TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT"),
+])
+def test_bad_job_identity_is_one_line(env, variable):
+    for parse in (job_identity, Settings.from_env):
+        with pytest.raises(ConfigError) as info:
+            parse(env)
+        message = str(info.value)
+        assert "\n" not in message
+        assert message.startswith(f"{variable}={env[variable]!r}") and "expected" in message
+
+
+def test_quiet_errors_never_raises():
+    assert quiet_errors({"WARMSTART_QUIET_ERRORS": "1", "RANK": "zero"}) is True
+    assert quiet_errors({}) is False
+
+
+def test_server_settings(tmp_path):
+    home = {"HOME": "/home/u"}
+    assert server_settings(home) == ServerSettings(Path("/home/u/.local/state/warmstart/server"), None, None)
+    assert server_settings({**home, "XDG_STATE_HOME": "/xdg"}).dir == Path("/xdg/warmstart/server")
+    s = server_settings({**home, "WARMSTART_SERVER_DIR": "~/srv", "WARMSTART_REDIS_SERVER": " /opt/redis-server ",
+                         "WARMSTART_REDIS_CLI": "redis-cli7"})
+    assert (s.dir, s.redis_server, s.redis_cli) == (Path("~/srv").expanduser(), "/opt/redis-server", "redis-cli7")
+    assert server_settings({**home, "WARMSTART_REDIS_SERVER": "  "}).redis_server is None
+
+
+def test_enable_environment_sets_the_variables_of_given_arguments(tmp_path):
+    base = {"HOME": "/home/u", "WARMSTART_NAMESPACE": "from-env", "WARMSTART_CACHE_MODE": "ro"}
+    env = enable_environment(base, cache_dir=tmp_path, namespace="team-a", secret="s3", job_id="run-7",
+                             mode=None)
+    assert env["WARMSTART"] == "1" and env["WARMSTART_CACHE_DIR"] == str(tmp_path)
+    assert (env["WARMSTART_NAMESPACE"], env["WARMSTART_SECRET"], env["WARMSTART_JOB_ID"]) == ("team-a", "s3", "run-7")
+    assert env["WARMSTART_CACHE_MODE"] == "ro"  # None: the environment's value stays
+    assert base == {"HOME": "/home/u", "WARMSTART_NAMESPACE": "from-env", "WARMSTART_CACHE_MODE": "ro"}
+
+
+def test_every_enable_argument_has_a_variable():
+    import inspect
+
+    import warmstart
+
+    assert set(inspect.signature(warmstart.enable).parameters) == set(ENABLE_VARIABLES)
+
+
+@pytest.mark.parametrize("given,env,variable", [
+    ({"mode": "sometimes"}, {}, "WARMSTART_CACHE_MODE"),
+    ({"cache_size": "lots"}, {}, "WARMSTART_CACHE_SIZE"),
+    ({}, {"RANK": "zero"}, "RANK"),
+    ({}, {"WARMSTART_ATTEMPT": "first"}, "WARMSTART_ATTEMPT"),
+])
+def test_enable_environment_checks_everything(given, env, variable):
+    with pytest.raises(ConfigError) as info:
+        enable_environment(env, **given)
+    assert str(info.value).startswith(f"{variable}=") and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("option,value", [("socket_timeout", "abc"), ("socket_timeout", "0"),

@@ -1,5 +1,7 @@
 """Fault injection against real redis-server processes, real sockets and real torch.compile jobs:
-every fault costs a job a bounded time (asserted at 3x the documented bound) and never an exception."""
+every fault costs a job one failed operation, ended by its deadline (counted: one timeout or error,
+then the breaker keeps the rest off the network), and never an exception. Time appears here only
+as hang guards (``pytest.mark.timeout``), never as a speed check: the figures are in benchmarks."""
 
 from __future__ import annotations
 
@@ -19,23 +21,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from _redis import RedisNode, free_cluster_port
+from _redis import RedisNode, free_port_block
 from warmstart import _defaults
-from warmstart.compile_cache import RemoteTier, TieredStore, get_store, open_store, reset_store, signing, storage
+from warmstart.compile_cache import RemoteTier, TieredStore, get_store, open_store, signing
 from warmstart.config import Settings
 
 SECRET = b"fault-secret"
-#: What one failing remote operation may cost: connecting, then the operation's deadline.
-LOOKUP_BOUND_S = _defaults.REMOTE_CONNECT_TIMEOUT_S + _defaults.REMOTE_OP_DEADLINE_S
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    """Each test starts as a new process would: no cause warned about yet, no process-wide store."""
-    monkeypatch.setattr(storage, "_warned", set())
-    reset_store()
-    yield
-    reset_store()
+#: Hang guard for a test whose faults each cost one deadline (a few seconds): not a speed check.
+HANG_GUARD_S = 120
 
 
 def _warnings(caplog, text: str) -> list[str]:
@@ -96,7 +89,7 @@ def test_unusable_cache_dir_turns_the_local_tier_off_with_one_warning(fault, red
             store = open_store(Settings.from_env(env), persist_stats=False)
             assert store.local is None and store.remote is not None
         store.put("fx_graph", "k", b"graph" * 1000, sync=True)
-        assert store.get("fx_graph", "k") == b"graph" * 1000
+        assert store.get("fx_graph", "k").value == b"graph" * 1000
         store.close()
     lines = _warnings(caplog, "local cache tier off")
     assert len(lines) == 1, lines  # once per process per cause
@@ -110,7 +103,7 @@ def test_a_database_damaged_while_in_use_turns_the_local_tier_off(tmp_path, capl
     store.local._cache.close()
     (tmp_path / "c" / "store" / "cache.db").write_bytes(b"garbage" * 1000)
     for i in range(5):
-        assert store.get("fx_graph", f"k{i}") is None
+        assert store.get("fx_graph", f"k{i}").value is None
         store.put("fx_graph", f"k{i}", b"v")
     assert store.local._off
     assert len(_warnings(caplog, "local cache tier off")) == 1
@@ -230,56 +223,51 @@ def drip_server():
     server.close()
 
 
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_a_server_dripping_bytes_costs_one_deadline_then_the_breaker_opens(drip_server):
     tier = RemoteTier(drip_server.url, secret=SECRET, namespace="drip")
-    start = time.monotonic()
-    assert tier.get("fx_graph", "k0") is None
-    first = time.monotonic() - start
-    for i in range(1, 21):
-        assert tier.get("fx_graph", f"k{i}") is None
-    rest = time.monotonic() - start - first
-    assert tier.breaker.is_open
-    assert first < 3 * LOOKUP_BOUND_S, first
-    assert rest < 0.5, rest  # breaker open: no lookup reaches the network
+    for i in range(21):
+        assert tier.get("fx_graph", f"k{i}").value is None
+    assert not tier.breaker.allow()
+    # The first lookup ended at its deadline (a timeout, though every read got a byte in time);
+    # the breaker then kept the other 20 off the network: none of them timed out.
     counts = tier.stats.get("remote", "fx_graph")
-    assert (counts.timeouts, counts.misses, counts.hits) == (1, 21, 0)
+    assert (counts.timeouts, counts.errors, counts.misses, counts.hits) == (1, 0, 21, 0)
 
 
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_a_write_to_a_dripping_server_costs_one_deadline(drip_server):
     tier = RemoteTier(drip_server.url, secret=SECRET, namespace="drip")
     value = os.urandom(2 * 1024 * 1024)
-    start = time.monotonic()
     assert tier.put("cpp_object", "k", value) is False
-    elapsed = time.monotonic() - start
-    assert elapsed < 3 * (LOOKUP_BOUND_S + len(value) / _defaults.REMOTE_MIN_BYTES_PER_S), elapsed
-    assert tier.breaker.is_open
+    assert not tier.breaker.allow()
+    counts = tier.stats.get("remote", "cpp_object")
+    assert (counts.timeouts, counts.errors, counts.writes) == (1, 0, 0)  # ended at its deadline
 
 
 # -- 3. a dead Redis Cluster ---------------------------------------------------------------------
 
-def _lookups_cost(tier: RemoteTier, n: int = 21) -> tuple[float, float]:
-    start = time.monotonic()
-    assert tier.get("fx_graph", "k0") is None
-    first = time.monotonic() - start
-    for i in range(1, n):
-        assert tier.get("fx_graph", f"k{i}") is None
-    return first, time.monotonic() - start - first
+def _look_up(tier: RemoteTier, n: int = 21):
+    """``n`` lookups, every one a miss; the tier's counts for them."""
+    for i in range(n):
+        assert tier.get("fx_graph", f"k{i}").value is None
+    return tier.stats.get("remote", "fx_graph")
 
 
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_a_cluster_node_that_never_answers_costs_one_timeout_then_the_breaker_opens():
     with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:  # accepts TCP, never replies
         tier = RemoteTier(f"redis+cluster://127.0.0.1:{listener.getsockname()[1]}", secret=SECRET, namespace="cl")
-        first, rest = _lookups_cost(tier)
-    assert tier.breaker.is_open
-    assert first < 3 * LOOKUP_BOUND_S, first
-    assert rest < 0.5, rest
-    assert tier.stats.get("remote", "fx_graph").misses == 21
+        counts = _look_up(tier)
+    assert not tier.breaker.allow()
+    assert counts.misses == 21
+    assert counts.timeouts + counts.errors == 1  # only the first lookup reached the network
 
 
 @pytest.fixture
 def lone_cluster_node(tmp_path_factory):
     """A one-master Redis Cluster (all slots on one real node), for stopping it."""
-    node = RedisNode(tmp_path_factory.mktemp("lone"), port=free_cluster_port())
+    node = RedisNode(tmp_path_factory.mktemp("lone"), port=free_port_block(1, bus=True))
     node.extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
     node.start()
     client = redis.Redis(port=node.port)
@@ -295,23 +283,25 @@ def lone_cluster_node(tmp_path_factory):
     node.stop()
 
 
+@pytest.mark.timeout(HANG_GUARD_S)
 @pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
 def test_a_stopped_cluster_node_costs_one_timeout_then_the_breaker_opens(lone_cluster_node, how):
     tier = RemoteTier(f"redis+cluster://127.0.0.1:{lone_cluster_node.port}", secret=SECRET, namespace="cl")
-    assert tier.put("fx_graph", "warm", b"v" * 100) and tier.get("fx_graph", "warm") == b"v" * 100
+    assert tier.put("fx_graph", "warm", b"v" * 100) and tier.get("fx_graph", "warm").value == b"v" * 100
     if how == "SIGSTOP":
         os.kill(lone_cluster_node.proc.pid, signal.SIGSTOP)  # alive, accepting TCP, answering nothing
     else:
         lone_cluster_node.kill()
-    first, rest = _lookups_cost(tier)
-    assert tier.breaker.is_open
-    assert first < 3 * LOOKUP_BOUND_S, first
-    assert rest < 0.5, rest
+    counts = _look_up(tier)
+    assert not tier.breaker.allow()
+    assert counts.misses == 21
+    assert counts.timeouts + counts.errors == 1  # only the first lookup reached the network
 
 
 # -- 4. the background write queue ---------------------------------------------------------------
 
-def test_queued_writes_are_bounded_in_bytes_and_exit_waits_a_bounded_time(redis_node):
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_queued_writes_are_bounded_in_bytes_and_exit_waits_a_bounded_time(redis_node, caplog):
     # A writer stuck for longer than the exit bound (long socket timeout and deadline): close(),
     # which atexit runs, must not wait it out.
     tier = RemoteTier(f"{redis_node.url}?socket_timeout=60", secret=SECRET, namespace="q")
@@ -326,13 +316,12 @@ def test_queued_writes_are_bounded_in_bytes_and_exit_waits_a_bounded_time(redis_
             most = max(most, store.queued_bytes)
         assert most <= _defaults.WRITE_QUEUE_BYTES == store.queue_bytes
         assert store.stats.get("remote", "cpp_object").dropped >= 40 - _defaults.WRITE_QUEUE_BYTES // len(value)
-        start = time.monotonic()
         store.close()  # what atexit runs
-        elapsed = time.monotonic() - start
         assert store.queued_bytes <= len(value)  # the rest were dropped at close, not kept in memory
     finally:
         os.kill(redis_node.proc.pid, signal.SIGCONT)
-    assert _defaults.EXIT_FLUSH_S - 0.1 <= elapsed < 3 * _defaults.EXIT_FLUSH_S, elapsed
+    # close() waited for its bound (not for the stuck writer's 60 s), then gave up and dropped the rest.
+    assert len(_warnings(caplog, "gave up waiting for remote cache writes at exit")) == 1
 
 
 def test_a_stalled_server_drains_the_queue_in_one_deadline(redis_node):
@@ -343,14 +332,13 @@ def test_a_stalled_server_drains_the_queue_in_one_deadline(redis_node):
     try:
         for i in range(20):
             store.put("cpp_object", f"k{i}", value)
-        start = time.monotonic()
-        assert store.flush(timeout=30)
-        elapsed = time.monotonic() - start
+        assert store.flush(timeout=30)  # hang guard, not a speed check
     finally:
         os.kill(redis_node.proc.pid, signal.SIGCONT)
     # The first write times out at its deadline and opens the breaker; the rest are dropped at once.
-    assert elapsed < 3 * (LOOKUP_BOUND_S + len(value) / _defaults.REMOTE_MIN_BYTES_PER_S), elapsed
-    assert store.queued_bytes == 0 and tier.breaker.is_open
+    counts = tier.stats.get("remote", "cpp_object")
+    assert (counts.timeouts, counts.dropped, counts.writes) == (1, 19, 0)
+    assert store.queued_bytes == 0 and not tier.breaker.allow()
     store.close()
 
 
@@ -366,7 +354,7 @@ _THREADS_SCRIPT = textwrap.dedent("""
     def work(t):
         for j in range(12):
             value = (f"thread {t} value {j}: def forward(self, x): return x * {j}\\n".encode() * (4000 + 500 * t))
-            if not tier.put("fx_graph", f"{t}:{j}", value) or tier.get("fx_graph", f"{t}:{j}") != value:
+            if not tier.put("fx_graph", f"{t}:{j}", value) or tier.get("fx_graph", f"{t}:{j}").value != value:
                 bad.append((t, j))
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
@@ -400,20 +388,20 @@ def test_planted_chunks_are_repaired_and_oversize_ones_never_fetched(redis_node)
     client.set(keys[4], b"short")
     assert writer.put("cpp_object", "so", payload)
     reader = RemoteTier(redis_node.url, secret=SECRET, namespace="pl")  # another chunk size: the pointer decides
-    assert reader.get("cpp_object", "so") == payload
+    assert reader.get("cpp_object", "so").value == payload
     assert client.strlen(keys[1]) == 64 * 1024
 
     # Planted after the write: rejected from its length alone, its bytes never fetched or joined.
     client.set(keys[2], b"y" * (32 * 1024 * 1024))
     sent_before = client.info("stats")["total_net_output_bytes"]
-    assert reader.get("cpp_object", "so") is None
+    assert reader.get("cpp_object", "so").value is None
     sent = client.info("stats")["total_net_output_bytes"] - sent_before
     assert sent < 2 * len(payload) + 64 * 1024, sent
     counts = reader.stats.get("remote", "cpp_object")
     assert (counts.rejected, counts.hits) == (1, 1)
     # The next write (the job compiled it again) repairs the entry.
     assert writer.put("cpp_object", "so", payload)
-    assert reader.get("cpp_object", "so") == payload
+    assert reader.get("cpp_object", "so").value == payload
 
 
 def test_a_pointer_to_damaged_chunks_is_replaced_by_the_next_write(redis_node):
@@ -424,6 +412,6 @@ def test_a_pointer_to_damaged_chunks_is_replaced_by_the_next_write(redis_node):
     old_keys = writer._chunk_keys(signing.blob_digest(old), 4)
     client.set(old_keys[1], os.urandom(64 * 1024))  # right length, wrong bytes
     reader = RemoteTier(redis_node.url, secret=SECRET, namespace="pl2")
-    assert reader.get("cpp_object", "so") is None
+    assert reader.get("cpp_object", "so").value is None
     assert writer.put("cpp_object", "so", new)
-    assert reader.get("cpp_object", "so") == new
+    assert reader.get("cpp_object", "so").value == new

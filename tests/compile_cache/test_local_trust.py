@@ -9,15 +9,10 @@ import stat
 
 import pytest
 
-from warmstart.compile_cache import open_store, storage
+from warmstart.compile_cache import open_store
 from warmstart.config import Settings
 
 OTHER_UID = 65534  # nobody
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(storage, "_warned", set())
 
 
 def _open(cache_dir, shared: bool = False):
@@ -38,7 +33,7 @@ def test_a_directory_warmstart_creates_is_private(tmp_path):
     for path in (tmp_path / "new" / "cache", tmp_path / "new" / "cache" / "store"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     store.put("fx_graph", "k", b"v")
-    assert store.get("fx_graph", "k") == b"v"
+    assert store.get("fx_graph", "k").value == b"v"
 
 
 @pytest.mark.parametrize("where", ["dir", "store"])
@@ -76,7 +71,7 @@ def test_a_directory_shared_on_purpose_is_used(tmp_path, caplog, fault):
     store = _open(cache_dir, shared=True)
     assert store is not None and store.local is not None
     store.put("fx_graph", "k", b"shared")
-    assert _open(cache_dir, shared=True).get("fx_graph", "k") == b"shared"
+    assert _open(cache_dir, shared=True).get("fx_graph", "k").value == b"shared"
     assert _refusals(caplog) == []
 
 
@@ -90,6 +85,6 @@ def test_a_refused_directory_still_leaves_the_remote_tier(redis_node, tmp_path):
     assert store.local is None and store.remote is not None
     assert store.stats_file is None  # nothing is written into a directory others control
     store.put("fx_graph", "k", b"remote", sync=True)
-    assert store.get("fx_graph", "k") == b"remote"
+    assert store.get("fx_graph", "k").value == b"remote"
     store.close()
     assert not (cache_dir / "stats.json").exists()

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import redis
 
-from warmstart.compile_cache import RemoteTier, open_store, signing
+from warmstart.compile_cache import ReadOnly, RemoteTier, open_store, signing
 from warmstart.config import Settings
 from warmstart.errors import ConfigError, IntegrityError
 
@@ -165,7 +165,7 @@ def test_writer_signs_and_reader_verifies(redis_node, key_pair, size):
     reader = _tier(redis_node.url, signing.load_key_file(key_pair[1]))
     value = os.urandom(size)
     assert writer.put("fx_graph", "k", value, cost_s=2.0)
-    assert reader.get("fx_graph", "k") == value
+    assert reader.get("fx_graph", "k").value == value
     counts = reader.stats.get("remote", "fx_graph")
     assert (counts.hits, counts.rejected, counts.errors) == (1, 0, 0)
     client = redis.Redis.from_url(redis_node.url)
@@ -179,6 +179,17 @@ def test_verify_only_job_never_writes(redis_node, key_pair, caplog):
     assert reader.put("fx_graph", "large", os.urandom(200_000)) is False
     assert reader.stats.get("remote", "fx_graph").dropped == 2
     assert redis.Redis.from_url(redis_node.url).dbsize() == 0
+
+
+def test_verify_only_key_makes_a_read_only_remote_tier(redis_node, key_pair, tmp_path, caplog):
+    caplog.set_level("INFO", logger="warmstart")
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_KEY_FILE": str(key_pair[1]),
+           "WARMSTART_CACHE_DIR": str(tmp_path / "ro")}
+    store = open_store(Settings.from_env(env), persist_stats=False)
+    assert isinstance(store.remote, ReadOnly) and not isinstance(store.local, ReadOnly)
+    store.put("fx_graph", "k", b"x" * 5000, sync=True)
+    assert redis.Redis.from_url(redis_node.url).dbsize() == 0
+    assert store.local.get("fx_graph", "k").value == b"x" * 5000  # its own machine's tier still fills
     assert sum("can only verify" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -188,13 +199,13 @@ def test_entry_signed_by_another_key_under_our_key_id_is_rejected(redis_node, ke
     assert forger.put("fx_graph", "k", b"evil" * 1000)
     client = redis.Redis.from_url(redis_node.url)
     client.set(reader._pointer_key("fx_graph", "k"), client.get(forger._pointer_key("fx_graph", "k")))
-    assert reader.get("fx_graph", "k") is None
+    assert reader.get("fx_graph", "k").value is None
     counts = reader.stats.get("remote", "fx_graph")
     assert (counts.rejected, counts.hits) == (1, 0)
     # The rightful writer replaces the planted record instead of deferring to it.
     writer = _tier(redis_node.url, signing.load_key_file(key_pair[0]))
     assert writer.put("fx_graph", "k", b"good" * 1000)
-    assert reader.get("fx_graph", "k") == b"good" * 1000
+    assert reader.get("fx_graph", "k").value == b"good" * 1000
 
 
 def test_hmac_and_ed25519_jobs_keep_apart(redis_node, key_pair):
@@ -202,13 +213,13 @@ def test_hmac_and_ed25519_jobs_keep_apart(redis_node, key_pair):
     hm = RemoteTier(redis_node.url, secret=b"team-secret", namespace="sig")  # the old shorthand
     assert hm.keys.scheme == "hmac-sha256" and hm.key_id == signing.key_id(b"team-secret")
     assert ed_writer.put("fx_graph", "ed", b"e" * 2000) and hm.put("fx_graph", "hm", b"h" * 2000)
-    assert hm.get("fx_graph", "hm") == b"h" * 2000 and ed_reader.get("fx_graph", "ed") == b"e" * 2000
-    assert hm.get("fx_graph", "ed") is None and ed_reader.get("fx_graph", "hm") is None  # misses, not rejections
+    assert hm.get("fx_graph", "hm").value == b"h" * 2000 and ed_reader.get("fx_graph", "ed").value == b"e" * 2000
+    assert hm.get("fx_graph", "ed").value is None and ed_reader.get("fx_graph", "hm").value is None  # misses, not rejections
     assert hm.stats.get("remote", "fx_graph").rejected == 0 == ed_reader.stats.get("remote", "fx_graph").rejected
     # Even a record planted under the other's key id is refused.
     client = redis.Redis.from_url(redis_node.url)
     client.set(ed_reader._pointer_key("fx_graph", "hm"), client.get(hm._pointer_key("fx_graph", "hm")))
-    assert ed_reader.get("fx_graph", "hm") is None and ed_reader.stats.get("remote", "fx_graph").rejected == 1
+    assert ed_reader.get("fx_graph", "hm").value is None and ed_reader.stats.get("remote", "fx_graph").rejected == 1
     assert ed_writer.key_ids() == {ed_writer.key_id: 2, hm.key_id: 1}
 
 

@@ -27,10 +27,10 @@ def test_remote_round_trip_and_backfill(redis_node, tmp_path):
     writer.put("fx_graph", "k1", payload, cost_s=3.0)
     assert writer.flush(timeout=10)
     reader = TieredStore(LocalTier(tmp_path / "b", 1 << 30), _remote(redis_node.url))
-    assert reader.get("fx_graph", "k1") == payload
+    assert reader.get("fx_graph", "k1").value == payload
     assert reader.stats.get("remote", "fx_graph").hits == 1
     assert reader.flush(timeout=10)  # the backfill into the local tier runs in the background
-    assert reader.get("fx_graph", "k1") == payload  # now from the local tier
+    assert reader.get("fx_graph", "k1").value == payload  # now from the local tier
     assert reader.stats.get("local", "fx_graph").hits == 1
     assert reader.stats.get("remote", "fx_graph").hits == 1
     assert reader.stats.get("remote", "fx_graph").saved_s > 2.9
@@ -44,14 +44,14 @@ def test_large_values_are_chunked_and_identical_blobs_stored_once(redis_node):
     client = redis.Redis.from_url(redis_node.url)
     blob_keys = [k for k in client.scan_iter("ws:t:b:*")]
     assert len(blob_keys) == 5
-    assert _remote(redis_node.url).get("cpp_object", "b") == payload
+    assert _remote(redis_node.url).get("cpp_object", "b").value == payload
 
 
 def test_first_writer_wins(redis_node):
     a, b = _remote(redis_node.url), _remote(redis_node.url)
     assert a.put("pgo", "k", b"first")
     assert b.put("pgo", "k", b"second")
-    assert _remote(redis_node.url).get("pgo", "k") == b"first"
+    assert _remote(redis_node.url).get("pgo", "k").value == b"first"
 
 
 def test_pointer_to_evicted_blob_is_a_miss_and_is_repaired(redis_node):
@@ -60,10 +60,10 @@ def test_pointer_to_evicted_blob_is_a_miss_and_is_repaired(redis_node):
     client = redis.Redis.from_url(redis_node.url)
     for key in client.scan_iter("ws:t:b:*"):
         client.delete(key)
-    assert tier.get("fx_graph", "k") is None
+    assert tier.get("fx_graph", "k").value is None
     fresh = os.urandom(200_000)
     assert tier.put("fx_graph", "k", fresh)
-    assert tier.get("fx_graph", "k") == fresh
+    assert tier.get("fx_graph", "k").value == fresh
 
 
 def test_small_values_are_inline_in_one_signed_record(redis_node):
@@ -71,7 +71,7 @@ def test_small_values_are_inline_in_one_signed_record(redis_node):
     assert tier.put("pgo", "small", b"state" * 1000)
     client = redis.Redis.from_url(redis_node.url)
     assert [k.decode() for k in client.scan_iter("ws:t:*")] == [f"ws:t:p:pgo:{tier.key_id}:small"]
-    assert _remote(redis_node.url).get("pgo", "small") == b"state" * 1000
+    assert _remote(redis_node.url).get("pgo", "small").value == b"state" * 1000
 
 
 def test_incompressible_values_are_stored_raw(redis_node):
@@ -81,7 +81,7 @@ def test_incompressible_values_are_stored_raw(redis_node):
     client = redis.Redis.from_url(redis_node.url)
     stored = sum(client.strlen(k) for k in client.scan_iter("ws:t:b:*"))
     assert stored == len(payload)
-    assert _remote(redis_node.url).get("cpp_object", "so") == payload
+    assert _remote(redis_node.url).get("cpp_object", "so").value == payload
 
 
 @pytest.mark.parametrize("target,size", [("pointer", 4000), ("pointer", 200_000), ("blob", 200_000)])
@@ -94,7 +94,7 @@ def test_flipped_byte_is_rejected(redis_node, target, size):
     value[len(value) // 2] ^= 0x01
     client.set(key, bytes(value))
     reader = _remote(redis_node.url)
-    assert reader.get("fx_graph", "k") is None
+    assert reader.get("fx_graph", "k").value is None
     counts = reader.stats.get("remote", "fx_graph")
     assert (counts.rejected, counts.misses, counts.hits) == (1, 1, 0)
 
@@ -104,12 +104,12 @@ def test_wrong_secret_never_returns_the_entry(redis_node):
     owner.put("aot_autograd", "k", b"payload" * 100)
     intruder = _remote(redis_node.url, secret=b"another-secret")
     assert intruder.key_id != owner.key_id
-    assert intruder.get("aot_autograd", "k") is None  # its own key id: nothing there
+    assert intruder.get("aot_autograd", "k").value is None  # its own key id: nothing there
     # A record signed under another secret, planted under the owner's key, is refused.
     intruder.put("aot_autograd", "k", b"evil" * 100)
     client = redis.Redis.from_url(redis_node.url)
     client.set(owner._pointer_key("aot_autograd", "k2"), client.get(intruder._pointer_key("aot_autograd", "k")))
-    assert owner.get("aot_autograd", "k2") is None
+    assert owner.get("aot_autograd", "k2").value is None
     assert owner.stats.get("remote", "aot_autograd").rejected == 1
 
 
@@ -120,10 +120,10 @@ def test_a_writer_with_another_secret_never_replaces_entries(redis_node, size):
     value = os.urandom(size)
     _remote(redis_node.url).put("fx_graph", "k", value)
     other = _remote(redis_node.url, secret=b"old-secret")
-    assert other.get("fx_graph", "k") is None
+    assert other.get("fx_graph", "k").value is None
     assert other.put("fx_graph", "k", os.urandom(size))
     reader = _remote(redis_node.url)
-    assert reader.get("fx_graph", "k") == value
+    assert reader.get("fx_graph", "k").value == value
     assert reader.stats.get("remote", "fx_graph").rejected == 0
 
 
@@ -132,7 +132,7 @@ def test_pointer_cannot_be_replayed_under_another_key(redis_node):
     tier.put("fx_graph", "good", b"a" * 3000)
     client = redis.Redis.from_url(redis_node.url)
     client.set(f"ws:t:p:fx_graph:{tier.key_id}:evil", client.get(f"ws:t:p:fx_graph:{tier.key_id}:good"))
-    assert tier.get("fx_graph", "evil") is None
+    assert tier.get("fx_graph", "evil").value is None
     assert tier.stats.get("remote", "fx_graph").rejected == 1
 
 
@@ -152,29 +152,26 @@ def test_read_only_mode_never_writes(redis_node, tmp_path):
     store.put("fx_graph", "k2", b"y" * 1000)
     store.flush(timeout=5)
     assert redis.Redis.from_url(redis_node.url).dbsize() == 0
-    assert len(store.local) == 0
+    assert len(store.local.storage) == 0
     # and it still reads what a writer stored
     writer_env = dict(env, WARMSTART_CACHE_MODE="rw", WARMSTART_CACHE_DIR=str(tmp_path / "rw"))
     writer = open_store(Settings.from_env(writer_env), persist_stats=False)
     writer.put("fx_graph", "k", b"x" * 1000, sync=True)
-    assert store.get("fx_graph", "k") == b"x" * 1000
-    assert len(store.local) == 0
+    assert store.get("fx_graph", "k").value == b"x" * 1000
+    assert len(store.local.storage) == 0
 
 
 def test_dead_server_costs_one_failure_then_breaker(tmp_path):
-    from tests_helpers import closed_port_url
+    from _redis import closed_port_url
 
     tier = _remote(closed_port_url())
-    start = time.perf_counter()
     for i in range(50):
-        assert tier.get("fx_graph", f"k{i}") is None
+        assert tier.get("fx_graph", f"k{i}").value is None
         assert tier.put("fx_graph", f"k{i}", b"v") is False
-    elapsed = time.perf_counter() - start
     counts = tier.stats.get("remote", "fx_graph")
-    assert counts.errors == 1  # only the first call reached the network
+    assert counts.errors == 1  # only the first call reached the network: the breaker kept the rest off it
     assert counts.misses == 50 and counts.dropped == 50
-    assert elapsed < 1.0
-    assert tier.breaker.is_open
+    assert not tier.breaker.allow()
 
 
 def test_server_killed_mid_job_then_breaker_then_recovery(redis_node):
@@ -182,16 +179,16 @@ def test_server_killed_mid_job_then_breaker_then_recovery(redis_node):
     tier.breaker._cooldown_s = 0.2
     assert tier.put("pgo", "k", b"v")
     redis_node.kill()
-    assert tier.get("pgo", "k") is None
-    assert tier.breaker.is_open
-    assert tier.get("pgo", "k") is None
+    assert tier.get("pgo", "k").value is None
+    assert not tier.breaker.allow()
+    assert tier.get("pgo", "k").value is None
     assert tier.stats.get("remote", "pgo").errors == 1
     redis_node.start()  # same port, empty
     deadline = time.monotonic() + 10
-    while tier.breaker.is_open and time.monotonic() < deadline:
+    while not tier.breaker.allow() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not tier.breaker.is_open
-    assert tier.put("pgo", "k", b"again") and tier.get("pgo", "k") == b"again"
+    assert tier.breaker.allow()
+    assert tier.put("pgo", "k", b"again") and tier.get("pgo", "k").value == b"again"
 
 
 def test_local_size_limit_holds(tmp_path):
@@ -200,8 +197,8 @@ def test_local_size_limit_holds(tmp_path):
     for i in range(60):
         tier.put("cpp_object", f"k{i}", os.urandom(100 * 1024))
     assert tier.volume() <= limit * 1.1  # diskcache culls on write; its SQLite file is counted too
-    assert tier.get("cpp_object", "k59") is not None  # most recent kept
-    assert tier.get("cpp_object", "k0") is None  # least recent evicted
+    assert tier.get("cpp_object", "k59").value is not None  # most recent kept
+    assert tier.get("cpp_object", "k0").value is None  # least recent evicted
 
 
 def test_cluster_hits(redis_cluster, tmp_path):
@@ -213,7 +210,7 @@ def test_cluster_hits(redis_cluster, tmp_path):
     assert writer.flush(timeout=20)
     reader = TieredStore(LocalTier(tmp_path / "b", 1 << 30), _remote(redis_cluster.url, ns="cl"))
     for key, value in payloads.items():
-        assert reader.get("fx_graph", key) == value
+        assert reader.get("fx_graph", key).value == value
     assert reader.stats.get("remote", "fx_graph").hits == 10
     # keys really are spread over the cluster's nodes
     assert sum(1 for n in redis_cluster.nodes if redis.Redis(port=n.port).dbsize() > 0) >= 2
@@ -223,7 +220,7 @@ def _racer(url: str, barrier, results, i: int) -> None:
     tier = _remote(url)
     barrier.wait()
     ok = tier.put("fx_graph", "same", f"value-{i}".encode() * 500)
-    results.put((i, ok, tier.get("fx_graph", "same")))
+    results.put((i, ok, tier.get("fx_graph", "same").value))
 
 
 def test_racing_writers_all_succeed_and_agree(redis_node):
@@ -262,7 +259,7 @@ def test_compression_is_a_url_option_and_readers_handle_any(redis_node, option, 
     client = redis.Redis.from_url(redis_node.url)
     stored = sum(client.strlen(k) for k in client.scan_iter("ws:t:b:*"))
     assert (stored < len(value) // 4) is stored_smaller
-    assert _remote(redis_node.url).get("fx_graph", "k") == value
+    assert _remote(redis_node.url).get("fx_graph", "k").value == value
 
 
 @pytest.mark.parametrize("value", ["fast", "23", "-101", ""])
@@ -276,21 +273,21 @@ def test_bad_compress_option_is_one_line_naming_it(value):
 
 
 def test_remote_reads_are_cache_fetch_spans_in_the_ett_events(redis_node, tmp_path, monkeypatch):
-    from warmstart.metrics import reset_process_recorder
+    from warmstart.metrics import CacheSpans, reset_process_recorder
     from warmstart.metrics.calculator import compute, load_runs
     from warmstart.metrics.recorder import get_recorder
 
     monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("WARMSTART_JOB_ID", "fetch-spans")
-    reset_process_recorder()
     try:
         _remote(redis_node.url).put("fx_graph", "k", b"graph" * 10_000)
-        store = TieredStore(LocalTier(tmp_path / "local", 1 << 30), _remote(redis_node.url))
+        store = TieredStore(LocalTier(tmp_path / "local", 1 << 30), _remote(redis_node.url),
+                            observers=[CacheSpans()])
         rec = get_recorder()
         rec.attempt_start()
-        assert store.get("fx_graph", "k") == b"graph" * 10_000  # remote: one span
+        assert store.get("fx_graph", "k").value == b"graph" * 10_000  # remote: one span
         store.flush(timeout=10)
-        assert store.get("fx_graph", "k") is not None  # local now: no span
+        assert store.get("fx_graph", "k").value is not None  # local now: no span
         rec.step(0)
         rec.train_end()
         rec.attempt_end()
@@ -308,14 +305,12 @@ def test_remote_reads_are_cache_fetch_spans_in_the_ett_events(redis_node, tmp_pa
 def test_a_remote_read_never_starts_recording_in_a_process_that_records_nothing(redis_node, tmp_path, monkeypatch):
     """Inductor's compile workers read the cache too: they must not begin writing the job's events
     (their exit would then record a failure for the job's attempt)."""
-    from warmstart.metrics import reset_process_recorder
     from warmstart.metrics.recorder import existing_recorder
 
     monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "run"))
-    reset_process_recorder()
     _remote(redis_node.url).put("fx_graph", "k", b"graph" * 10_000)
     store = TieredStore(None, _remote(redis_node.url))
-    assert store.get("fx_graph", "k") == b"graph" * 10_000
+    assert store.get("fx_graph", "k").value == b"graph" * 10_000
     store.close()
     assert existing_recorder() is None
     assert not (tmp_path / "run").exists()

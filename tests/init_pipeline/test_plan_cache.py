@@ -115,6 +115,14 @@ def test_anything_that_affects_the_plan_changes_the_key(change):
     assert plan_key(*CHANGES[change]()) != plan_key(*_base())
 
 
+def test_package_names_are_the_functions_not_the_modules_that_hold_them():
+    import warmstart.init_pipeline as pkg
+    from warmstart.init_pipeline import cache_key, plan_cache, plan_verify  # noqa: F401 - imported first on purpose
+
+    assert callable(pkg.plan_key) and pkg.plan_key is cache_key.plan_key
+    assert pkg.verify_plan is plan_verify.verify_plan and pkg.cached_plan is plan_cache.cached_plan
+
+
 def test_salt_changes_the_key():
     assert plan_key(*_base(), salt="v2") != plan_key(*_base())
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -77,12 +77,12 @@ def test_startup_graph_builds_a_trainable_torchrec_job(tmp_path, fresh_machine):
 
 
 def test_a_stage_failing_on_one_rank_fails_every_rank_naming_it(tmp_path, fresh_machine):
-    start = time.monotonic()
+    # timeout: a hang guard, not a speed check.
     proc = _torchrun("fail", tmp_path / "out", cache_dir=tmp_path / "cache", timeout=120)
-    elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    assert elapsed < 90  # far below the 60 s collective timeout plus start-up: nobody waited it out
     output = proc.stdout + proc.stderr
+    # Nobody waited out the 60 s collective timeout (gloo: "Timed out waiting 60000ms for recv ...").
+    assert re.search(r"Timed out waiting \d+ms", output) is None, output[-4000:]
     assert "start-up stage 'data_loader_init' failed on rank 1: OSError: data loader worker died" in output
     failing = json.loads((tmp_path / "out" / "rank1.json").read_text())  # rank 1 raised StageFailed
     assert (failing["stage"], failing["failed_rank"]) == ("data_loader_init", 1)

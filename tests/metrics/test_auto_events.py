@@ -17,7 +17,6 @@ def test_compile_spans_are_recorded_around_each_compilation(tmp_path, monkeypatc
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("WARMSTART_ATTEMPT", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    reset_process_recorder()
     torch._dynamo.reset()
     assert install_compile_spans() and install_compile_spans()  # idempotent
     try:

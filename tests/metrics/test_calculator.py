@@ -1,4 +1,4 @@
-"""Hand-computed timelines for every rule of CONTRACT §4, and a property test that the buckets always
+"""Hand-computed timelines for every rule of docs/reference.md#events, and a property test that the buckets always
 sum to end-to-end time."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _timelines import T0, ev, nonzero, run_of, span
-from warmstart.metrics.calculator import STANDARD_BUCKETS, Run, compute, load_runs
+from warmstart.metrics.buckets import STANDARD_BUCKETS
+from warmstart.metrics.calculator import Run, compute, load_runs
 from warmstart.metrics.events import EventFormatError, TornLineWarning, parse_event
 
 

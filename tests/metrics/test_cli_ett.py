@@ -33,7 +33,7 @@ def _invoke(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def test_report_json_has_the_contract_keys(tmp_path):
+def test_report_json_has_the_reference_keys(tmp_path):
     _write_run(tmp_path)
     result = _invoke("ett", "report", str(tmp_path), "--json")
     assert result.exit_code == 0, result.output

@@ -1,11 +1,14 @@
-"""The event reader: its fast (whole-file) path agrees with the line-by-line reference check."""
+"""The event schema: its fast (whole-file) path agrees with the line-by-line reader, bad lines are
+worded, and what is written is what is read."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from _timelines import ev, span
-from warmstart.metrics.events import Event, _read_lines, read_events, write_events
+from warmstart.metrics.events import Failure, Step, _read_lines, _TornLines, parse_event, read_events, write_events
 
 
 def test_fast_path_equals_line_by_line_reference(tmp_path):
@@ -15,8 +18,30 @@ def test_fast_path_equals_line_by_line_reference(tmp_path):
     path = tmp_path / "e.jsonl"
     write_events(path, events)
     fast = read_events(path)
-    assert fast == _read_lines(path, path.read_bytes().split(b"\n"))
+    raw = path.read_bytes().split(b"\n")
+    assert fast == _read_lines(path, raw, _TornLines(path)) == [parse_event(json.loads(line)) for line in raw if line]
     assert [e.to_dict() for e in fast] == events
+    assert [e.event for e in fast] == [e["event"] for e in events]
+
+
+def test_a_failure_always_writes_its_reason_and_optional_fields_are_left_out(tmp_path):
+    path = tmp_path / "e.jsonl"
+    write_events(path, [Failure(1.0, "j", 0, 0, "user"), Step(2.0, "j", 0, 0, 5)])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"ts": 1.0, "job": "j", "attempt": 0, "rank": 0, "event": "failure", "category": "user", "reason": ""},
+        {"ts": 2.0, "job": "j", "attempt": 0, "rank": 0, "event": "step", "step": 5}]
+
+
+@pytest.mark.parametrize("bad, problem", [
+    (Step(1.0, "j", 0, 0, "x"), "event 1: field 'step' must be an integer, got 'x'"),  # type: ignore[arg-type]
+    (ev(1, "begin", span=""), "event 1: field 'span' must be a non-empty string, got ''"),
+    (ev(1, "failure", category="cosmic"), "event 1: field 'category' must be one of infra, preemption, user"),
+])
+def test_writing_an_invalid_event_is_refused_and_writes_nothing(tmp_path, bad, problem):
+    path = tmp_path / "e.jsonl"
+    with pytest.raises(ValueError, match=problem):
+        write_events(path, [ev(0, "train_end"), bad])
+    assert not path.exists()
 
 
 def test_unusual_but_valid_lines_are_accepted(tmp_path):
@@ -28,7 +53,7 @@ def test_unusual_but_valid_lines_are_accepted(tmp_path):
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     got = read_events(path)
-    assert got[0] == Event(1700000000.0, "j", 0, 0, "step", step=3)
+    assert got[0] == Step(1700000000.0, "j", 0, 0, step=3)
     assert (got[1].reason, got[1].category) == ("", "infra")
     assert got[2].event == "train_end" and len(got) == 3
 
@@ -40,7 +65,6 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import pytest  # noqa: E402
 
 from _timelines import T0  # noqa: E402
 from warmstart.metrics.events import EventFormatError, TornLineWarning  # noqa: E402
@@ -121,6 +145,16 @@ def test_warnings_per_file_are_bounded(tmp_path):
     ('{"ts": 1700000001.0, "job": "j", "attempt": 0, "rank": 0, "event": "stepp", "step": 1}', "field 'event'"),
     ('{"ts": 1700000001.0, "job": "j", "attempt": 0, "rank": 0, "event": "step"}', "missing field 'step'"),
     ('[1, 2]', "expected a JSON object"),
+    ('{"ts": 1700000001.0, "job": "j", "attempt": 0, "rank": 0, "event": "step", "step": 1.5}',
+     r"field 'step' must be an integer, got 1\.5"),
+    ('{"ts": Infinity, "job": "j", "attempt": 0, "rank": 0, "event": "train_end"}',
+     "field 'ts' must be a finite number, got inf"),
+    ('{"ts": 1700000001.0, "job": "j", "attempt": 0, "rank": 0, "event": "step", "step": 1, "samples": -2}',
+     "field 'samples' must be >= 0, got -2"),
+    ('{"ts": 1700000001.0, "job": "j", "attempt": 0, "rank": 0, "event": "begin", "span": "x", "bucket": 3}',
+     "field 'bucket' must be a string, got 3"),
+    ('{"ts": 1700000001.0, "job": "j", "attempt": 0, "rank": -2, "event": "train_end"}',
+     "field 'rank' must be >= -1, got -2"),
 ])
 def test_a_complete_line_that_breaks_the_schema_is_still_an_error(tmp_path, bad, problem):
     path = tmp_path / "e.jsonl"
@@ -178,18 +212,17 @@ def test_report_cli_still_exits_2_on_a_malformed_event(tmp_path):
     assert f"{r0}:4: field 'step' must be an integer" in result.stderr
 
 
-def test_torn_files_read_the_same_as_the_line_by_line_reference(tmp_path):
-    from warmstart.metrics.events import _read_mixed, _TornLines
-
+def test_torn_files_read_the_same_as_the_line_by_line_reader(tmp_path):
     path = tmp_path / "e.jsonl"
     lines = _lines(_EVENTS)
     path.write_text("\n".join([lines[0], _FRAGMENT, "", lines[1], _FRAGMENT + lines[2], *lines[3:]]) + "\n")
     raw = path.read_bytes().split(b"\n")
-    mixed, reference = _TornLines(path), _TornLines(path)
+    torn = _TornLines(path)
     with pytest.warns(TornLineWarning):
         whole = read_events(path)
-    assert _read_mixed(path, raw, mixed) == _read_lines(path, raw, reference) == whole
-    assert mixed.lines == reference.lines == [
+    assert _read_lines(path, raw, torn) == whole
+    assert [e.to_dict() for e in whole] == _EVENTS
+    assert torn.lines == [
         (2, "torn line skipped (a fragment of an interrupted write)"),
         (5, "torn fragment skipped before the event on this line (a write cut short before its newline); "
             "the event was kept")]

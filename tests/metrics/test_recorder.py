@@ -1,5 +1,5 @@
-"""The recorder writes CONTRACT §4 lines, flushes on its interval, at exit, on an uncaught exception
-and on SIGTERM (real subprocesses, real signals)."""
+"""The recorder writes event lines (docs/reference.md#events), flushes on its interval, at exit, on an
+uncaught exception and on SIGTERM (real subprocesses, real signals)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,6 @@ def test_identity_comes_from_torchrun_environment(tmp_path, monkeypatch):
 def test_get_recorder_is_a_noop_when_off(monkeypatch):
     for var in ("WARMSTART", "WARMSTART_RUN_DIR"):
         monkeypatch.delenv(var, raising=False)
-    reset_process_recorder()
     try:
         rec = get_recorder()
         assert isinstance(rec, NullRecorder) and not rec.enabled
@@ -121,7 +120,6 @@ def test_get_recorder_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("WARMSTART_ATTEMPT", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    reset_process_recorder()
     try:
         rec = get_recorder()
         assert isinstance(rec, Recorder) and get_recorder() is rec
@@ -251,3 +249,54 @@ def test_forked_child_does_not_duplicate_or_claim_the_attempt(tmp_path):
     assert proc.returncode == 0, proc.stderr
     events = [(line["event"], line.get("step")) for line in _lines(tmp_path / "events-r0-a0.jsonl")]
     assert events == [("attempt_start", None), ("step", 0), ("step", 1), ("attempt_end", None)]
+
+
+def test_a_bad_rank_is_an_error_only_when_metrics_are_on(tmp_path, monkeypatch):
+    for var in ("WARMSTART", "WARMSTART_RUN_DIR", "WARMSTART_ATTEMPT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "x")
+    try:
+        assert isinstance(get_recorder(), NullRecorder)  # library code asks in jobs without metrics
+        reset_process_recorder()
+        monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path))
+        with pytest.raises(ConfigError, match="RANK='zero'|TORCHELASTIC_RESTART_COUNT='x'"):
+            get_recorder()
+    finally:
+        reset_process_recorder()
+
+
+class _Index:
+    """An integer that is not an int (numpy's and torch's are like this)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_integer_like_values_are_written_and_invalid_events_dropped_alone(tmp_path, caplog):
+    rec = Recorder(tmp_path, job="j", rank=0, attempt=0, flush_interval_s=0)
+    rec.step(_Index(4), samples=_Index(8))  # type: ignore[arg-type]
+    rec.step("five")  # type: ignore[arg-type]
+    rec.begin("")
+    rec.step(6)
+    rec.close()
+    assert [(e.step, e.samples) for e in read_events(rec.path)] == [(4, 8), (6, None)]
+    assert [r.message for r in caplog.records if "dropping an invalid ETT event" in r.message] == [
+        f"warmstart: dropping an invalid ETT event for {rec.path} (event 0: field 'step' must be an integer, "
+        f"got 'five')"]
+
+
+def test_buffered_events_are_left_out_of_garbage_collections(tmp_path):
+    """A million buffered events must cost the cyclic GC nothing: their tuples hold atomic values only."""
+    import gc
+
+    rec = Recorder(tmp_path, job="j", rank=0, attempt=0, flush_interval_s=0)
+    rec.step(0, samples=8)
+    rec.begin("compile")
+    rec.failure("boom", "user")
+    gc.collect()
+    assert not any(gc.is_tracked(record) for record in rec._buf)
+    rec.close()

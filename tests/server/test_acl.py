@@ -117,9 +117,9 @@ def test_store_writes_with_writer_url_and_reads_with_reader_url(single_server):
     reader = RemoteTier(single_server.url("reader", creds), secret=secret, namespace="acl-test")
     value = bytes(range(256)) * 400
     assert writer.put("fx_graph", "k", value)
-    assert reader.get("fx_graph", "k") == value
+    assert reader.get("fx_graph", "k").value == value
     assert reader.put("fx_graph", "k2", b"from a reader") is False
-    assert writer.get("fx_graph", "k2") is None
+    assert writer.get("fx_graph", "k2").value is None
     snapshot = reader.stats.to_dict()["remote"]["fx_graph"]
     assert snapshot["hits"] == 1 and snapshot["errors"] == 0
 
@@ -159,6 +159,8 @@ def test_allow_lists_are_exactly_what_the_store_needs(single_server):
     k = f"{KEY_PREFIX}x"
     samples = {"get": ("GET", k), "mget": ("MGET", k, k), "exists": ("EXISTS", k), "strlen": ("STRLEN", k),
                "getrange": ("GETRANGE", k, "0", "1"), "set": ("SET", k, "v", "NX", "EX", "10"),
+               "hlen": ("HLEN", k), "hkeys": ("HKEYS", k), "hgetall": ("HGETALL", k),
+               "hset": ("HSET", k, "f", "v"), "hdel": ("HDEL", k, "f"),
                "unlink": ("UNLINK", k), "del": ("DEL", k), "scan": ("SCAN", "0", "MATCH", f"{KEY_PREFIX}*"),
                "ping": ("PING",), "hello": ("HELLO", "2"), "auth": ("AUTH", "u", "p"),
                "client|setname": ("CLIENT", "SETNAME", "n"), "readonly": ("READONLY",), "asking": ("ASKING",),
@@ -191,18 +193,18 @@ def test_store_full_path_with_writer_and_reader_credentials(single_server):
     blobs = list(admin.scan_iter(f"{KEY_PREFIX}{ns}:b:*"))
     assert len(blobs) == 5
     admin.delete(*blobs)
-    assert reader.get("fx_graph", "large") is None  # blob gone: a miss
+    assert reader.get("fx_graph", "large").value is None  # blob gone: a miss
     assert writer.put("fx_graph", "large", large)  # the pointer's blob was evicted: repaired
     # The same blob under another key finds its chunks there already and checks them: still a writer.
     assert writer.put("cpp_object", "same-bytes", large) and writer.put("fx_graph", "after", small)
-    assert reader.get("cpp_object", "same-bytes") == large
+    assert reader.get("cpp_object", "same-bytes").value == large
     for tier in (writer, reader):
-        assert tier.get("fx_graph", "small") == small and tier.get("fx_graph", "large") == large
+        assert tier.get("fx_graph", "small").value == small and tier.get("fx_graph", "large").value == large
     assert writer.key_ids() == {writer.key_id: 4}
     with pytest.raises(redis.exceptions.NoPermissionError):
         reader.key_ids()  # SCAN is the writer's only
-    assert writer.delete("fx_graph", "small") and reader.get("fx_graph", "small") is None
-    assert writer.clear() >= 4 and reader.get("fx_graph", "large") is None
+    assert writer.delete("fx_graph", "small") and reader.get("fx_graph", "small").value is None
+    assert writer.clear() >= 4 and reader.get("fx_graph", "large").value is None
     for tier in (writer, reader):
         counts = tier.stats.to_dict()["remote"]["fx_graph"]
         assert counts["errors"] == 0 and counts["rejected"] == 0, counts

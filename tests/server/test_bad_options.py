@@ -7,7 +7,7 @@ import socket
 
 import pytest
 from click.testing import CliRunner
-from _ports import free_port_block
+from _redis import free_port_block
 
 from warmstart.cli import cli
 from warmstart.server import ServerState
@@ -51,6 +51,14 @@ def test_unwritable_dir(tmp_path):
     # A path under a regular file cannot be created, even by root (chmod would not stop root).
     result = _start("--dir", str(blocker / "server"), "--port", str(free_port_block(1)))
     _assert_one_line(result, "--dir", "not writable")
+
+
+def test_server_dir_variable_is_the_default_dir(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("WARMSTART_SERVER_DIR", str(blocker / "server"))
+    result = _start("--port", str(free_port_block(1)))
+    _assert_one_line(result, "--dir", str(blocker / "server"), "not writable")
 
 
 def test_missing_redis_server(server_dir, monkeypatch, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 from _cli import start_json as _start_json
-from _ports import free_port_block
+from _redis import free_port_block
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -36,7 +36,7 @@ def test_cluster_of_three_serves_store_hits(server_dir):
     # A different client (another job) reads every entry back with the read-only credentials.
     reader = RemoteTier(info["reader_url"], secret=secret, namespace="cluster-test")
     for key, value in values.items():
-        assert reader.get("fx_graph", key) == value
+        assert reader.get("fx_graph", key).value == value
     counts = reader.stats.to_dict()["remote"]["fx_graph"]
     assert counts["hits"] == 30 and counts["misses"] == 0 and counts["errors"] == 0
     assert reader.put("fx_graph", "k-new", b"x") is False
@@ -66,7 +66,7 @@ def test_cluster_of_three_serves_store_hits(server_dir):
     assert again["writer_url"] == info["writer_url"] and again["mode"] == "cluster"
     writer = RemoteTier(again["writer_url"], secret=secret, namespace="cluster-test")
     assert writer.put("fx_graph", "after-restart", b"r" * 10_000)
-    assert writer.get("fx_graph", "after-restart") == b"r" * 10_000
+    assert writer.get("fx_graph", "after-restart").value == b"r" * 10_000
 
 
 def test_tls_works_and_plaintext_is_refused(server_dir, tls_files):
@@ -78,7 +78,7 @@ def test_tls_works_and_plaintext_is_refused(server_dir, tls_files):
     secret = open(info["secret_file"], "rb").read().strip()
     writer = RemoteTier(info["writer_url"], secret=secret, namespace="tls")
     assert writer.put("fx_graph", "k", b"over tls" * 100)
-    assert RemoteTier(info["reader_url"], secret=secret, namespace="tls").get("fx_graph", "k") == b"over tls" * 100
+    assert RemoteTier(info["reader_url"], secret=secret, namespace="tls").get("fx_graph", "k").value == b"over tls" * 100
 
     no_retry = dict(retry=Retry(NoBackoff(), 0), socket_timeout=2, socket_connect_timeout=2)
     password = Credentials.load(server_dir).passwords["writer"]
@@ -133,7 +133,7 @@ def test_tls_cluster_serves_the_store_and_its_bus_wants_a_client_certificate(ser
     for name, value in values.items():
         assert writer.put("fx_graph", name, value)
     reader = RemoteTier(info["reader_url"], keys=signing.load_key_file(info["verify_key_file"]), namespace="tls-cluster")
-    assert all(reader.get("fx_graph", name) == value for name, value in values.items())
+    assert all(reader.get("fx_graph", name).value == value for name, value in values.items())
 
     bus = base + 10000
     # Plaintext on the bus: no Cluster message is accepted; the TLS server answers with at most an

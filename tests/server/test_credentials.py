@@ -11,7 +11,7 @@ import stat
 
 import pytest
 from _cli import passwords, run, start_json
-from _ports import free_port_block
+from _redis import free_port_block
 
 from warmstart.compile_cache import open_store, signing
 from warmstart.compile_cache.remote import RemoteTier, connect
@@ -98,14 +98,14 @@ def test_jobs_configured_from_the_files_write_and_read(server_dir, tmp_path):
     writer.put("fx_graph", "small", b"s" * 500, sync=True)
     writer.put("fx_graph", "big", big, sync=True)
     reader = store(info["reader_url_file"], info["verify_key_file"], "r")
-    assert reader.get("fx_graph", "small") == b"s" * 500 and reader.get("fx_graph", "big") == big
+    assert reader.get("fx_graph", "small").value == b"s" * 500 and reader.get("fx_graph", "big").value == big
     assert reader.stats.get("remote", "fx_graph").hits == 2
 
     sneaky = store(info["writer_url_file"], info["verify_key_file"], "x")
     sneaky.put("fx_graph", "planted", b"p" * 500, sync=True)
     assert sneaky.flush(timeout=10)
     assert sneaky.stats.get("remote", "fx_graph").dropped == 1
-    assert writer.remote.get("fx_graph", "planted") is None
+    assert writer.remote.get("fx_graph", "planted").value is None
     assert writer.remote.key_ids() == {info["key_id"]: 2}
 
 
@@ -122,10 +122,10 @@ def test_rotate_key_pair(server_dir):
     new_reader_keys = signing.load_key_file(info["verify_key_file"])
     assert new_writer_keys.key_id == new_reader_keys.key_id != old_reader_keys.key_id
     # Readers on the new public key start a key space of their own; those still on the old one keep their hits.
-    assert RemoteTier(info["reader_url"], keys=new_reader_keys, namespace="rot").get("fx_graph", "k") is None
-    assert RemoteTier(info["reader_url"], keys=old_reader_keys, namespace="rot").get("fx_graph", "k") == b"old" * 100
+    assert RemoteTier(info["reader_url"], keys=new_reader_keys, namespace="rot").get("fx_graph", "k").value is None
+    assert RemoteTier(info["reader_url"], keys=old_reader_keys, namespace="rot").get("fx_graph", "k").value == b"old" * 100
     assert RemoteTier(info["writer_url"], keys=new_writer_keys, namespace="rot").put("fx_graph", "k", b"new" * 100)
-    assert RemoteTier(info["reader_url"], keys=new_reader_keys, namespace="rot").get("fx_graph", "k") == b"new" * 100
+    assert RemoteTier(info["reader_url"], keys=new_reader_keys, namespace="rot").get("fx_graph", "k").value == b"new" * 100
 
 
 def test_passwords_stay_out_of_error_messages(server_dir, caplog):
@@ -142,5 +142,5 @@ def test_passwords_stay_out_of_error_messages(server_dir, caplog):
     assert run("stop", "--dir", str(server_dir)).exit_code == 0  # now every connection fails
     caplog.set_level(logging.DEBUG, logger="warmstart")
     tier = RemoteTier(info["writer_url"], secret=b"s", namespace="down")
-    assert tier.get("fx_graph", "k") is None and tier.put("fx_graph", "k", b"v") is False
+    assert tier.get("fx_graph", "k").value is None and tier.put("fx_graph", "k", b"v") is False
     assert caplog.records and all(password not in r.getMessage() for r in caplog.records)

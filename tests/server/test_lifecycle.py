@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from _cli import start_json as _start_json
-from _ports import free_port_block
+from _redis import free_port_block
 
 from warmstart.cli import cli
 from warmstart.compile_cache.remote import RemoteTier
@@ -44,8 +44,8 @@ def test_start_status_stop(server_dir):
     tier = RemoteTier(info["writer_url"], secret=secret, namespace="team-a")
     for i in range(5):
         assert tier.put("fx_graph", f"k{i}", os.urandom(20_000))
-    assert tier.get("fx_graph", "k0") is not None and tier.get("fx_graph", "k1") is not None
-    assert tier.get("fx_graph", "missing") is None
+    assert tier.get("fx_graph", "k0").value is not None and tier.get("fx_graph", "k1").value is not None
+    assert tier.get("fx_graph", "missing").value is None
     other = RemoteTier(info["writer_url"], secret=secret, namespace="team-b")
     assert other.put("autotune", "k", os.urandom(1000))
 
@@ -95,7 +95,7 @@ def test_restart_with_same_dir_keeps_credentials_and_options(server_dir):
     assert open(second["secret_file"], "rb").read() == secret
     assert second["maxmemory"] == 24 * 1024**2
     tier = RemoteTier(second["writer_url"], secret=secret.strip(), namespace="n")
-    assert tier.put("pgo", "k", b"v" * 100) and tier.get("pgo", "k") == b"v" * 100
+    assert tier.put("pgo", "k", b"v" * 100) and tier.get("pgo", "k").value == b"v" * 100
 
 
 def test_aof_keeps_the_cache_across_a_restart(server_dir):
@@ -104,7 +104,7 @@ def test_aof_keeps_the_cache_across_a_restart(server_dir):
     assert RemoteTier(info["writer_url"], secret=secret, namespace="n").put("fx_graph", "k", b"kept" * 1000)
     assert _run("stop", "--dir", str(server_dir)).exit_code == 0
     info = _start_json("--dir", str(server_dir))
-    assert RemoteTier(info["reader_url"], secret=secret, namespace="n").get("fx_graph", "k") == b"kept" * 1000
+    assert RemoteTier(info["reader_url"], secret=secret, namespace="n").get("fx_graph", "k").value == b"kept" * 1000
 
 
 def test_second_start_from_the_same_dir_is_refused(server_dir):
@@ -121,7 +121,7 @@ def test_metrics_endpoint_serves_prometheus_text(server_dir):
     assert info["metrics_url"] == f"http://127.0.0.1:{metrics_port}/metrics"
     secret = open(info["secret_file"], "rb").read().strip()
     tier = RemoteTier(info["writer_url"], secret=secret, namespace="metrics-ns")
-    assert tier.put("fx_graph", "k", b"x" * 5000) and tier.get("fx_graph", "k")
+    assert tier.put("fx_graph", "k", b"x" * 5000) and tier.get("fx_graph", "k").value
     with urllib.request.urlopen(info["metrics_url"], timeout=5) as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()
@@ -225,11 +225,11 @@ def test_rotate_writer_password_and_secret_on_a_running_server(server_dir):
     # The new secret starts a key space of its own: the old entry is a miss (never read, never
     # overwritten), a new write is a hit, and a job still on the old secret keeps its entry.
     reader = RemoteTier(reader_url, secret=new_secret, namespace="n")
-    assert reader.get("fx_graph", "k") is None
+    assert reader.get("fx_graph", "k").value is None
     assert reader.stats.to_dict()["remote"]["fx_graph"]["misses"] == 1
     assert RemoteTier(writer_url, secret=new_secret, namespace="n").put("fx_graph", "k", b"new" * 500)
-    assert reader.get("fx_graph", "k") == b"new" * 500
-    assert RemoteTier(reader_url, secret=old_secret, namespace="n").get("fx_graph", "k") == b"old" * 500
+    assert reader.get("fx_graph", "k").value == b"new" * 500
+    assert RemoteTier(reader_url, secret=old_secret, namespace="n").get("fx_graph", "k").value == b"old" * 500
 
 
 def test_rotate_needs_something_to_rotate(server_dir):

@@ -1,4 +1,5 @@
-"""The cold-vs-warm start benchmark (CONTRACT §6): the reference job as baseline, cold and warm.
+"""The cold-vs-warm start benchmark: the reference job as baseline, cold and warm
+(docs/reference.md#the-main-job).
 
 Each configuration runs the reference job under ``torchrun`` (2 ranks, one restart allowed), and
 each attempt of each configuration lands on "a new machine": a fresh ``HOME``, ``TMPDIR``,
@@ -7,11 +8,11 @@ Inductor, Triton and warmstart cache directory, made by a two-line shell launche
 directory of its own (not under the work dir), so that DataLoader workers' ``AF_UNIX`` sockets fit in
 107 bytes whatever the caller's ``TMPDIR``. Only the checkpoint folder (durable storage)
 and the shared cache server survive a restart, as in a fleet. ``baseline`` runs without warmstart;
-``cold`` runs with warmstart on and a throwaway ``warmstart server`` that starts empty; ``warm``
-runs against the same server, filled by ``cold``. The ETT figures come from the metrics calculator
-over each configuration's run directory. This module owns the orchestration (server, launches,
-progress, results); the job is ``reference_job`` and the page and table are built here from the
-metrics package's report code.
+``cold`` runs with warmstart on and a throwaway cache server (``warmstart.server``) that starts
+empty; ``warm`` runs against the same server, filled by ``cold``. The ETT figures come from the
+metrics calculator over each configuration's run directory. This module owns the orchestration
+(server, launches, progress, results); the job is ``reference_job``. The table is built here; the
+page is the figures table followed by the metrics package's report of the three runs.
 
 A watchdog stops a configuration that records no new ETT event for ``stall_timeout_s``: it first
 has every rank dump its Python stacks into the log (the job registers ``faulthandler`` on
@@ -22,6 +23,7 @@ attempt, each rank's last stage and the log.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import os
 import shlex
@@ -46,7 +48,8 @@ CONFIGS = ("baseline", "cold", "warm")
 
 FIGURES = ("time_to_start_s", "time_to_recover_s", "compile_s", "sharding_plan_s", "checkpoint_blocking_s",
            "e2e_s", "ett_pct")
-"""The per-configuration figures of the table and of ``--json`` (CONTRACT §6), in table order."""
+"""The per-configuration figures of the table and of ``--json``, in table order
+(docs/reference.md#the-main-job)."""
 
 # The "new machine" of every attempt: fresh local directories, made before Python (and with it
 # warmstart's start-up hook, Inductor and Triton) reads any of them. $1: the configuration's machines
@@ -105,7 +108,8 @@ class ConfigResult:
     """warmstart store counters summed over the attempts that exited cleanly: kind -> hits/misses/..."""
 
     def figures(self) -> dict[str, Any]:
-        """The CONTRACT §6 figures of this configuration, plus what the test and the docs use."""
+        """The figures of this configuration (docs/reference.md#the-main-job), plus what the test and the
+        docs use."""
         r = self.result
         buckets = r.buckets
         compile_counters: dict[str, int] = {}
@@ -177,8 +181,8 @@ def ratios(results: dict[str, ConfigResult]) -> dict[str, float | None]:
 
 
 def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str, Any]:
-    """The ``--json`` object: ``baseline``, ``cold``, ``warm`` (CONTRACT §6), ``warm_vs_baseline``
-    ratios, and the settings the figures were measured with."""
+    """The ``--json`` object (docs/reference.md#the-main-job): ``baseline``, ``cold``, ``warm``,
+    ``warm_vs_baseline`` ratios, and the settings the figures were measured with."""
     out: dict[str, Any] = {name: res.figures() for name, res in results.items()}
     out["warm_vs_baseline"] = ratios(results)
     job = options.job
@@ -567,9 +571,12 @@ class _EventTail:
 
 # -- the throwaway cache server ------------------------------------------------------------------------
 
-@dataclasses.dataclass
+_SERVER_MAXMEMORY = 1024**3  # room for every artifact of the reference job, cold's and warm's
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheServer:
-    """A ``warmstart server`` started for the benchmark and stopped after it."""
+    """A cache server (one local node on a free port) started for the benchmark and stopped after it."""
 
     directory: Path
     writer_url: str
@@ -577,24 +584,29 @@ class CacheServer:
 
     @classmethod
     def start(cls, directory: Path) -> CacheServer:
-        """``warmstart server start --dir DIRECTORY --port <free> --json``.
+        """Start a server whose configuration, credentials and data live in ``directory``.
 
         Raises:
             BenchError: the server did not start (its message is passed on).
         """
-        cmd = [sys.executable, "-m", "warmstart", "server", "start", "--dir", str(directory),
-               "--port", str(_free_port()), "--maxmemory", "1GiB", "--json"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise BenchError(f"could not start the cache server: {done.stderr.strip() or done.stdout.strip()}")
-        info = json.loads(done.stdout)
-        writer_url = Path(info["writer_url_file"]).read_text().strip()
-        return cls(directory=directory, writer_url=writer_url, signing_key_file=info["signing_key_file"])
+        from warmstart import server
+
+        try:
+            state = server.start(server.ServerOptions(dir=directory, port=_free_port(), maxmemory=_SERVER_MAXMEMORY))
+            credentials = server.Credentials.load(directory)
+        except (WarmstartError, OSError, subprocess.SubprocessError) as exc:
+            raise BenchError(f"could not start the cache server: {exc}") from None
+        return cls(directory=directory, writer_url=state.url("writer", credentials),
+                   signing_key_file=str(credentials.signing_key_file))
 
     def stop(self) -> None:
-        """``warmstart server stop --dir DIRECTORY`` (errors are ignored: it is a throwaway server)."""
-        subprocess.run([sys.executable, "-m", "warmstart", "server", "stop", "--dir", str(self.directory)],
-                       capture_output=True, timeout=120)
+        """Stop the server and wait for its processes; a failure is ignored (the server is a throwaway)."""
+        from warmstart import server
+
+        try:
+            server.stop(self.directory)
+        except (WarmstartError, OSError):
+            pass
 
 
 def _free_port() -> int:
@@ -603,13 +615,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# -- the page ------------------------------------------------------------------------------------------
+# -- the table and the page ----------------------------------------------------------------------------
 
+_TITLE = "warmstart bench cold-vs-warm"
 _LABELS = {
     "time_to_start_s": "time to start (s)", "time_to_recover_s": "time to recover (s)",
     "compile_s": "compile (s)", "sharding_plan_s": "sharding plan (s)",
     "checkpoint_blocking_s": "checkpoint blocking (s)", "e2e_s": "end to end (s)", "ett_pct": "ETT %",
 }
+_HEADERS = ("figure", *CONFIGS, "warm / baseline")
 
 
 def table_rows(results: dict[str, ConfigResult]) -> list[list[Any]]:
@@ -625,28 +639,58 @@ def table_rows(results: dict[str, ConfigResult]) -> list[list[Any]]:
 
 
 def render_page(results: dict[str, ConfigResult]) -> str:
-    """A self-contained HTML page: the side-by-side table, then the three runs' timelines and
-    breakdowns next to each other (the metrics package's report, one column per configuration)."""
-    import html
-
+    """A self-contained HTML page: the figures of the three configurations side by side, then the
+    metrics package's report of their runs (timelines and breakdowns), embedded as the whole page
+    it renders."""
     from warmstart.metrics.report import render_html
 
-    page = render_html([results[name].result for name in CONFIGS], title="warmstart bench cold-vs-warm")
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("figure", *CONFIGS, "warm / baseline"))
+    report = render_html([results[name].result for name in CONFIGS], title=f"{_TITLE}: the runs")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(_TITLE)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table.bench {{ border-collapse: collapse; margin-bottom: 1.5em; }}
+table.bench th, table.bench td {{ padding: 2px 10px; text-align: right; }}
+table.bench th:first-child, table.bench td:first-child {{ text-align: left; }}
+table.bench thead {{ border-bottom: 1px solid #aaa; }}
+iframe.report {{ width: 100%; height: 100vh; border: none; }}
+</style>
+<script>{_FIT_FRAME_JS}</script>
+</head><body><h1>{html.escape(_TITLE)}</h1>
+{_figures_table(results)}
+<iframe class="report" title="ETT report of the three runs" onload="fitToContent(this)"
+  srcdoc='{_attribute(report)}'></iframe>
+</body></html>
+"""
+
+
+# The embedded report grows to its content's height, so the page has one scroll bar. A browser that
+# keeps the embedded page out of the script's reach leaves it at the window's height, scrolling.
+_FIT_FRAME_JS = """
+function fitToContent(frame) {
+  var doc = frame.contentDocument;
+  if (!doc || !window.ResizeObserver) return;
+  var fit = function () {
+    frame.style.height = Math.ceil(doc.documentElement.getBoundingClientRect().height) + "px";
+  };
+  new ResizeObserver(fit).observe(doc.documentElement);
+  fit();
+}
+"""
+
+
+def _figures_table(results: dict[str, ConfigResult]) -> str:
+    """The table of :func:`table_rows` as HTML."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in _HEADERS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>"
                    for row in table_rows(results))
-    labels = "".join(f"<div class=\"config\">{html.escape(name)}</div>" for name in CONFIGS)
-    summary_html = (f"<table class=\"bench\"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-                    f"<div class=\"configs\">{labels}</div><div class=\"runs\">")
-    style = ("<style>.runs, .configs { display: grid; grid-template-columns: repeat(3, minmax(0, 1fr)); gap: 1em; }"
-             " .config { font-size: 1.4em; font-weight: bold; text-align: center; }"
-             " table.bench { margin-bottom: 1.5em; } .runs section.run { min-width: 0; }</style>")
-    page = page.replace("</head>", style + "</head>", 1)
-    first = page.find("<section class=\"run\">")
-    last = page.rfind("</body>")
-    if first < 0 or last < 0:  # an unexpected page: keep the report whole, table first
-        return page.replace("</h1>", "</h1>" + summary_html + "</div>", 1)
-    return page[:first] + summary_html + page[first:last] + "</div>" + page[last:]
+    return f'<table class="bench"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _attribute(text: str) -> str:
+    """``text`` as the value of a single-quoted HTML attribute. Only what would end the value or
+    start a character reference is escaped, so the embedded page reads as written in the file."""
+    return text.replace("&", "&amp;").replace("'", "&#39;")
 
 
 def _fmt(value: Any) -> str:

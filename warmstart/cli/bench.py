@@ -1,4 +1,4 @@
-"""``warmstart bench cold-vs-warm``: the main job (CONTRACT §6) from the command line.
+"""``warmstart bench cold-vs-warm``: the main job (docs/reference.md#the-main-job) from the command line.
 
 A thin layer over :mod:`warmstart.bench.cold_vs_warm`: options, a progress display while the three
 configurations run, the side-by-side table, and the ``--json`` / ``--html`` files.
@@ -30,7 +30,7 @@ def group() -> None:
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the figures of baseline, cold and warm (and the ratios) to this file.")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write a self-contained page with the three timelines side by side.")
+              help="Write a self-contained page: the figures side by side, then each run's breakdown and timeline.")
 @click.option("--steps", type=click.IntRange(min=4), default=120, show_default=True,
               help="Training steps of each job (across its restart).")
 @click.option("--tables", type=click.IntRange(min=1), default=64, show_default=True, help="Embedding tables.")

@@ -1,10 +1,8 @@
-"""``warmstart cache stats|doctor|clear``: the compile cache seen from the command line."""
+"""``warmstart cache stats|doctor|explain|clear``: the compile cache seen from the command line."""
 
 from __future__ import annotations
 
-import os
-import time
-import uuid
+from pathlib import Path
 
 import click
 
@@ -125,161 +123,122 @@ def clear(local_: bool, remote: bool) -> None:
 
 
 @group.command()
-def doctor() -> None:
+@json_option
+def doctor(as_json: bool) -> None:
     """Check the configuration end to end and say what is wrong in plain words.
 
     Checks settings, the local directory, the server URL, authentication, the secret, the
     namespace, a write/read round trip and latency, and whether the server holds entries signed
     with other secrets (which this job never reads). Also warns when TMPDIR is too long for
-    DataLoader workers' sockets (AF_UNIX paths: 107 bytes). Exit code 1 if any check fails.
+    DataLoader workers' sockets (AF_UNIX paths: 107 bytes).
+
+    Exit code 0 when every check passes (warnings allowed), 1 when a check fails, 2 when a
+    setting is malformed. --json prints one object with these keys:
+
+    \b
+      ok              true unless a check failed
+      checks          [{"name", "status": "ok" | "warn" | "fail", "detail"}], in the order run
+      namespace       {"id", "components": {"format", "torch", "triton", "python_abi",
+                      "cpu_isa", "gpu_arch", "user"}}; null without a remote tier to check
+      key_id          key id of the signing key or secret in use; null without one
+      key_id_entries  entries on the server under key_id; null when not counted
+      other_key_ids   {key id: entries} signed with other keys; null when not counted
 
     \b
     Example:
       WARMSTART=1 WARMSTART_CACHE_URL=redis://writer:pw@cache:6379/0 \\
-      WARMSTART_SECRET_FILE=/etc/warmstart/secret warmstart cache doctor
+      WARMSTART_SECRET_FILE=/etc/warmstart/secret warmstart cache doctor --json
     """
-    from warmstart.config import Settings
-    from warmstart.errors import ConfigError
+    from warmstart.compile_cache.doctor import diagnose
 
-    checks: list[tuple[str, bool | None, str]] = []  # (what, ok / None = warning, detail)
-
-    def check(what: str, ok: bool | None, detail: str) -> None:
-        checks.append((what, ok, detail))
-
-    try:
-        settings = Settings.from_env()
-    except ConfigError as exc:
-        check("settings", False, str(exc))
-        _print_checks(checks)
+    diagnosis = diagnose()
+    if as_json:
+        emit_json(diagnosis.to_dict())
+    else:
+        _print_checks(diagnosis.checks)
+    if not diagnosis.settings_valid:
+        raise SystemExit(2)
+    if not diagnosis.ok:
         raise SystemExit(1)
-    check("settings", True, f"mode {settings.mode}, local dir {settings.cache_dir}")
-    check("enabled", True if settings.enabled else None,
-          "WARMSTART=1" if settings.enabled else "WARMSTART is not 1: jobs will not use the cache")
-    _check_local(settings, check)
-    _check_remote(settings, check)
-    _check_tmpdir(check)
-    _print_checks(checks)
-    if any(ok is False for _, ok, _ in checks):
-        raise SystemExit(1)
-
-
-def _check_tmpdir(check) -> None:
-    # DataLoader workers' AF_UNIX sockets live under TMPDIR: warn when they would not fit
-    from warmstart.compile_cache.doctor_checks import tmpdir_check
-
-    ok, detail = tmpdir_check()
-    check("TMPDIR", ok, detail)
-
-
-def _check_local(settings, check) -> None:
-    from warmstart.compile_cache import LocalTier
-    from warmstart.compile_cache.local import UnsafeCacheDir, check_private
-
-    try:
-        if not settings.cache_dir_shared:
-            check_private(settings.cache_dir)
-        tier = LocalTier(settings.cache_dir, settings.cache_size)
-        probe = uuid.uuid4().hex
-        ok = tier.put("doctor", probe, b"ok") and tier.get("doctor", probe) == b"ok"
-        tier._cache.delete(f"doctor:{probe}")
-        tier.close()
-        check("local tier", ok, f"{settings.cache_dir} is writable, limit {_human_bytes(settings.cache_size)}"
-              if ok else f"{settings.cache_dir}: write/read round trip failed")
-    except UnsafeCacheDir as exc:
-        check("local tier", False, f"{exc}: jobs refuse it (chmod 700 it, or set WARMSTART_CACHE_DIR_SHARED=1 if it "
-              "is shared on purpose)")
-    except Exception as exc:
-        check("local tier", False, f"{settings.cache_dir}: {exc}")
-
-
-def _check_remote(settings, check) -> None:
-    import redis
-
-    from warmstart.compile_cache import RemoteTier, signing
-    from warmstart.compile_cache.namespace import components, namespace
-    from warmstart.config import redact_url
-    from warmstart.errors import ConfigError
-
-    if not settings.cache_url:
-        check("remote tier", None, "WARMSTART_CACHE_URL is not set: local tier only")
-        return
-
-    try:
-        keys = signing.keys_for(settings.key_file, settings.secret)
-    except ConfigError as exc:
-        check("signing key", False, str(exc))
-        return
-    if keys is None:
-        check("signing key", False, "no WARMSTART_KEY_FILE, WARMSTART_SECRET or WARMSTART_SECRET_FILE: jobs will "
-              "refuse the remote tier")
-        return
-    if keys.scheme == "ed25519":
-        role = "private key: signs and verifies" if keys.can_sign else "public key: verifies only, never writes"
-        check("signing key", True, f"Ed25519 {role} (key id {keys.key_id})")
-    else:
-        check("signing key", True, f"{len(settings.secret)}-byte HMAC secret (key id {keys.key_id}); every holder can sign: "
-              "prefer WARMSTART_KEY_FILE (Ed25519) for shared caches")
-    ns = namespace(settings.namespace)
-    parts = components(settings.namespace)
-    check("namespace", True, f"{ns} (torch {parts['torch']}, {parts['python_abi']}, {parts['gpu_arch']}, "
-          f"cpu {parts['cpu_isa'].split(':')[0]})")
-    tier = RemoteTier(settings.cache_url, keys=keys, namespace=ns)
-    redacted = redact_url(settings.cache_url)
-    try:
-        start = time.perf_counter()
-        tier.ping()
-        latency_ms = (time.perf_counter() - start) * 1000
-    except redis.exceptions.AuthenticationError as exc:
-        check("server", False, f"{redacted}: authentication failed ({exc}); check the user and password in the URL")
-        return
-    except redis.exceptions.ResponseError as exc:
-        check("server", False, f"{redacted}: {exc}")
-        return
-    except Exception as exc:
-        check("server", False, f"{redacted}: cannot connect ({type(exc).__name__}: {exc})")
-        return
-    check("server", True, f"{redacted} answers in {latency_ms:.1f} ms")
-    probe = f"doctor-{uuid.uuid4().hex}"
-    if settings.mode == "rw" and keys.can_sign:
-        if not tier.put("doctor", probe, os.urandom(4096)):
-            check("write", False, "the server refused a write: read-only credentials? use WARMSTART_CACHE_MODE=ro "
-                  "for readers, or the writer URL")
-        else:
-            start = time.perf_counter()
-            ok = tier.get("doctor", probe) is not None
-            tier.delete("doctor", probe)
-            check("round trip", ok, f"wrote and read back a signed entry in {(time.perf_counter() - start) * 1000:.1f} ms"
-                  if ok else "wrote an entry but could not read it back")
-    else:
-        tier.get("doctor", probe)
-        c = tier.stats.get("remote", "doctor")
-        check("read", c.errors == 0, "reads work (read-only mode: no write attempted)" if c.errors == 0
-              else "reads fail: does this user have read permission?")
-    _check_key_ids(tier, check)
-    tier.close()
-
-
-def _check_key_ids(tier, check) -> None:
-    try:
-        counts = tier.key_ids()
-    except Exception as exc:  # a reader without SCAN rights on a hardened server: skip the check
-        check("secret in use", None, f"could not list entries ({type(exc).__name__})")
-        return
-    ours, others = counts.pop(tier.key_id, 0), counts
-    if others:
-        names = ", ".join(f"{kid} ({n})" for kid, n in sorted(others.items(), key=lambda kv: -kv[1])[:3])
-        check("secret in use", None,
-              f"{ours} entries under this secret's key id {tier.key_id}; {sum(others.values())} under other "
-              f"secrets: {names}. Jobs never read entries signed with another secret: give every job of "
-              f"the team the same WARMSTART_SECRET_FILE (old key ids fade out by LRU after a rotation)")
-    else:
-        check("secret in use", True, f"{ours} entries under this secret's key id {tier.key_id}")
 
 
 def _print_checks(checks) -> None:
     from rich.console import Console
 
+    from warmstart.compile_cache.doctor import FAIL, OK
+
+    marks = {OK: "[green]  ok[/]", FAIL: "[red]FAIL[/]"}
     console = Console(soft_wrap=True)
-    for what, ok, detail in checks:
-        mark = "[green]  ok[/]" if ok else ("[yellow]warn[/]" if ok is None else "[red]FAIL[/]")
-        console.print(f"{mark}  [bold]{what}[/]: {detail}", highlight=False)
+    for check in checks:
+        mark = marks.get(check.status, "[yellow]warn[/]")
+        console.print(f"{mark}  [bold]{check.name}[/]: {check.detail}", highlight=False)
+
+
+@group.command()
+@click.argument("run_dir", required=False, type=click.Path(path_type=Path, file_okay=False, exists=True))
+@json_option
+def explain(run_dir: Path | None, as_json: bool) -> None:
+    """Why the last job (or the job of RUN_DIR) missed the cache, and what to change.
+
+    Every process of a job logs its misses with their reasons in RUN_DIR/cache-misses/. This
+    command adds what the server knows: whether each missed entry exists for another namespace
+    or signed with another key, and in which namespace components (torch version, CPU ISA,
+    Python ABI, GPU arch, user namespace, ...) this machine differs from the entries it holds.
+    Without RUN_DIR, the last job that used this machine's cache directory.
+
+    --json prints one object with these keys:
+
+    \b
+      reasons         {reason: count}; reasons: absent, evicted, other_key_id, rejected,
+                      other_namespace, skipped
+      misses          [{"kind", "key", "reason", "tier", "detail"}], oldest first
+      by_kind         {kind: {reason: count}}
+      namespace_diff  components in which this machine differs from the closest namespace
+                      the server holds entries for
+      namespace       {"id", "key_id", "components"} of this machine
+      others          [{"namespace", "key_id", "differs": {component: [this machine, theirs]}}]
+      advice          what to change, one line each
+      server          the server asked (password hidden), or why none was
+
+    \b
+    Example:
+      warmstart cache explain warmstart-runs/job-1 --json
+    """
+    from warmstart.compile_cache.explain import explain as explain_misses
+    from warmstart.config import Settings
+
+    try:
+        result = explain_misses(Settings.from_env(), run_dir)
+    except FileNotFoundError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        emit_json(result.to_dict())
+        return
+    _print_explanation(result)
+
+
+def _print_explanation(result) -> None:
+    from rich.console import Console
+
+    from warmstart.compile_cache import KINDS
+    from warmstart.compile_cache.storage import MISS_REASONS
+
+    console = Console(soft_wrap=True)
+    total = len(result.misses)
+    console.print(f"[bold]{total}[/] misses in {result.run_dir}; server: {result.server}", highlight=False)
+    if total:
+        by_kind = result.by_kind()
+        reasons = [r for r in MISS_REASONS if result.reasons.get(r)]
+        rows = [[KINDS.get(kind, kind), *[counts.get(r, 0) for r in reasons], sum(counts.values())]
+                for kind, counts in by_kind.items()]
+        print_table("misses by kind and reason", ["kind", *reasons, "total"], rows)
+    if result.others:
+        names = sorted(result.components)
+        columns = ["component", "this machine", *[f"{o['namespace']} ({o['key_id']})" for o in result.others[:4]]]
+        rows = [[name, result.components.get(name, ""),
+                 *[o["differs"].get(name, [None, "same"])[1] for o in result.others[:4]]] for name in names]
+        print_table("namespaces on the server", columns, rows, justify=["left"] * len(columns))
+    if result.namespace_diff:
+        console.print(f"this machine differs in: [bold]{', '.join(result.namespace_diff)}[/]", highlight=False)
+    for line in result.advice():
+        console.print(f"- {line}", highlight=False)

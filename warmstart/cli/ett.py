@@ -66,7 +66,7 @@ def group() -> None:
 def report(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None) -> None:
     """ETT% of each run with its two-level breakdown (L1 figures, L2 buckets).
 
-    RUN_DIR holds the run's *.jsonl event files (CONTRACT §4), searched recursively.
+    RUN_DIR holds the run's *.jsonl event files (docs/reference.md#events), searched recursively.
 
     \b
     Example:

@@ -1,4 +1,4 @@
-"""``warmstart server start|status|stop``: the shared cache server (CONTRACT §3).
+"""``warmstart server start|status|stop``: the shared cache server (docs/reference.md#commands).
 
 A thin layer over :mod:`warmstart.server`. Options left out of ``start`` take the values the
 previous start from the same ``--dir`` used (kept in ``state.json``), then the defaults, so a
@@ -13,11 +13,12 @@ from pathlib import Path
 import click
 
 from warmstart.cli._output import emit_json, json_option, print_table
-from warmstart.config import parse_size
+from warmstart.config import parse_size, server_settings
 
 _DIR_OPTION = click.option(
-    "--dir", "directory", type=click.Path(path_type=Path, file_okay=False), envvar="WARMSTART_SERVER_DIR",
-    default=None, help="Server directory: config, secrets, logs, data. [default: ~/.local/state/warmstart/server]")
+    "--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=None,
+    help="Server directory: config, secrets, logs, data. "
+         "[default: $WARMSTART_SERVER_DIR, else ~/.local/state/warmstart/server]")
 
 
 @click.group()
@@ -193,9 +194,7 @@ _UNSET = object()
 
 
 def _default_dir() -> Path:
-    from warmstart.server import default_dir
-
-    return default_dir()
+    return server_settings().dir
 
 
 def _merge_with_previous(directory: Path, given: dict, *, no_tls: bool):

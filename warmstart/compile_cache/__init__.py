@@ -11,9 +11,10 @@ import logging
 import threading
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from warmstart.compile_cache.storage import KINDS, Storage, warn_once
+from warmstart.compile_cache.storage import KINDS, Hit, Miss, ReadOnly, Storage, StoreObserver, warn_once
 from warmstart.config import Settings, redact_url
 
 if TYPE_CHECKING:
@@ -33,8 +34,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f"warmstart.compile_cache.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
-__all__ = ["KINDS", "LocalTier", "RemoteTier", "Stats", "Storage", "TieredStore", "get_store", "open_store",
-           "reset_store", "set_store", "stats_path"]
+__all__ = ["KINDS", "Hit", "LocalTier", "Miss", "ReadOnly", "RemoteTier", "Stats", "Storage", "StoreObserver",
+           "TieredStore", "add_observer", "get_store", "open_store", "reset_store", "set_store", "stats_path"]
 
 log = logging.getLogger("warmstart.cache")
 
@@ -42,6 +43,32 @@ _store: "TieredStore | None" = None
 _store_lock = threading.Lock()
 _store_loaded = False
 _warned_no_secret = False
+_observers: list["StoreObserver | Callable[[], StoreObserver]"] = []
+
+
+def add_observer(observer: "StoreObserver | Callable[[], StoreObserver]") -> None:
+    """Attach ``observer`` to the process-wide store, now and whenever it is built again.
+
+    ``observer`` may also be a function that makes one, called only when a store is built: the
+    start-up hook registers the metrics' observer that way, so a process that never touches the
+    cache never imports the metrics.
+    """
+    if observer in _observers:  # enable() after the start-up hook: attach once
+        return
+    _observers.append(observer)
+    if _store is not None:
+        _attach(_store, [observer])
+
+
+def _attach(store: "TieredStore", observers: list) -> None:
+    for observer in observers:
+        try:
+            made = observer if hasattr(observer, "looked_up") else observer()
+        except Exception as exc:  # a broken observer costs its reports, never the store
+            warn_once("observer", "warmstart: a cache observer could not be attached (%s: %s)", type(exc).__name__, exc)
+            continue
+        if made not in store.observers:
+            store.add_observer(made)
 
 
 def stats_path(settings: Settings) -> Path:
@@ -52,7 +79,10 @@ def stats_path(settings: Settings) -> Path:
 def open_store(settings: Settings | None = None, *, persist_stats: bool = True) -> "TieredStore | None":
     """Build the store ``settings`` describe (the environment when omitted).
 
-    Returns ``None`` when the mode is ``off``. Entries are signed with ``settings.key_file``
+    Returns ``None`` when the mode is ``off``; in mode ``ro`` both tiers are wrapped in
+    :class:`ReadOnly`, and so is the remote tier of a key that can only verify. With
+    ``persist_stats`` the store merges its counts into the cache directory at exit and logs its
+    misses for ``warmstart cache explain`` (see ``miss_log.py``). Entries are signed with ``settings.key_file``
     (Ed25519) when set, else with ``settings.secret`` (HMAC); with neither the remote tier is
     refused with one warning and the store is local-only.
 
@@ -65,7 +95,8 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
         ConfigError: ``settings`` omitted and a variable in the environment is malformed.
     """
     global _warned_no_secret
-    from warmstart.compile_cache.namespace import namespace
+    from warmstart.compile_cache.miss_log import MissLog
+    from warmstart.compile_cache.namespace import components, namespace
     from warmstart.compile_cache.remote import RemoteTier
     from warmstart.compile_cache.stats import Stats
     from warmstart.compile_cache.tiered import TieredStore
@@ -82,7 +113,12 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
 
             keys = signing.keys_for(settings.key_file, settings.secret)
             if keys is not None:
-                remote = RemoteTier(settings.cache_url, keys=keys, namespace=namespace(settings.namespace), stats=stats)
+                remote = RemoteTier(settings.cache_url, keys=keys, namespace=namespace(settings.namespace),
+                                    components=components(settings.namespace), stats=stats)
+                if not keys.can_sign:
+                    log.info("warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
+                             keys.scheme, keys.key_id)
+                    remote = ReadOnly(remote, "verify-only key")
             elif not _warned_no_secret:
                 log.warning("warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET, WARMSTART_SECRET_FILE or "
                             "WARMSTART_KEY_FILE: remote cache refused (unsigned entries would run unverified code); "
@@ -93,8 +129,16 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
                       redact_url(settings.cache_url), type(exc).__name__, _scrub(str(exc), settings.cache_url))
     if local is None and remote is None:
         return None
+    if settings.mode == "ro":
+        local = ReadOnly(local, "WARMSTART_CACHE_MODE=ro") if local is not None else None
+        remote = ReadOnly(remote, "WARMSTART_CACHE_MODE=ro") if remote is not None and not isinstance(remote, ReadOnly) else remote
+    observers = []
+    if persist_stats:
+        observers.append(MissLog(None, settings.cache_dir if local is not None else None,
+                                 namespace=namespace(settings.namespace),
+                                 key_id=remote.key_id if remote is not None else ""))
     # Counts go next to a usable local tier only: never into a directory that was refused.
-    return TieredStore(local, remote, mode=settings.mode, stats=stats,
+    return TieredStore(local, remote, stats=stats, observers=observers,
                        stats_file=stats_path(settings) if persist_stats and local is not None else None)
 
 
@@ -139,6 +183,8 @@ def get_store() -> "TieredStore | None":
             try:
                 settings = Settings.from_env()
                 _store = open_store(settings) if settings.enabled else None
+                if _store is not None:
+                    _attach(_store, _observers)
             except Exception as exc:  # called from torch's hooks: a bad setting turns the cache off, no more
                 warn_once("settings", "warmstart: compile cache off in this process: %s", exc)
                 _store = None
@@ -154,7 +200,10 @@ def reset_store() -> None:
 
 
 def set_store(store: "TieredStore | None") -> None:
-    """Make ``store`` the process-wide store (``warmstart.enable`` and tests use this)."""
+    """Make ``store`` the process-wide store (``warmstart.enable`` and tests use this); the
+    observers added with :func:`add_observer` are attached to it."""
     global _store, _store_loaded
     with _store_lock:
         _store, _store_loaded = store, True
+        if store is not None:
+            _attach(store, _observers)

@@ -30,10 +30,6 @@ class CircuitBreaker:
         self._lock = threading.Lock()
         self._warned = False
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     def allow(self) -> bool:
         """True if a call may go to the tier now."""
         return not self._open

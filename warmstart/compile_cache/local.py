@@ -17,7 +17,7 @@ from pathlib import Path
 import diskcache
 
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import warn_once
+from warmstart.compile_cache.storage import ABSENT, SKIPPED, Hit, Lookup, Miss, warn_once
 
 log = logging.getLogger("warmstart.cache")
 
@@ -67,25 +67,27 @@ class LocalTier:
             timeout=2.0, disk_min_file_size=64 * 1024,
         )
 
-    def get(self, kind: str, key: str) -> bytes | None:
+    def get(self, kind: str, key: str) -> Lookup:
+        """A :class:`Hit`, or a :class:`Miss`: ``absent``, or ``skipped`` when the tier is off
+        (damaged) or the lookup failed (a lock held too long, an I/O error). Never raises."""
         if self._off:
             self.stats.add(self.name, kind, misses=1)
-            return None
+            return Miss(SKIPPED, self.name, "local tier off (damaged)")
         start = time.perf_counter()
         try:
             item = self._cache.get(f"{kind}:{key}", default=None, tag=True)
         except Exception as exc:  # diskcache.Timeout, sqlite errors, a full disk
             self.stats.add(self.name, kind, errors=1, misses=1)
             self._failed("get", exc)
-            return None
+            return Miss(SKIPPED, self.name, f"{type(exc).__name__}: {exc}")
         value, cost = item if item is not None else (None, None)
         if value is None:
             self.stats.add(self.name, kind, misses=1)
-            return None
+            return Miss(ABSENT, self.name)
         elapsed = time.perf_counter() - start
         self.stats.add(self.name, kind, hits=1, bytes_read=len(value), read_s=elapsed,
                        saved_s=max(0.0, (cost or 0.0) - elapsed))
-        return bytes(value)
+        return Hit(bytes(value), self.name, cost or 0.0)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
         if self._off:
@@ -109,6 +111,10 @@ class LocalTier:
         self._off = True
         warn_once(f"local-corrupt:{self.directory}", "warmstart: local cache tier off: %s is damaged (%s: %s); "
                   "remove it to start afresh", self.directory / "store", type(exc).__name__, exc)
+
+    def delete(self, kind: str, key: str) -> bool:
+        """Remove one entry; True if it was there."""
+        return bool(self._cache.delete(f"{kind}:{key}"))
 
     def volume(self) -> int:
         """Bytes on disk."""

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
-from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 import zstandard
@@ -41,8 +42,8 @@ from warmstart import _defaults
 from warmstart.compile_cache import signing
 from warmstart.compile_cache.breaker import CircuitBreaker
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import warn_once
-from warmstart.config import compression_level, validate_cache_url
+from warmstart.compile_cache.storage import ABSENT, EVICTED, REJECTED, SKIPPED, Hit, Lookup, Miss, warn_once
+from warmstart.config import url_options, validate_cache_url
 from warmstart.errors import IntegrityError
 
 log = logging.getLogger("warmstart.cache")
@@ -51,9 +52,11 @@ KEY_PREFIX = "ws:"
 _COMPRESS_MIN = 1024
 _PROBE_BYTES = 64 * 1024  # compress this much first; skip compressing what does not shrink
 _PROBE_ABOVE = 1024 * 1024  # below this, compressing everything costs less than probing first
-_URL_OPTIONS = {"ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
-                "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes"),
-                "socket_timeout": float, "socket_connect_timeout": float}
+REGISTRY_KEY = KEY_PREFIX + "registry"
+"""A hash: one field per namespace and signing key id that wrote to this server (``<namespace>/<key
+id>``), holding the namespace's components as JSON. ``warmstart cache explain`` reads it to name
+what differs between this machine and the entries the server holds, without scanning keys."""
+_REGISTRY_MAX_FIELDS = 1000  # a larger registry is not read: explaining must stay cheap for the server
 #: Failures that say the server (or cluster) cannot serve now: they open the circuit breaker.
 _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                 redis.exceptions.RedisClusterException,  # "cannot be connected", SlotNotCoveredError
@@ -176,18 +179,15 @@ def connect(url: str, *, connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEO
     Cluster clients connect lazily on first use, like single-node ones.
     """
     validate_cache_url(url)
+    options = url_options(url)
+    options.pop("compress", None)  # warmstart's own option: redis-py must not see it
     parts = urlsplit(url)
-    query = parse_qs(parts.query)
-    if "compress" in query:  # warmstart's own option: redis-py must not see it
-        query.pop("compress")
-        parts = parts._replace(query=urlencode(query, doseq=True))
-        url = urlunsplit(parts)
-    options = {name: _URL_OPTIONS[name](values[-1]) for name, values in query.items() if name in _URL_OPTIONS}
+    url = urlunsplit(parts._replace(query=""))  # redis-py gets the options as arguments instead
     common = dict(socket_connect_timeout=options.pop("socket_connect_timeout", connect_timeout),
                   socket_timeout=options.pop("socket_timeout", socket_timeout))
     if not parts.scheme.endswith("+cluster"):
         return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                                    redis_connect_func=_on_connect, **common)
+                                    redis_connect_func=_on_connect, **common, **options)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     nodes = []
@@ -232,6 +232,8 @@ class RemoteTier:
             writes, whatever the URL's credentials allow.
         secret: shorthand for ``keys=signing.HmacKeys(secret)``.
         namespace: compatibility namespace (see ``namespace.py``); keys never cross namespaces.
+        components: what ``namespace`` is made of (``namespace.components``): registered on the
+            server after the first write, so that ``warmstart cache explain`` can compare machines.
         stats: where to count; a private ``Stats`` when omitted.
     """
 
@@ -241,7 +243,7 @@ class RemoteTier:
     min_bytes_per_s: float = _defaults.REMOTE_MIN_BYTES_PER_S
 
     def __init__(self, url: str, *, keys: signing.Keys | None = None, secret: bytes | None = None,
-                 namespace: str, stats: Stats | None = None,
+                 namespace: str, components: Mapping[str, str] | None = None, stats: Stats | None = None,
                  ttl_s: int = _defaults.REMOTE_TTL_S, chunk_bytes: int = _defaults.CHUNK_BYTES,
                  inline_bytes: int = _defaults.INLINE_BYTES) -> None:
         if keys is None:
@@ -252,6 +254,7 @@ class RemoteTier:
             raise ValueError("RemoteTier takes keys or secret, not both")
         self.url = url
         self.namespace = namespace
+        self.components = components
         self.stats = stats or Stats()
         self.keys = keys
         self._ttl_s = ttl_s
@@ -260,15 +263,12 @@ class RemoteTier:
         self._client = connect(url)
         self._prefix = f"{KEY_PREFIX}{namespace}:"
         self.key_id = keys.key_id
-        self._read_only = not keys.can_sign  # a verify-only key never writes, even with a writer URL
-        if not keys.can_sign:
-            log.info("warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
-                     keys.scheme, keys.key_id)
+        self._write_refused = False  # the server said NOPERM to a write: read-only credentials
+        self._registered = False
         self._rejected_logged = False
         self._error_logged = False
         self.breaker = CircuitBreaker(self.ping, name="remote")
-        compress = parse_qs(urlsplit(url).query).get("compress")
-        self._level = compression_level(compress[-1]) if compress else _defaults.COMPRESS_LEVEL
+        self._level = url_options(url).get("compress", _defaults.COMPRESS_LEVEL)
         self._codecs = threading.local()
 
     # python-zstandard's compressors and decompressors must not be used by two threads at once (it
@@ -299,47 +299,46 @@ class RemoteTier:
         return [f"{self._prefix}b:{{{digest}}}:{i}" for i in range(chunks)]
 
     # -- Storage -----------------------------------------------------------------------------
-    def get(self, kind: str, key: str) -> bytes | None:
-        found = self.fetch(kind, key)
-        return found[0] if found else None
-
     @_bounded
-    def fetch(self, kind: str, key: str) -> tuple[bytes, float] | None:
-        """Like :meth:`get`, also returning the producer's cost in seconds."""
+    def get(self, kind: str, key: str) -> Lookup:
+        """A :class:`Hit` (with the producer's cost), or a :class:`Miss`: ``absent``, ``evicted`` (the
+        record is there, a chunk of its blob is not), ``rejected`` (does not verify: never returned),
+        or ``skipped`` (breaker open, or this lookup failed). Never raises."""
         if not self.breaker.allow():
             self.stats.add(self.name, kind, misses=1)
-            return None
+            return Miss(SKIPPED, self.name, "breaker open (the server failed recently)")
         start = time.perf_counter()
         try:
             record = self._client.get(self._pointer_key(kind, key))
             if record is None:
                 self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
-                return None
+                return Miss(ABSENT, self.name)
             pointer, blob = self.keys.verify(record, namespace=self.namespace, kind=kind, key=key)
             if pointer.chunks:
                 blob = self._read_blob(pointer)
                 if blob is None:  # blob evicted before its pointer
                     self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
-                    return None
+                    return Miss(EVICTED, self.name, f"{pointer.chunks} chunk(s) of a {pointer.size}-byte blob")
             value = self._zd.decompress(blob) if pointer.compressed else blob
         except IntegrityError as exc:
             self.stats.add(self.name, kind, rejected=1, misses=1)
             if not self._rejected_logged:
                 log.warning("warmstart: rejected a remote %s entry: %s (treated as a miss)", kind, exc)
                 self._rejected_logged = True
-            return None
+            return Miss(REJECTED, self.name, str(exc))
         except Exception as exc:
             self._failed(kind, exc)
             # Time lost waiting on a failing server is part of what the cache cost the job.
             self.stats.add(self.name, kind, read_s=time.perf_counter() - start)
-            return None
+            return Miss(SKIPPED, self.name, f"{type(exc).__name__}: {exc}")
         elapsed = time.perf_counter() - start
         self.stats.add(self.name, kind, hits=1, bytes_read=len(blob), read_s=elapsed,
                        saved_s=max(0.0, pointer.cost_s - elapsed))
-        return value, pointer.cost_s
+        return Hit(value, self.name, pointer.cost_s)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
-        if self._read_only or not self.breaker.allow():
+        # A verify-only key cannot sign, whatever the URL's credentials allow.
+        if not self.keys.can_sign or self._write_refused or not self.breaker.allow():
             self.stats.add(self.name, kind, dropped=1)
             return False
         blob, compressed = self._compress(value)
@@ -372,6 +371,8 @@ class RemoteTier:
             self._failed(kind, exc, writing=True)
             return False
         self.stats.add(self.name, kind, writes=1, bytes_written=len(blob))
+        if not self._registered:
+            self.register()
         return True
 
     def _compress(self, value: bytes) -> tuple[bytes, bool]:
@@ -457,7 +458,7 @@ class RemoteTier:
     def _failed(self, kind: str, exc: Exception, writing: bool = False) -> None:
         if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
             if writing:  # read-only credentials: stop trying to write, keep reading
-                self._read_only = True
+                self._write_refused = True
                 self.stats.add(self.name, kind, dropped=1)
                 log.warning("warmstart: remote cache credentials are read-only; not writing to it")
             else:
@@ -479,6 +480,59 @@ class RemoteTier:
     def ping(self) -> None:
         """Raise unless the server answers (within the operation deadline)."""
         self._client.ping()
+
+    @_bounded
+    def register(self) -> bool:
+        """Record this namespace and key id, with the namespace's components, in the server's
+        registry (:data:`REGISTRY_KEY`); done once per process, after its first write. Never raises:
+        a server whose ACL predates the registry just goes without it."""
+        self._registered = True
+        if self.components is None:
+            return False
+        entry = {"namespace": self.namespace, "key_id": self.key_id, "scheme": self.keys.scheme,
+                 "components": dict(self.components), "ts": round(time.time(), 3)}
+        try:
+            self._client.hset(REGISTRY_KEY, f"{self.namespace}/{self.key_id}", json.dumps(entry, sort_keys=True))
+            return True
+        except Exception as exc:
+            log.debug("warmstart: could not register namespace %s on the server: %s", self.namespace, exc)
+            return False
+
+    @_bounded
+    def registry(self) -> list[dict[str, object]]:
+        """The namespaces and key ids registered on the server (see :meth:`register`), each a dict
+        with ``namespace``, ``key_id``, ``scheme``, ``components`` and ``ts``. Written by anyone with
+        writer credentials: for explaining misses, never for trusting an entry.
+
+        Raises:
+            redis.RedisError: the server cannot be asked.
+        """
+        if self._client.hlen(REGISTRY_KEY) > _REGISTRY_MAX_FIELDS:
+            return []
+        entries = []
+        for raw in self._client.hgetall(REGISTRY_KEY).values():
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("components"), dict):
+                entries.append(entry)
+        return entries
+
+    @_bounded
+    def holders(self, kind: str, key: str, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Which of ``pairs`` (namespace, key id) hold a record for ``kind``/``key``: the entry a
+        job missed may exist for another namespace or under another key.
+
+        Raises:
+            redis.RedisError: the server cannot be asked.
+        """
+        if not pairs:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for ns, key_id in pairs:
+            pipe.exists(f"{KEY_PREFIX}{ns}:p:{kind}:{key_id}:{key}")
+        return [pair for pair, found in zip(pairs, pipe.execute()) if found]
 
     def delete(self, kind: str, key: str) -> bool:
         """Remove one entry's pointer (its blob, shared by content, is left to LRU eviction)."""
@@ -511,6 +565,10 @@ class RemoteTier:
                 batch = []
         if batch:
             deleted += self._delete(batch)
+        fields = [f for f in self._client.hkeys(REGISTRY_KEY) if (f.decode() if isinstance(f, bytes) else f)
+                  .startswith(f"{self.namespace}/")] if self._client.hlen(REGISTRY_KEY) <= _REGISTRY_MAX_FIELDS else []
+        if fields:
+            self._client.hdel(REGISTRY_KEY, *fields)
         return deleted
 
     def _delete(self, keys: list) -> int:

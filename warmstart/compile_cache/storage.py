@@ -119,6 +119,14 @@ class ReadOnly:
             stats.add(self.name, kind, dropped=1)
         return False
 
+    @property
+    def stats(self):  # the wrapped tier's counters, so a store can share one set across tiers
+        return self.storage.stats
+
+    @stats.setter
+    def stats(self, stats) -> None:
+        self.storage.stats = stats
+
     def __getattr__(self, name: str):  # stats, close, directory, ... of the wrapped tier
         return getattr(self.storage, name)
 

@@ -6,12 +6,15 @@ tier at once and to the remote tier from a background thread, so compilation nev
 network; ``flush`` (also run at exit, for at most ``EXIT_FLUSH_S``) drains them. Queued writes hold
 at most ``WRITE_QUEUE_BYTES`` of values: past that a write is dropped (counted), so a slow server
 never makes the job's memory grow with the artifacts it compiles.
-Read-only mode (``WARMSTART_CACHE_MODE=ro``) writes to no tier at all.
+Read-only tiers (:class:`~warmstart.compile_cache.storage.ReadOnly`: ``WARMSTART_CACHE_MODE=ro``, a
+verify-only key) are never queued for. Each lookup's outcome, and each wait on the remote tier, goes
+to the store's observers (the metrics package attaches one that records ETT spans).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -20,38 +23,41 @@ import time
 from pathlib import Path
 
 from warmstart import _defaults
-from warmstart.compile_cache.local import LocalTier
-from warmstart.compile_cache.remote import RemoteTier
+from collections.abc import Iterable
+
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import warn_once
+from warmstart.compile_cache.storage import ABSENT, SKIPPED, Lookup, Miss, ReadOnly, Storage, StoreObserver, warn_once
 
 log = logging.getLogger("warmstart.cache")
 
 
 class TieredStore:
-    """Local tier plus optional remote tier, as one store.
+    """Local tier plus optional remote tier, as one :class:`Storage`.
 
     Args:
         local: the local tier (``None`` for none).
         remote: the remote tier (``None`` for local only).
-        mode: ``rw`` or ``ro``.
+        stats: the counters the tiers share (the store's ``stats``).
         stats_file: where this process's counts are merged at exit (``None``: not persisted).
         queue_bytes: most bytes of values waiting for background writes; a write past it is dropped.
+        observers: told of every lookup and every wait on the remote tier (see :meth:`add_observer`).
     """
+
+    name = "store"
 
     exit_flush_s: float = _defaults.EXIT_FLUSH_S
     """How long :meth:`close` (run at exit) waits for background writes."""
 
-    def __init__(self, local: LocalTier | None, remote: RemoteTier | None, *, mode: str = "rw",
-                 stats: Stats | None = None, stats_file: Path | None = None,
-                 queue_bytes: int = _defaults.WRITE_QUEUE_BYTES) -> None:
+    def __init__(self, local: Storage | None, remote: Storage | None, *, stats: Stats | None = None,
+                 stats_file: Path | None = None, queue_bytes: int = _defaults.WRITE_QUEUE_BYTES,
+                 observers: Iterable[StoreObserver] = ()) -> None:
         self.local = local
         self.remote = remote
-        self.mode = mode
         self.stats = stats or Stats()
         for tier in (local, remote):  # one set of counters for the whole store
             if tier is not None:
                 tier.stats = self.stats
+        self.observers: list[StoreObserver] = list(observers)
         self.stats_file = stats_file
         self.queue_bytes = queue_bytes
         self.queued_bytes = 0
@@ -63,76 +69,89 @@ class TieredStore:
         self._closed = False
         atexit.register(self.close)
 
-    @property
-    def tiers(self) -> list:
-        return [t for t in (self.local, self.remote) if t is not None]
+    def add_observer(self, observer: StoreObserver) -> None:
+        """Tell ``observer`` of every lookup from now on."""
+        self.observers.append(observer)
 
-    def get(self, kind: str, key: str) -> bytes | None:
-        """The value from the nearest tier that has it, or ``None``. Never raises."""
+    def get(self, kind: str, key: str) -> Lookup:
+        """A hit from the nearest tier that has it, or the miss of the farthest tier asked (the
+        remote tier's reason says more than the local one's). Never raises."""
         try:
-            return self._get(kind, key)
+            result = self._get(kind, key)
         except Exception as exc:  # tiers never raise; this holds whatever changes under them
             warn_once(f"store-get:{type(exc).__name__}", "warmstart: cache lookup failed (%s: %s); treated as a miss",
                       type(exc).__name__, exc)
-            return None
+            result = Miss(SKIPPED, self.name,
+                          f"{type(exc).__name__}: {exc}")
+        for observer in self.observers:
+            try:
+                observer.looked_up(kind, key, result)
+            except Exception:  # an observer must never cost a lookup
+                log.debug("store observer failed", exc_info=True)
+        return result
 
-    def _get(self, kind: str, key: str) -> bytes | None:
-        if self.local is not None and (value := self.local.get(kind, key)) is not None:
-            return value
+    def _get(self, kind: str, key: str) -> Lookup:
+        result: Lookup = Miss(ABSENT, self.name, "no tier")
+        if self.local is not None:
+            result = self.local.get(kind, key)
+            if result:
+                return result
         if self.remote is None:
-            return None
-        found = self._fetch_remote(kind, key)
-        if found is None:
-            return None
-        value, cost_s = found
-        if self.local is not None and self.mode == "rw":
-            self._enqueue(self.local, kind, key, value, cost_s)
-        return value
+            return result
+        with self._waiting(kind):
+            result = self.remote.get(kind, key)
+        if result and self.local is not None and not isinstance(self.local, ReadOnly):
+            self._enqueue(self.local, kind, key, result.value, result.cost_s)
+        return result
 
-    def _fetch_remote(self, kind: str, key: str) -> tuple[bytes, float] | None:
-        # A ``cache_fetch`` span in the job's ETT events: the time spent waiting on the shared cache,
-        # in the bucket of the work it stands in for (so the buckets do not change, only the detail).
-        # Only on a recorder the process already has: compile workers read the cache too.
-        from warmstart.metrics.recorder import existing_recorder
+    @contextlib.contextmanager
+    def _waiting(self, kind: str):
+        # Each observer's span around the wait on the shared cache; one that fails is left out.
+        with contextlib.ExitStack() as stack:
+            for observer in self.observers:
+                try:
+                    stack.enter_context(observer.waiting(kind))
+                except Exception:
+                    log.debug("store observer failed", exc_info=True)
+            yield
 
-        recorder = existing_recorder()
-        if recorder is None:
-            return self.remote.fetch(kind, key)
-        bucket = "sharding_plan" if kind == "sharding_plan" else "compile"
-        recorder.begin("cache_fetch", bucket)
+    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
+        """Store ``value`` in every writable tier (remote in the background unless ``sync``).
+
+        Returns:
+            True if some tier took it (or queued it). Never raises.
+        """
         try:
-            return self.remote.fetch(kind, key)
-        finally:
-            recorder.end("cache_fetch", bucket)
-
-    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> None:
-        """Store ``value`` in every tier (remote in the background unless ``sync``). Never raises."""
-        try:
-            self._put(kind, key, value, cost_s=cost_s, sync=sync)
+            return self._put(kind, key, value, cost_s=cost_s, sync=sync)
         except Exception as exc:
             warn_once(f"store-put:{type(exc).__name__}", "warmstart: cache write failed (%s: %s); not cached",
                       type(exc).__name__, exc)
+            return False
 
-    def _put(self, kind: str, key: str, value: bytes, *, cost_s: float, sync: bool) -> None:
-        if self.mode != "rw":
-            return
-        if self.local is not None:
-            self.local.put(kind, key, value, cost_s=cost_s)
+    def _put(self, kind: str, key: str, value: bytes, *, cost_s: float, sync: bool) -> bool:
+        stored = False
+        if self.local is not None:  # a read-only tier refuses at once, and counts it
+            stored = self.local.put(kind, key, value, cost_s=cost_s)
         if self.remote is None:
-            return
-        if sync:
-            self.remote.put(kind, key, value, cost_s=cost_s)
-            return
-        self._enqueue(self.remote, kind, key, value, cost_s)
+            return stored
+        if sync or isinstance(self.remote, ReadOnly):
+            return self.remote.put(kind, key, value, cost_s=cost_s) or stored
+        return self._enqueue(self.remote, kind, key, value, cost_s) or stored
 
-    def _enqueue(self, tier, kind: str, key: str, value: bytes, cost_s: float) -> None:
+    @property
+    def writable(self) -> bool:
+        """Whether any tier takes writes (``WARMSTART_CACHE_MODE=ro`` makes none)."""
+        return any(t is not None and not isinstance(t, ReadOnly) for t in (self.local, self.remote))
+
+    def _enqueue(self, tier: Storage, kind: str, key: str, value: bytes, cost_s: float) -> bool:
         self._ensure_writer()
         with self._queued_lock:
             if self.queued_bytes + len(value) > self.queue_bytes:
                 self.stats.add(tier.name, kind, dropped=1)
-                return
+                return False
             self.queued_bytes += len(value)
         self._queue.put_nowait((tier, kind, key, value, cost_s))
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued background writes are done; False if ``timeout`` ran out first."""

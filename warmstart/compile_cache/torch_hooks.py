@@ -19,7 +19,7 @@ What it plugs in, all through the process-wide store (``get_store()``):
 * a job identity for Dynamo's PGO state (``TORCH_COMPILE_JOB_ID``) when the user set none, and a
   count of recompilations.
 
-Patches are applied when the torch modules are first imported (a post-import hook), so a process
+Patches are applied when the torch modules are first imported (see ``import_hooks.py``), so a process
 that never compiles never pays for importing Inductor. Every patch fails open: if warmstart's part of
 a hooked call raises (a key, the store), torch's own behaviour runs instead (a cache miss, a plain
 build) after one warning per process, and torch's own errors pass through unchanged.
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import re
@@ -41,6 +39,8 @@ import time
 from collections.abc import Callable, MutableMapping
 from types import ModuleType
 from typing import Any
+
+from warmstart.compile_cache import import_hooks
 
 log = logging.getLogger("warmstart.cache")
 
@@ -162,51 +162,8 @@ def _entry_from_command_line(args: list[str]) -> str | None:
 
 # -- installing patches on import ------------------------------------------------------------
 
+#: torch module -> its patch, handed to ``import_hooks`` by :func:`install`.
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {}
-_applied: set[str] = set()
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Runs a patch right after a watched module has executed, whoever imports it."""
-
-    def find_spec(self, fullname, path, target=None):  # noqa: D401 - importlib protocol
-        if fullname not in _PATCHES or fullname in _applied:
-            return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        _apply(module.__name__, module)
-
-    def __getattr__(self, name: str):
-        return getattr(self._loader, name)
-
-
-def _apply(name: str, module: ModuleType) -> None:
-    if name in _applied:
-        return
-    _applied.add(name)
-    try:
-        _PATCHES[name](module)
-    except Exception:  # a torch change must cost caching, never the job
-        log.warning("warmstart: could not hook %s (torch %s; checked against %s); compiling uncached",
-                    name, getattr(sys.modules.get("torch"), "__version__", "?"), ", ".join(TORCH_VERSIONS_CHECKED),
-                    exc_info=log.isEnabledFor(logging.DEBUG))
 
 
 def install() -> None:
@@ -214,11 +171,18 @@ def install() -> None:
 
     When torch was imported before ``warmstart.enable()``, its config modules are switched on in place.
     """
-    if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportFinder())
-    for name in list(_PATCHES):
-        if name in sys.modules:
-            _apply(name, sys.modules[name])
+    for name, patch in _PATCHES.items():
+        import_hooks.on_import(name, functools.partial(_apply, name, patch))
+    import_hooks.install()
+
+
+def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -> None:
+    try:
+        patch(module)
+    except Exception:  # a torch change must cost caching, never the job
+        log.warning("warmstart: could not hook %s (torch %s; checked against %s); compiling uncached",
+                    name, getattr(sys.modules.get("torch"), "__version__", "?"), ", ".join(TORCH_VERSIONS_CHECKED),
+                    exc_info=log.isEnabledFor(logging.DEBUG))
 
 
 # -- torch's switches, in this process's config ------------------------------------------------
@@ -290,12 +254,6 @@ def _fail_open(where: str, exc: BaseException) -> None:
                 exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-def on_import(module_name: str, patch: Callable[[ModuleType], None]) -> None:
-    """Run ``patch(module)`` once ``module_name`` is imported (at once if it already is, after
-    :func:`install`). Used by other parts of warmstart that hook torch."""
-    _PATCHES[module_name] = patch
-
-
 def _patch(module_name: str) -> Callable[[Callable[[ModuleType], None]], Callable[[ModuleType], None]]:
     def register(fn: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
         _PATCHES[module_name] = fn
@@ -335,7 +293,7 @@ def _install_store_backend(remote_cache: ModuleType) -> None:
                 from warmstart.compile_cache import get_store
 
                 store = get_store()
-                return store.get(self.kind, key) if store is not None else None
+                return store.get(self.kind, key).value if store is not None else None
             except Exception as exc:
                 _fail_open(f"{self.kind} cache read", exc)
                 return None
@@ -402,7 +360,7 @@ def _cpp_lookup(builder) -> Any:
         with _pch_lock:
             _deferred_pch[target[: -len(".gch")]] = (builder, key)
         return _DONE
-    data = store.get("cpp_object", key)
+    data = store.get("cpp_object", key).value
     if data is not None and _write_atomic(target, data):
         return _DONE
     return key
@@ -443,7 +401,7 @@ def _materialize_pch(command_line: str, original_build: Callable) -> None:
                 continue
             try:
                 store = get_store()
-                data = store.get("cpp_object", key) if store is not None else None
+                data = store.get("cpp_object", key).value if store is not None else None
                 fetched = data is not None and _write_atomic(target, data)
             except Exception as exc:
                 _fail_open("C++ object cache", exc)
@@ -519,7 +477,7 @@ def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
                     key = hashlib.sha256(f.read()).hexdigest()
             except OSError:
                 key = None
-            if store is not None and key is not None and store.get("isa_probe", key) == b"loads":
+            if store is not None and key is not None and store.get("isa_probe", key).value == b"loads":
                 return True
         except Exception as exc:
             _fail_open("vector-ISA probe cache", exc)

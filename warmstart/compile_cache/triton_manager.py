@@ -101,7 +101,7 @@ class WarmstartCacheManager(CacheManager):
         if os.path.exists(path):
             return path
         store = self._store()
-        data = store.get(KIND, f"{self.key}/{filename}") if store is not None else None
+        data = store.get(KIND, f"{self.key}/{filename}").value if store is not None else None
         if data is None:
             return None
         if filename.startswith("__grp__"):

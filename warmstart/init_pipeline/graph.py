@@ -12,13 +12,13 @@ A :class:`FailureChannel` (``stages.StoreFailureChannel`` over torch's TCPStore)
 ranks; a watchdog thread turns a peer's failure, or a collective stage past its timeout, into an
 error between stages or, when the calling thread is stuck inside a collective, into a clean abort of
 the process after ``abort_grace_s`` so that no rank hangs. Every stage is a span on the metrics
-recorder (CONTRACT §4). This module owns scheduling only: it imports no torch and knows no TorchRec
-(``stages.py`` has the ready-made TorchRec stages).
+recorder (docs/reference.md#events). This module owns scheduling only: it imports no torch and knows
+no TorchRec (``stages.py`` has the ready-made TorchRec stages; ``child_process.py`` runs process stages).
 
 Example:
     >>> g = StartupGraph("startup")
-    >>> g.add("config", lambda: {"lr": 0.1})
-    >>> g.add("model", lambda config: f"model(lr={config['lr']})", deps=["config"])
+    >>> config = g.add("config", lambda: {"lr": 0.1})
+    >>> model = g.add("model", lambda config: f"model(lr={config['lr']})", deps=[config.name])
     >>> g.run()["model"]
     'model(lr=0.1)'
 """
@@ -26,19 +26,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import graphlib
+import heapq
 import json
 import logging
-import multiprocessing
 import os
-import pickle
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from warmstart.errors import WarmstartError
+from warmstart.init_pipeline.child_process import call_in_subprocess
 
 log = logging.getLogger("warmstart.init_pipeline")
 
@@ -97,8 +97,8 @@ class Stage:
             metrics span name.
         fn: the work; called with one keyword argument per dependency.
         deps: names of the stages (or graph inputs) whose results it needs.
-        runs_on: ``thread``, ``process``, ``main`` or ``first`` (see :data:`RUNS_ON`).
-        collective: talks to other ranks: runs on the main thread in the graph's fixed order.
+        runs_on: ``thread``, ``process``, ``main`` or ``first`` (see :data:`RUNS_ON`); a collective
+            stage is a ``main`` stage, so it runs in the graph's fixed order.
         timeout_s: fail the stage (main stages: abort the rank) after this many seconds; ``None``
             means no limit for thread and process stages and the graph's collective timeout for main
             stages.
@@ -109,7 +109,6 @@ class Stage:
     fn: Callable[..., Any]
     deps: tuple[str, ...] = ()
     runs_on: str = "thread"
-    collective: bool = False
     timeout_s: float | None = None
     bucket: str | None = None
 
@@ -243,18 +242,11 @@ class StartupGraph:
             raise ValueError(f"stage {name!r} is declared twice")
         if runs_on not in RUNS_ON:
             raise ValueError(f"runs_on={runs_on!r} is not valid: expected one of {', '.join(RUNS_ON)}")
-        if collective:
+        if collective:  # the main thread is what keeps collectives in one order on every rank
             runs_on = "main"
-        stage = Stage(name, fn, tuple(deps), runs_on, collective, timeout_s, bucket)
+        stage = Stage(name, fn, tuple(deps), runs_on, timeout_s, bucket)
         self._stages[name] = stage
         return stage
-
-    def stage(self, name: str | None = None, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator form of :meth:`add`; the stage is named after the function unless ``name`` is given."""
-        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.add(name or fn.__name__, fn, **options)
-            return fn
-        return register
 
     @property
     def stages(self) -> dict[str, Stage]:
@@ -267,20 +259,29 @@ class StartupGraph:
             ValueError: a dependency is neither a stage nor an input, or the dependencies form a cycle.
         """
         known = set(inputs)
+        sorter: graphlib.TopologicalSorter[str] = graphlib.TopologicalSorter()
         for stage in self._stages.values():
             for dep in stage.deps:
                 if dep not in self._stages and dep not in known:
                     raise ValueError(f"stage {stage.name!r} depends on {dep!r}, which is neither a stage "
                                      f"nor an input (stages: {', '.join(self._stages)})")
-        done, order = set(known), []
-        pending = list(self._stages)
-        while pending:
-            ready = next((n for n in pending if all(d in done for d in self._stages[n].deps)), None)
-            if ready is None:
-                raise ValueError(f"the stages {', '.join(pending)} depend on each other in a cycle")
-            pending.remove(ready)
-            order.append(ready)
-            done.add(ready)
+            sorter.add(stage.name, *(d for d in stage.deps if d in self._stages))
+        try:
+            sorter.prepare()
+        except graphlib.CycleError as exc:
+            cycle = " -> ".join(reversed(exc.args[1]))  # graphlib lists each stage before a dependent
+            raise ValueError(f"the stages {cycle} depend on each other in a cycle (each on the next)") from None
+        # Every rank must get the same order (it is the order of the collectives), so of the stages
+        # ready at each step the first declared goes next, whatever order graphlib hands them out in.
+        index = {name: i for i, name in enumerate(self._stages)}
+        ready: list[tuple[int, str]] = []
+        order: list[str] = []
+        while sorter.is_active():
+            for name in sorter.get_ready():
+                heapq.heappush(ready, (index[name], name))
+            _, name = heapq.heappop(ready)
+            order.append(name)
+            sorter.done(name)
         return order
 
     # -- running -----------------------------------------------------------------------------------
@@ -402,19 +403,19 @@ class _Run:
                 threading.Thread(target=self._run_off_main, args=(stage,), daemon=True,
                                  name=f"warmstart-stage-{name}").start()
 
-    def _kwargs(self, stage: Stage) -> dict[str, Any]:
+    def _call(self, stage: Stage) -> Any:
+        """The stage's function on its dependencies' results, as a span (process stages in a child)."""
         with self.cond:
-            return {d: self.values[d] for d in stage.deps}
+            kwargs = {d: self.values[d] for d in stage.deps}
+        with self.recorder.span(stage.name, stage.bucket):
+            if stage.runs_on == "process":  # on the main thread only in a sequential run
+                return call_in_subprocess(stage.fn, kwargs, timeout_s=stage.timeout_s, name=stage.name)
+            return stage.fn(**kwargs)
 
     def _run_off_main(self, stage: Stage) -> None:
         start = time.monotonic()
         try:
-            with self.recorder.span(stage.name, stage.bucket):
-                if stage.runs_on == "process":
-                    value = call_in_subprocess(stage.fn, self._kwargs(stage), timeout_s=stage.timeout_s,
-                                               name=stage.name)
-                else:
-                    value = stage.fn(**self._kwargs(stage))
+            value = self._call(stage)
         except BaseException as exc:  # noqa: BLE001 - any error of a stage fails start-up, named
             self._fail(stage.name, exc)
             return
@@ -435,12 +436,7 @@ class _Run:
         with self.cond:
             self.main_stage = (name, start, timeout)
         try:
-            with self.recorder.span(stage.name, stage.bucket):
-                if stage.runs_on == "process":  # only in a sequential run
-                    value = call_in_subprocess(stage.fn, self._kwargs(stage), timeout_s=stage.timeout_s,
-                                               name=stage.name)
-                else:
-                    value = stage.fn(**self._kwargs(stage))
+            value = self._call(stage)
         except BaseException as exc:  # noqa: BLE001
             self._fail(name, exc)
             with self.cond:
@@ -528,73 +524,6 @@ class _Run:
         except Exception:  # noqa: BLE001 - metrics never stand in the way of the abort
             pass
         self.graph.abort(message)
-
-
-def call_in_subprocess(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None = None, *,
-                       timeout_s: float | None = None, name: str = "subprocess") -> Any:
-    """Run ``fn(**kwargs)`` in a forked child and return its (pickled) result.
-
-    The child inherits the parent's memory, so nothing but the result crosses the process boundary;
-    it holds its own GIL, so pure-Python work there does not slow the parent's threads. Where ``fork``
-    is not available the call runs in the calling thread.
-
-    Args:
-        fn: the work; it must not use threads of the parent (they do not exist in the child).
-        kwargs: its keyword arguments.
-        timeout_s: kill the child and raise ``TimeoutError`` after this many seconds.
-        name: used in error messages.
-
-    Returns:
-        What ``fn`` returned.
-
-    Raises:
-        Exception: what ``fn`` raised (re-raised in the parent when it pickles, else a ``RuntimeError``
-            carrying its text and traceback), ``TimeoutError``, or ``RuntimeError`` if the child died.
-    """
-    kwargs = dict(kwargs or {})
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return fn(**kwargs)
-    ctx = multiprocessing.get_context("fork")
-    receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(sender, fn, kwargs), name=f"warmstart-{name}", daemon=True)
-    child.start()
-    sender.close()
-    try:
-        if not receiver.poll(timeout_s):
-            raise TimeoutError(f"{name} did not finish within {timeout_s:g} s")
-        try:
-            status, payload = pickle.loads(receiver.recv_bytes())
-        except EOFError:
-            child.join(1.0)
-            raise RuntimeError(f"{name} subprocess died (exit code {child.exitcode}) before returning") from None
-    finally:
-        receiver.close()
-        if child.is_alive():
-            child.join(0.5)
-        if child.is_alive():
-            child.kill()
-            child.join(1.0)
-    if status == "ok":
-        return payload
-    if isinstance(payload, BaseException):
-        raise payload
-    raise RuntimeError(f"{name} subprocess failed:\n{payload}")
-
-
-def _child_main(sender: Any, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-    try:
-        result = ("ok", fn(**kwargs))
-        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        try:
-            data = pickle.dumps(("error", exc), protocol=pickle.HIGHEST_PROTOCOL)
-            pickle.loads(data)  # an exception that pickles but does not unpickle would fail the parent
-        except Exception:  # noqa: BLE001
-            data = pickle.dumps(("error", "".join(traceback.format_exception(exc))))
-    sender.send_bytes(data)
-    sender.close()
-    # Skip atexit hooks and finalizers inherited from the parent (stores, recorders, loggers).
-    os._exit(0)
 
 
 def _describe(exc: BaseException) -> str:

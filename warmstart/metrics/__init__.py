@@ -1,4 +1,4 @@
-"""ETT% metrics: record events (``Recorder``), compute the buckets of CONTRACT §4 (``load_runs``,
+"""ETT% metrics: record events (``Recorder``), compute the buckets of docs/reference.md#events (``load_runs``,
 ``compute``), and report them (``warmstart.metrics.report``).
 
 The recorder side is imported eagerly (the start-up hook needs it); the calculator only when used,
@@ -15,6 +15,7 @@ Example:
 from typing import Any
 
 from warmstart.metrics.auto import install_compile_spans
+from warmstart.metrics.cache_spans import CacheSpans
 from warmstart.metrics.events import Event, EventFormatError, TornLineWarning, read_events, write_events
 from warmstart.metrics.recorder import NullRecorder, Recorder, get_recorder, reset_process_recorder
 
@@ -23,7 +24,7 @@ _CALCULATOR = ("RunResult", "compute", "compute_runs", "load_runs")
 __all__ = [
     "Event", "EventFormatError", "TornLineWarning", "read_events", "write_events",
     *_CALCULATOR,
-    "Recorder", "NullRecorder", "get_recorder", "reset_process_recorder", "install_compile_spans",
+    "Recorder", "NullRecorder", "get_recorder", "reset_process_recorder", "install_compile_spans", "CacheSpans",
 ]
 
 

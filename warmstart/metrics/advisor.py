@@ -33,7 +33,7 @@ class IntervalAdvice:
     current_waste_pct: float | None = None
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready dict; ``interval_s`` and ``waste_pct`` are the keys CONTRACT §3 fixes."""
+        """JSON-ready dict; its keys are listed in docs/reference.md#warmstart-ett-interval."""
         return dataclasses.asdict(self)
 
 

@@ -1,4 +1,4 @@
-"""The ETT calculator of CONTRACT §4: events in, buckets out. Pure: no I/O but :func:`load_runs`.
+"""The ETT calculator (docs/reference.md#events): events in, buckets out. Pure: no I/O but :func:`load_runs`.
 
 Every second between a job's first ``attempt_start`` and its last ``attempt_end`` (or last event) lands
 in exactly one bucket, so the buckets always sum to end-to-end time:
@@ -16,9 +16,10 @@ in exactly one bucket, so the buckets always sum to end-to-end time:
 
 An attempt that is followed by another one but has neither a ``failure`` nor a ``train_end`` died
 without saying so (``SIGKILL``, an OOM kill): it counts as a failure of category ``unknown``.
-Span names are buckets (``checkpoint_save`` becomes ``checkpoint_blocking``); a span's ``bucket``
-field overrides its name. Ranks -1 and 0 (the lowest rank when there is no rank 0) define the job's
-timeline; every rank's own spans and steps give its per-rank breakdown over that same timeline.
+A span's time goes to its ``bucket`` field, else its name, mapped through the table in
+``buckets.py`` (``checkpoint_save`` becomes ``checkpoint_blocking``). Ranks -1 and 0 (the lowest
+rank when there is no rank 0) define the job's timeline; every rank's own spans and steps give its
+per-rank breakdown over that same timeline.
 """
 
 from __future__ import annotations
@@ -35,31 +36,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from warmstart.metrics.buckets import (
+    CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN, STANDARD_BUCKETS, span_bucket,
+)
 from warmstart.metrics.events import (
-    ATTEMPT_END, ATTEMPT_START, BEGIN, CHECKPOINT_COMMITTED, END, FAILURE, STEP, TRAIN_END, Event,
-    TornLineWarning, event_files, read_events,
+    AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, Event, Failure, Step, TornLineWarning, TrainEnd,
+    event_files, read_events,
 )
 
-EFFECTIVE = "effective_training"
-LOST = "lost_progress"
-RECOVERY = "recovery_wait"
-SHUTDOWN = "shutdown"
-INIT_OTHER = "init_other"
-CHECKPOINT_BLOCKING = "checkpoint_blocking"
-
-# Every report shows these buckets (0 when absent), in this order; span buckets of other names follow.
-STANDARD_BUCKETS = (EFFECTIVE, "compile", "sharding_plan", "process_group_init", "data_loader_init",
-                    "model_transform", "checkpoint_load", INIT_OTHER, CHECKPOINT_BLOCKING, "eval", LOST,
-                    RECOVERY, SHUTDOWN)
-_SPAN_ALIASES = {"checkpoint_save": CHECKPOINT_BLOCKING}
+# Event kinds are told apart by exact type (``type(ev) is Step``): an isinstance check on a struct
+# class costs three times as much, which a million events notice.
 _MAX_TIMELINE_STEPS = 2000  # step markers kept per attempt for charts; the buckets use every step
-
-
-def span_bucket(span: str, bucket: str | None = None) -> str:
-    """The bucket a span's time goes to: its ``bucket`` field, else its name (``checkpoint_save`` ->
-    ``checkpoint_blocking``)."""
-    name = bucket or span
-    return _SPAN_ALIASES.get(name, name)
 
 
 @dataclasses.dataclass
@@ -125,7 +112,7 @@ class AttemptResult:
     samples: int
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (CONTRACT §4 ``attempts`` entries)."""
+        """Plain JSON-ready dict (the ``attempts`` entries of docs/reference.md#report-json)."""
         d = dataclasses.asdict(self)
         d["lost_progress_s"] = self.buckets.get(LOST, 0.0)
         d["checkpoint_blocking_s"] = self.buckets.get(CHECKPOINT_BLOCKING, 0.0)
@@ -152,7 +139,7 @@ class RunResult:
     timeline: list[AttemptTimeline] = dataclasses.field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``warmstart ett report --json`` object of this run (CONTRACT §4 keys first)."""
+        """The ``warmstart ett report --json`` object of this run (docs/reference.md#report-json)."""
         return {
             "job": self.job, "run_dir": self.run_dir, "e2e_s": self.e2e_s, "ett_pct": self.ett_pct,
             "devices": self.devices, "buckets": dict(self.buckets), "l1": dict(self.l1),
@@ -236,7 +223,7 @@ class _Frame:
 
 
 def compute(run: Run) -> RunResult:
-    """Split a job's wall time into buckets (CONTRACT §4); see the module docstring for the rules."""
+    """Split a job's wall time into buckets (docs/reference.md#events); see the module docstring for the rules."""
     with _gc_paused():
         return _compute(run)
 
@@ -248,7 +235,7 @@ def _compute(run: Run) -> RunResult:
     primary = 0 if 0 in ranks else (ranks[0] if ranks else -1)
     frame_events = [e for e in events if e.rank in (-1, primary)]
     frames = _frames(events, frame_events, notes)
-    devices = max((e.devices for e in events if e.event == ATTEMPT_START and e.devices), default=1)
+    devices = max((e.devices for e in events if type(e) is AttemptStart and e.devices), default=1)
     if not frames:
         return RunResult(job=run.job, run_dir=run.run_dir, start_ts=0.0, end_ts=0.0, e2e_s=0.0, ett_pct=0.0,
                          devices=devices, buckets=ordered_buckets({}), l1=_l1([], {}), attempts=[], ranks={},
@@ -291,21 +278,21 @@ def _frames(events: list[Event], frame_events: list[Event], notes: list[str]) ->
             by_attempt[ev.attempt] = [e for e in events if e.attempt == ev.attempt]
     raw = []
     for attempt, evs in by_attempt.items():
-        starts = [e.ts for e in evs if e.event == ATTEMPT_START]
-        ends = [e.ts for e in evs if e.event == ATTEMPT_END]
+        starts = [e.ts for e in evs if type(e) is AttemptStart]
+        ends = [e.ts for e in evs if type(e) is AttemptEnd]
         start = min(starts) if starts else evs[0].ts
         end = max(ends) if ends else evs[-1].ts
-        failures = [e for e in evs if e.event == FAILURE]
+        failures = [e for e in evs if type(e) is Failure]
         first_failure = failures[0] if failures else None
-        train_ends = [e.ts for e in evs if e.event == TRAIN_END]
-        commits = [e.step for e in evs if e.event == CHECKPOINT_COMMITTED]
+        train_ends = [e.ts for e in evs if type(e) is TrainEnd]
+        commits = [e.step for e in evs if type(e) is CheckpointCommitted]
         raw.append(dict(
             attempt=attempt, start=start, end=max(end, start),
             failure=None if first_failure is None else {
                 "ts": first_failure.ts, "reason": first_failure.reason, "category": first_failure.category},
             train_end=train_ends[0] if train_ends else None,
             committed=max(commits) if commits else None,
-            devices=max((e.devices or 1 for e in evs if e.event == ATTEMPT_START), default=1)))
+            devices=max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1)))
     raw.sort(key=lambda r: (r["start"], r["attempt"]))
     frames: list[_Frame] = []
     cursor = raw[0]["start"] if raw else 0.0
@@ -380,11 +367,11 @@ def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], not
     """Sweep one attempt's window; return its pre-first-step seconds, step stats and timeline."""
     s, e = frame.start, frame.stop
     spans = _spans(evs, frame, notes)
-    own_train_end = next((ev.ts for ev in evs if ev.event == TRAIN_END), None)
+    own_train_end = next((ev.ts for ev in evs if type(ev) is TrainEnd), None)
     train_end = own_train_end if own_train_end is not None else frame.train_end
     loop_end = e if train_end is None else min(max(train_end, s), e)
     # Steps after train_end belong to shutdown.
-    steps = [ev for ev in evs if ev.event == STEP and s <= ev.ts < loop_end]
+    steps = [ev for ev in evs if type(ev) is Step and s <= ev.ts < loop_end]
     first_step = steps[0].ts if steps else None
     committed = frame.committed
     failed = frame.failed
@@ -455,7 +442,7 @@ def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], not
             lost_from=lost_from, failure=frame.failure,
             spans=[SpanMark(name, bucket, b, en, rank) for b, en, bucket, name, rank in spans],
             steps=[(ev.ts, ev.step) for ev in steps[::stride]],
-            checkpoints=[(ev.ts, ev.step) for ev in evs if ev.event == CHECKPOINT_COMMITTED],
+            checkpoints=[(ev.ts, ev.step) for ev in evs if type(ev) is CheckpointCommitted],
             recovery_before=None, recovery_after=None)
     stat = (len(steps), steps[0].step if steps else None, steps[-1].step if steps else None,
             sum([ev.samples for ev in steps if ev.samples]))
@@ -468,9 +455,9 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[tuple[floa
     spans: list[tuple[float, float, str, str, int]] = []
     s, e = frame.start, frame.stop
     for ev in evs:
-        if ev.event == BEGIN:
+        if type(ev) is Begin:
             open_spans[(ev.rank, ev.span)].append((ev.ts, ev.bucket))
-        elif ev.event == END:
+        elif type(ev) is End:
             stack = open_spans.get((ev.rank, ev.span))
             if not stack:
                 notes.append(f"attempt {frame.attempt} rank {ev.rank}: 'end' of span {ev.span!r} without "

@@ -1,47 +1,116 @@
-"""The ETT event format of CONTRACT §4: the schema, the JSON-lines writer and the reader.
+"""The ETT event format (docs/reference.md#events): the schema, the JSON-lines writer and the reader.
 
-This module is the interface file of ``warmstart.metrics``: what a line holds, how it is written (one
-``write`` per batch of whole lines, appended, so several writers never clobber each other) and how a
-run directory is read back: torn lines (fragments of interrupted writes, see :func:`read_events`) are
-skipped with a warning naming the file and line, anywhere in a file; a line that is a complete JSON
-value but not a valid event is an :class:`EventFormatError` naming the file and line. It knows nothing
+This module is the interface file of ``warmstart.metrics``. The schema is one msgspec struct per
+event kind, a union tagged by the ``event`` field: the same types encode what the recorder and
+:func:`write_events` write, decode a run directory (a whole file at once, in C) and word what is
+wrong with a bad line. Lines are appended with one ``write`` per batch, so several writers never
+clobber each other. Torn lines (fragments of interrupted writes, see :func:`read_events`) are
+skipped with a warning naming file and line, anywhere in a file; a line that is a complete JSON
+value but not a valid event is an :class:`EventFormatError` naming file and line. It knows nothing
 about buckets or reports.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import operator
 import os
+import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 import msgspec
 
 from warmstart.errors import WarmstartError
 
-ATTEMPT_START = "attempt_start"
-BEGIN = "begin"
-END = "end"
-STEP = "step"
-CHECKPOINT_COMMITTED = "checkpoint_committed"
-FAILURE = "failure"
-TRAIN_END = "train_end"
-ATTEMPT_END = "attempt_end"
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+FailureCategory = Literal["infra", "preemption", "user"]
+FAILURE_CATEGORIES: tuple[str, ...] = get_args(FailureCategory)
 
-EVENT_KINDS = (ATTEMPT_START, BEGIN, END, STEP, CHECKPOINT_COMMITTED, FAILURE, TRAIN_END, ATTEMPT_END)
-FAILURE_CATEGORIES = ("infra", "preemption", "user")
 
-# Span names CONTRACT §4 lists; any other name is accepted too (it becomes its own bucket unless the
-# event maps it with ``bucket``).
-KNOWN_SPANS = ("compile", "sharding_plan", "process_group_init", "data_loader_init", "model_transform",
-               "checkpoint_load", "checkpoint_save", "eval")
+class _Event(msgspec.Struct, frozen=True, gc=False, tag_field="event", omit_defaults=True):
+    """The fields of every line; ``event``, the tag, is the kind's name (a class attribute)."""
+
+    ts: Annotated[float, msgspec.Meta(gt=-1e300, lt=1e300)]  # the bounds refuse inf and nan
+    job: str
+    attempt: _Count
+    rank: Annotated[int, msgspec.Meta(ge=-1)]
+
+    event: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as the JSON object of its line (unset optional fields left out)."""
+        return msgspec.to_builtins(self)
+
+
+class AttemptStart(_Event, tag="attempt_start"):
+    """Hardware is allocated to this attempt: its clock starts."""
+
+    devices: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class _SpanEvent(_Event):
+    span: _NonEmpty
+    bucket: _NonEmpty | None = None
+
+
+class Begin(_SpanEvent, tag="begin"):
+    """A named interval starts; ``bucket`` maps a custom span to a known bucket."""
+
+
+class End(_SpanEvent, tag="end"):
+    """The most recent open ``begin`` of the same span on the same rank ends."""
+
+
+class Step(_Event, tag="step"):
+    """Step ``step`` starts consuming a batch (of ``samples`` samples)."""
+
+    step: int
+    samples: _Count | None = None
+
+
+class CheckpointCommitted(_Event, tag="checkpoint_committed"):
+    """The checkpoint holding every step ``<= step`` is durable."""
+
+    step: int
+
+
+class Failure(_Event, tag="failure", omit_defaults=False):  # a failure always writes its reason
+    """The attempt dies here."""
+
+    category: FailureCategory
+    reason: str = ""
+
+
+class TrainEnd(_Event, tag="train_end"):
+    """The training loop finished: shutdown starts."""
+
+
+class AttemptEnd(_Event, tag="attempt_end"):
+    """The attempt released its hardware."""
+
+
+Event = Union[AttemptStart, Begin, End, Step, CheckpointCommitted, Failure, TrainEnd, AttemptEnd]
+"""One line of an event file, as the struct of its kind."""
+
+_KINDS: tuple[type[_Event], ...] = get_args(Event)
+for _kind in _KINDS:
+    _kind.event = _kind.__struct_config__.tag  # type: ignore[misc]
+del _kind
+EVENT_KINDS: tuple[str, ...] = tuple(kind.event for kind in _KINDS)
+
+_DECODER = msgspec.json.Decoder(Event)
+
+
+# numpy's and torch's integers are not ints: msgspec asks operator.index how to write them.
+_ENCODER = msgspec.json.Encoder(enc_hook=operator.index)
 
 
 class EventFormatError(WarmstartError, ValueError):
-    """A line of an event file is not a valid CONTRACT §4 event. The message names file and line."""
+    """A line of an event file is not a valid event. The message names file and line."""
 
     def __init__(self, path: str | os.PathLike, line: int, problem: str) -> None:
         self.path, self.line, self.problem = str(path), line, problem
@@ -53,108 +122,63 @@ class TornLineWarning(UserWarning):
     the file and line."""
 
 
-class Event(msgspec.Struct, frozen=True, gc=False):
-    """One validated event line; the optional fields are set only for the kinds that carry them.
-
-    A msgspec struct: a well-formed file is decoded and type-checked in C (a million events in about a
-    second); :func:`parse_event` is the reference check, used line by line when that fast path refuses
-    a file, and words the error.
-    """
-
-    ts: Annotated[float, msgspec.Meta(gt=-1e300, lt=1e300)]  # the bounds refuse inf and nan
-    job: str
-    attempt: Annotated[int, msgspec.Meta(ge=0)]
-    rank: Annotated[int, msgspec.Meta(ge=-1)]
-    event: str
-    span: str | None = None
-    bucket: str | None = None
-    step: int | None = None
-    samples: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    devices: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    reason: str | None = None
-    category: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The event as the JSON object of its line (optional fields left out when unset)."""
-        return {key: value for key in self.__struct_fields__ if (value := getattr(self, key)) is not None}
-
-
-_DECODER = msgspec.json.Decoder(Event)
-
-
-def _int(obj: dict, key: str, required: bool, minimum: int | None = None) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        if required:
-            raise ValueError(f"missing field {key!r}")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        # 3.0 written by a tool that only has floats is still an integer.
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise ValueError(f"field {key!r} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"field {key!r} must be >= {minimum}, got {value}")
-    return value
-
-
-def _str(obj: dict, key: str, required: bool) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        if required:
-            raise ValueError(f"missing field {key!r}")
-        return None
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"field {key!r} must be a non-empty string, got {value!r}")
-    return value
-
-
 def parse_event(obj: Any) -> Event:
-    """Validate one decoded JSON line and return it as an :class:`Event`.
+    """Validate one decoded JSON line and return its event.
 
-    Unknown extra fields are allowed (writers may add their own) and ignored.
+    Unknown extra fields are allowed (writers may add their own) and ignored. An integer may be
+    written as a float without a fraction (``3.0``), as tools that only have floats do.
 
     Raises:
         ValueError: a required field is missing or a field has the wrong type or value.
     """
-    return _parse_checked(obj)
+    while True:  # each retry turns one more float into an int: a few at most
+        try:
+            return msgspec.convert(obj, Event)
+        except msgspec.ValidationError as exc:
+            fixed = _integral_float_fixed(obj, str(exc))
+            if fixed is None:
+                raise ValueError(_problem(str(exc), obj)) from None
+            obj = fixed
 
 
-def _parse_checked(obj: Any) -> Event:
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    ts = obj.get("ts")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-        raise ValueError("missing field 'ts'" if ts is None else f"field 'ts' must be a number, got {ts!r}")
-    kind = obj.get("event")
-    if kind not in EVENT_KINDS:
-        raise ValueError(f"field 'event' must be one of {', '.join(EVENT_KINDS)}, got {kind!r}")
-    job = obj.get("job")
-    if not isinstance(job, str):
-        raise ValueError("missing field 'job'" if job is None else f"field 'job' must be a string, got {job!r}")
-    attempt = _int(obj, "attempt", True, 0)
-    rank = _int(obj, "rank", True, -1)
-    fields: dict[str, Any] = {}
-    if kind in (BEGIN, END):
-        fields["span"] = _str(obj, "span", True)
-        fields["bucket"] = _str(obj, "bucket", False)
-    elif kind == STEP:
-        fields["step"] = _int(obj, "step", True)
-        fields["samples"] = _int(obj, "samples", False, 0)
-    elif kind == CHECKPOINT_COMMITTED:
-        fields["step"] = _int(obj, "step", True)
-    elif kind == ATTEMPT_START:
-        fields["devices"] = _int(obj, "devices", False, 1)
-    elif kind == FAILURE:
-        reason = obj.get("reason", "")
-        if not isinstance(reason, str):
-            raise ValueError(f"field 'reason' must be a string, got {reason!r}")
-        category = obj.get("category")
-        if category not in FAILURE_CATEGORIES:
-            raise ValueError(f"field 'category' must be one of {', '.join(FAILURE_CATEGORIES)}, got {category!r}")
-        fields["reason"], fields["category"] = reason, category
-    return Event(float(ts), job, attempt, rank, kind, **fields)  # type: ignore[arg-type]
+def _integral_float_fixed(obj: Any, message: str) -> dict[str, Any] | None:
+    """``obj`` with the integral float msgspec refused as an ``int`` turned into one, or ``None``."""
+    match = re.fullmatch(r"Expected `int`, got `float` - at `\$\.(\w+)`", message)
+    value = obj.get(match[1]) if match else None
+    if isinstance(value, float) and value.is_integer():
+        return {**obj, match[1]: int(value)}  # type: ignore[index]
+    return None
+
+
+_EXPECTED = {"int": "an integer", "float": "a number", "str": "a string"}
+
+
+def _problem(message: str, obj: Any) -> str:
+    """msgspec's validation error reworded for people: the field named in quotes, its value shown."""
+    what, _, where = message.partition(" - at `$")
+    field = where.rstrip("`").rpartition(".")[2] or None
+    missing = re.fullmatch(r"Object missing required field `(\w+)`", what)
+    if missing:
+        return f"missing field {missing[1]!r}"
+    if field is None or not isinstance(obj, dict):
+        if what.startswith("Expected `object`"):
+            return f"expected a JSON object, got {type(obj).__name__}"
+        return what.replace("`", "")
+    if field == "event":
+        need = "one of " + ", ".join(EVENT_KINDS)
+    elif what.startswith("Invalid enum value"):
+        need = "one of " + ", ".join(FAILURE_CATEGORIES)
+    elif (bound := re.fullmatch(r"Expected `int` >= (-?\d+)", what)) is not None:
+        need = f">= {bound[1]}"
+    elif what.startswith("Expected `float` "):  # out of the bounds: inf, nan or absurd
+        need = "a finite number"
+    elif what.startswith("Expected `str` of length"):
+        need = "a non-empty string"
+    elif (kind := re.match(r"Expected `(\w+)(?: \| null)?`", what)) is not None and kind[1] in _EXPECTED:
+        need = _EXPECTED[kind[1]]
+    else:
+        return f"field {field!r}: {what.replace('`', '')}"
+    return f"field {field!r} must be {need}, got {obj.get(field)!r}"
 
 
 def read_events(path: str | os.PathLike) -> list[Event]:
@@ -183,21 +207,19 @@ def read_events(path: str | os.PathLike) -> list[Event]:
         try:
             json.loads(data[cut:])
         except ValueError:
-            last = data.count(b"\n") + 1
-            recovered = _recover_glued(data[cut:])
-            if recovered is None:  # the usual torn write: keep the whole file on the fast path
-                torn.note(last, "torn last line skipped (the writer died mid-write)")
+            if _recover_glued(data[cut:]) is None:  # the usual torn write: keep the file on the fast path
+                torn.note(data.count(b"\n") + 1, "torn last line skipped (the writer died mid-write)")
                 data = data[:cut]
             # else the line-by-line reader keeps the event and reports the fragment
-    # Fast path: decode and type-check the whole file in C, then the per-kind rules in one pass. Any
-    # refusal sends the file through the line-by-line reference check, which names the line.
+    # Fast path: decode and validate the whole file in C. Any refusal (a torn line, an integer
+    # written as 3.0, a bad line) sends the file through the line-by-line reader, which names the line.
     try:
         events = _DECODER.decode_lines(data)
     except msgspec.DecodeError:
-        events = _read_mixed(path, data.split(b"\n"), torn)
+        events = _read_lines(path, data.split(b"\n"), torn)
     else:
-        if _first_kind_problem(events) is not None or not _one_event_per_line(data, len(events)):
-            events = _read_mixed(path, data.split(b"\n"), torn)
+        if not _one_event_per_line(data, len(events)):  # two JSON values on one line: a glued fragment
+            events = _read_lines(path, data.split(b"\n"), torn)
     torn.flush()
     return events
 
@@ -255,56 +277,19 @@ def _one_event_per_line(data: bytes, n_events: int) -> bool:
     return sum(1 for raw in data.split(b"\n") if raw.strip()) == n_events  # blank lines do not count
 
 
-def _first_kind_problem(events: list[Event]) -> int | None:
-    """Index of the first event that breaks a per-kind rule the struct types cannot express."""
-    for i, ev in enumerate(events):
-        kind = ev.event
-        if kind == STEP or kind == CHECKPOINT_COMMITTED:
-            if ev.step is None:
-                return i
-        elif kind == BEGIN or kind == END:
-            if not ev.span or ev.bucket == "":
-                return i
-        elif kind == FAILURE:
-            if ev.category not in FAILURE_CATEGORIES or ev.reason is None:
-                return i
-        elif kind not in EVENT_KINDS:
-            return i
-    return None
-
-
-def _read_lines(path: Path, lines: list[bytes], torn: _TornLines | None = None) -> list[Event]:
-    """The line-by-line reference reader: torn lines are noted in ``torn`` (warned about at once when
-    none is given), any other bad line raises :class:`EventFormatError`."""
-    notes = _TornLines(path) if torn is None else torn
-    events: list[Event] = []
-    last = len(lines) - 1
-    for index, raw in enumerate(lines):
-        if raw.strip():
-            event = _parse_line(path, index + 1, raw, notes, index == last)
-            if event is not None:
-                events.append(event)
-    if torn is None:
-        notes.flush()
-    return events
-
-
-def _read_mixed(path: Path, lines: list[bytes], torn: _TornLines) -> list[Event]:
-    """:func:`_read_lines`, with each line first tried in C as the whole-file fast path does; a line
-    refused there goes through the reference check. A file with a torn line reads at near fast-path
-    speed instead of the reference's (1M events, one torn line: 2 s, not 13 s; 1 s without it)."""
+def _read_lines(path: Path, lines: list[bytes], torn: _TornLines) -> list[Event]:
+    """The line-by-line reader: each line is decoded in C first (a file with one torn line reads at
+    near fast-path speed); a line refused there is parsed as JSON and checked by :func:`parse_event`,
+    which accepts integers written as floats and words the error. Torn lines are noted in ``torn``."""
     events: list[Event] = []
     decode = _DECODER.decode
     last = len(lines) - 1
     for index, raw in enumerate(lines):
         try:
-            event = decode(raw)
+            events.append(decode(raw))
+            continue
         except msgspec.DecodeError:
             pass
-        else:
-            if _first_kind_problem((event,)) is None:
-                events.append(event)
-                continue
         if raw.strip():
             event = _parse_line(path, index + 1, raw, torn, index == last)
             if event is not None:
@@ -352,13 +337,24 @@ def event_files(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(run_dir.rglob("*.jsonl"))
 
 
-def encode_events(events: Iterable[Event | dict[str, Any]]) -> bytes:
-    """Encode events as JSON lines, each ending with a newline."""
-    parts = []
-    for ev in events:
-        obj = ev.to_dict() if isinstance(ev, Event) else ev
-        parts.append(json.dumps(obj, separators=(",", ":")))
-    return ("\n".join(parts) + "\n").encode() if parts else b""
+def encode_events(events: Iterable[Event | Mapping[str, Any]]) -> bytes:
+    """Encode events (structs, or mappings of a line's fields) as JSON lines, each ending with a
+    newline, and check them against the schema: what this writes, :func:`read_events` reads.
+
+    Raises:
+        ValueError: an event is not valid (the message names it by its index and says why).
+        TypeError: a field holds a value JSON cannot hold.
+    """
+    data = _ENCODER.encode_lines(events)
+    try:
+        _DECODER.decode_lines(data)
+    except msgspec.ValidationError:
+        for index, raw in enumerate(data.splitlines()):  # find and word the first bad one
+            try:
+                parse_event(json.loads(raw))
+            except ValueError as exc:
+                raise ValueError(f"event {index}: {exc}") from None
+    return data
 
 
 class EventWriter:
@@ -392,10 +388,15 @@ class EventWriter:
             self._fd = None
 
 
-def write_events(path: str | os.PathLike, events: Sequence[Event | dict[str, Any]]) -> None:
-    """Append ``events`` to the JSON-lines file ``path`` (for schedulers, tools and tests)."""
+def write_events(path: str | os.PathLike, events: Sequence[Event | Mapping[str, Any]]) -> None:
+    """Append ``events`` to the JSON-lines file ``path`` (for schedulers, tools and tests).
+
+    Raises:
+        ValueError: an event is not valid; nothing is written then.
+    """
+    data = encode_events(events)
     writer = EventWriter(path)
     try:
-        writer.write(encode_events(events))
+        writer.write(data)
     finally:
         writer.close()

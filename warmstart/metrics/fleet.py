@@ -1,4 +1,4 @@
-"""Fleet ETT%: many jobs' results folded into one figure weighted by device-seconds (CONTRACT §4).
+"""Fleet ETT%: many jobs' results folded into one figure weighted by device-seconds (docs/reference.md#events).
 
 Fleet ETT% = sum(effective_training * devices) / sum(e2e * devices), a job's devices being the largest
 ``devices`` of its ``attempt_start`` events (1 when absent). Folding is incremental (:meth:`FleetResult.add`)
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
-from warmstart.metrics.calculator import EFFECTIVE, RunResult, ordered_buckets
+from warmstart.metrics.buckets import EFFECTIVE
+from warmstart.metrics.calculator import RunResult, ordered_buckets
 
 
 @dataclasses.dataclass
@@ -51,11 +51,3 @@ class FleetResult:
         return {"ett_pct": self.ett_pct, "jobs": self.jobs, "device_seconds": self.device_seconds,
                 "effective_device_seconds": self.effective_device_seconds, "failures": self.failures,
                 "buckets": ordered_buckets(self.buckets), "runs": list(self.runs)}
-
-
-def compute_fleet(results: Iterable[RunResult]) -> FleetResult:
-    """Fold ``results`` into a :class:`FleetResult`."""
-    fleet = FleetResult()
-    for result in results:
-        fleet.add(result)
-    return fleet

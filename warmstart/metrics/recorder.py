@@ -1,18 +1,18 @@
-"""The recorder: what a training process calls to write its ETT events (CONTRACT §4).
+"""The recorder: what a training process calls to write its ETT events (docs/reference.md#events).
 
 It owns the in-process side only: cheap calls that append a tuple to a buffer, a background thread
-that serializes and appends the buffer to this rank's and attempt's file every
+that turns the buffer into event structs, encodes them (``events.encode_events``: the same schema
+the reader checks) and appends them to this rank's and attempt's file every
 ``FLUSH_INTERVAL_S``, and the last words of a dying process (flush at exit; an uncaught exception or
 SIGTERM writes a ``failure`` first, then the previous hook or the default action runs). It never
 blocks training on I/O and never raises into it over a write error. It computes nothing: that is
-``calculator.py``. :func:`get_recorder` is the process-wide instance built from the environment; a
-:class:`NullRecorder` (every call a no-op) when neither ``WARMSTART_RUN_DIR`` nor ``WARMSTART=1`` is set.
+``calculator.py``. :func:`get_recorder` is the process-wide instance built from the job identity
+(``warmstart.config.job_identity``); a :class:`NullRecorder` (every call a no-op) when metrics are off.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -21,21 +21,28 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 from warmstart import _defaults
-from warmstart.config import new_job_id
+from warmstart.config import JobIdentity, job_identity, new_job_id
 from warmstart.errors import ConfigError
-from warmstart.metrics.events import FAILURE_CATEGORIES, EventWriter
+from warmstart.metrics.events import (
+    FAILURE_CATEGORIES, AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, EventWriter, Failure, Step,
+    TrainEnd, encode_events,
+)
 
 log = logging.getLogger(__name__)
 
-# Buffered records are (ts, kind, a, b) tuples; the kind codes index _KIND_NAMES.
-_ATTEMPT_START, _BEGIN, _END, _STEP, _CKPT, _FAILURE, _TRAIN_END, _ATTEMPT_END = range(8)
-_KIND_NAMES = ("attempt_start", "begin", "end", "step", "checkpoint_committed", "failure", "train_end",
-               "attempt_end")
+# Buffered records are (kind, ts, *fields) tuples: the index of the event's struct type in _KINDS,
+# then the fields its constructor takes after the job, attempt and rank. The flusher builds the
+# structs. An int, not the type itself: a tuple of atomic values is untracked by the cyclic GC, so a
+# million buffered events cost full collections nothing (with a type in them, they slow down 3x).
+_KINDS = (AttemptStart, Begin, End, Step, CheckpointCommitted, Failure, TrainEnd, AttemptEnd)
+_ATTEMPT_START, _BEGIN, _END, _STEP, _CKPT, _FAILURE, _TRAIN_END, _ATTEMPT_END = range(len(_KINDS))
+_ENCODE_CHUNK = 1024  # events encoded per call: about half a millisecond
 _INFRA_ERRORS = frozenset({"ConnectionError", "TimeoutError", "DistError", "DistBackendError",
                            "DistNetworkError", "DistStoreError", "BrokenPipeError"})
 
@@ -74,30 +81,30 @@ class Recorder:
 
     Args:
         run_dir: directory of the run's event files (created on the first flush).
-        job: job id; default ``WARMSTART_JOB_ID``, else ``TORCHELASTIC_RUN_ID``, else a generated one.
-        rank: global rank; default ``RANK``, else 0. Use -1 for job-level writers (schedulers).
-        attempt: attempt number; default ``WARMSTART_ATTEMPT``, else ``TORCHELASTIC_RESTART_COUNT``, else 0.
+        job: job id; default the job identity's (``warmstart.config.job_identity``), else a generated one.
+        rank: global rank; default the job identity's. Use -1 for job-level writers (schedulers).
+        attempt: attempt number; default the job identity's.
         flush_interval_s: how often the background thread writes the buffer; 0 disables the thread
             (then only :meth:`flush`, :meth:`close`, exit and signals write).
 
     Raises:
-        ConfigError: ``RANK``, ``WARMSTART_ATTEMPT`` or ``TORCHELASTIC_RESTART_COUNT`` is not an integer.
+        ConfigError: the identity is needed (an argument is left out) and the environment's rank or
+            attempt is malformed.
     """
 
     enabled = True
 
     def __init__(self, run_dir: str | os.PathLike, job: str | None = None, rank: int | None = None,
                  attempt: int | None = None, *, flush_interval_s: float = _defaults.FLUSH_INTERVAL_S) -> None:
-        env = os.environ
+        if not job or rank is None or attempt is None:  # only then: explicit arguments need no environment
+            identity = job_identity()
+            job = job or identity.job_id or new_job_id()
+            rank = identity.rank if rank is None else rank
+            attempt = identity.attempt if attempt is None else attempt
         self.run_dir = Path(run_dir)
-        self.job = job or _env_job_id(env) or new_job_id()
-        self.rank = rank if rank is not None else _env_int(env, "RANK", 0)
-        self.attempt = attempt if attempt is not None else _env_attempt(env)
+        self.job, self.rank, self.attempt = job, int(rank), int(attempt)
         self.path = self.run_dir / f"events-r{self.rank}-a{self.attempt}.jsonl"
         self.flush_interval_s = flush_interval_s
-        # Everything but ts and the kind-specific fields is the same on every line: serialize it once.
-        self._prefix = (f',"job":{json.dumps(self.job)},"attempt":{int(self.attempt)},'
-                        f'"rank":{int(self.rank)},"event":')
         self._buf: deque[tuple] = deque()  # append/popleft are atomic: no lock on the hot path
         self._append = self._buf.append
         self._time = time.time
@@ -106,6 +113,7 @@ class Recorder:
         self._attempt_open = False
         self._recorded = False
         self._write_failed = False
+        self._dropped_invalid = False
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,20 +127,20 @@ class Recorder:
     def attempt_start(self, devices: int | None = None) -> None:
         """Hardware is allocated to this attempt: its clock starts. ``devices``: accelerators it holds."""
         self._attempt_open = True
-        self._append((self._time(), _ATTEMPT_START, devices, None))
+        self._append((_ATTEMPT_START, self._time(), devices))
 
     def attempt_end(self) -> None:
         """The attempt released its hardware (written automatically at exit if still open)."""
         self._attempt_open = False
-        self._append((self._time(), _ATTEMPT_END, None, None))
+        self._append((_ATTEMPT_END, self._time()))
 
     def begin(self, name: str, bucket: str | None = None) -> None:
         """Start the span ``name``; ``bucket`` maps a custom span to a known bucket."""
-        self._append((self._time(), _BEGIN, name, bucket))
+        self._append((_BEGIN, self._time(), name, bucket))
 
     def end(self, name: str, bucket: str | None = None) -> None:
         """End the most recent open span ``name``."""
-        self._append((self._time(), _END, name, bucket))
+        self._append((_END, self._time(), name, bucket))
 
     def span(self, name: str, bucket: str | None = None) -> _Span:
         """Context manager recording ``begin``/``end`` of ``name`` around its body."""
@@ -140,11 +148,11 @@ class Recorder:
 
     def step(self, n: int, samples: int | None = None) -> None:
         """Step ``n`` starts consuming a batch (of ``samples`` samples). Costs well under 5 us."""
-        self._append((self._time(), _STEP, n, samples))
+        self._append((_STEP, self._time(), n, samples))
 
     def checkpoint_committed(self, step: int) -> None:
         """The checkpoint holding every step ``<= step`` is durable."""
-        self._append((self._time(), _CKPT, step, None))
+        self._append((_CKPT, self._time(), step))
 
     def failure(self, reason: str, category: str) -> None:
         """The attempt dies here; ``category`` is ``infra``, ``preemption`` or ``user``.
@@ -155,11 +163,11 @@ class Recorder:
         if category not in FAILURE_CATEGORIES:
             raise ValueError(f"failure category {category!r} is not valid: expected one of "
                              f"{', '.join(FAILURE_CATEGORIES)}")
-        self._append((self._time(), _FAILURE, str(reason), category))
+        self._append((_FAILURE, self._time(), category, str(reason)))
 
     def train_end(self) -> None:
         """The training loop finished: shutdown starts."""
-        self._append((self._time(), _TRAIN_END, None, None))
+        self._append((_TRAIN_END, self._time()))
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -177,7 +185,7 @@ class Recorder:
                     records.append(popleft())
             except IndexError:  # a signal handler's flush on this thread took the rest
                 pass
-            data = "".join(map(self._line, records)).encode()
+            data = self._encode(records)
             try:
                 self._writer.write(data)
             except OSError as exc:
@@ -206,21 +214,33 @@ class Recorder:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _line(self, rec: tuple) -> str:
-        ts, kind, a, b = rec
-        head = f'{{"ts":{ts!r}{self._prefix}"{_KIND_NAMES[kind]}"'
-        if kind == _STEP:
-            return f'{head},"step":{int(a)}}}\n' if b is None else f'{head},"step":{int(a)},"samples":{int(b)}}}\n'
-        if kind in (_BEGIN, _END):
-            extra = f',"span":{json.dumps(a)}'
-            return f"{head}{extra}}}\n" if b is None else f'{head}{extra},"bucket":{json.dumps(b)}}}\n'
-        if kind == _CKPT:
-            return f'{head},"step":{int(a)}}}\n'
-        if kind == _FAILURE:
-            return f'{head},"reason":{json.dumps(a)},"category":{json.dumps(b)}}}\n'
-        if kind == _ATTEMPT_START and a is not None:
-            return f'{head},"devices":{int(a)}}}\n'
-        return head + "}\n"
+    def _encode(self, records: list[tuple]) -> bytes:
+        job, attempt, rank, kinds = self.job, self.attempt, self.rank, _KINDS
+        parts = []
+        # Chunks: msgspec holds the GIL for a whole call, and a million-event call would stall the
+        # training thread for a second; between chunks the interpreter can switch threads.
+        for start in range(0, len(records), _ENCODE_CHUNK):
+            chunk = records[start:start + _ENCODE_CHUNK]
+            parts.append(self._encode_chunk([kinds[kind](ts, job, attempt, rank, *fields)
+                                             for kind, ts, *fields in chunk]))
+        return b"".join(parts)
+
+    def _encode_chunk(self, events: list[Any]) -> bytes:
+        try:
+            return encode_events(events)
+        except (TypeError, ValueError):
+            pass
+        # A caller passed a value the format refuses (a step that is not an integer, an empty span
+        # name): drop that event alone, so that the file stays readable and training goes on.
+        kept = []
+        for event in events:
+            try:
+                kept.append(encode_events((event,)))
+            except (TypeError, ValueError) as exc:
+                if not self._dropped_invalid:  # log once: a bad call in a loop must not flood the log
+                    self._dropped_invalid = True
+                    log.warning("warmstart: dropping an invalid ETT event for %s (%s)", self.path, exc)
+        return b"".join(kept)
 
     def _start_thread(self) -> None:
         if self.flush_interval_s <= 0:
@@ -237,7 +257,7 @@ class Recorder:
         """Record a failure (and the end of an open attempt) and flush: the process is dying."""
         if self._inherited or not (self._recorded or self._buf):
             return  # a process that recorded nothing (a compile worker, a forked helper) speaks for no attempt
-        self._append((self._time(), _FAILURE, reason, category))
+        self._append((_FAILURE, self._time(), category, reason))
         if self._attempt_open:
             self.attempt_end()
         self.flush()
@@ -304,16 +324,14 @@ _process_lock = threading.Lock()
 
 
 def get_recorder() -> Recorder | NullRecorder:
-    """The process-wide recorder, built once from the environment.
+    """The process-wide recorder, built once from the job identity (``warmstart.config.job_identity``).
 
-    ``WARMSTART_RUN_DIR`` (default ``./warmstart-runs/<job id>`` when ``WARMSTART=1``),
-    ``WARMSTART_JOB_ID`` / ``TORCHELASTIC_RUN_ID``, ``RANK`` and ``WARMSTART_ATTEMPT`` /
-    ``TORCHELASTIC_RESTART_COUNT``. When no job id is set, one is generated and exported as
-    ``WARMSTART_JOB_ID`` so that child processes share it. Returns a :class:`NullRecorder` when neither
-    ``WARMSTART_RUN_DIR`` nor ``WARMSTART=1`` is set.
+    Its run directory defaults to ``./warmstart-runs/<job id>``. When the identity has no job id, one
+    is generated and exported as ``WARMSTART_JOB_ID`` so that child processes share it. Returns a
+    :class:`NullRecorder` when metrics are off (neither a run directory nor ``WARMSTART=1``).
 
     Raises:
-        ConfigError: ``RANK`` or the attempt variable is not an integer.
+        ConfigError: metrics are on and the rank or attempt in the environment is malformed.
     """
     global _process_recorder
     rec = _process_recorder
@@ -321,16 +339,28 @@ def get_recorder() -> Recorder | NullRecorder:
         return rec
     with _process_lock:
         if _process_recorder is None:
-            env = os.environ
-            run_dir = env.get("WARMSTART_RUN_DIR", "").strip()
-            if not run_dir and env.get("WARMSTART", "") != "1":
+            identity = _identity_when_on(os.environ)
+            if identity is None:
                 _process_recorder = NullRecorder()
             else:
-                job = _env_job_id(env)
+                job = identity.job_id
                 if not job:
-                    job = env["WARMSTART_JOB_ID"] = new_job_id()
-                _process_recorder = Recorder(run_dir or Path("warmstart-runs") / job, job=job)
+                    job = os.environ["WARMSTART_JOB_ID"] = new_job_id()
+                _process_recorder = Recorder(identity.run_dir or Path("warmstart-runs") / job, job=job,
+                                             rank=identity.rank, attempt=identity.attempt)
         return _process_recorder
+
+
+def _identity_when_on(environ: Mapping[str, str]) -> JobIdentity | None:
+    """The job identity when metrics are on, else ``None``. A malformed variable is an error only when
+    they are on: library code asks for the recorder in jobs that never turned metrics on."""
+    try:
+        identity = job_identity(environ)
+    except ConfigError as exc:
+        if _identity_when_on({k: v for k, v in environ.items() if k != exc.variable}) is None:
+            return None
+        raise
+    return identity if identity.enabled or identity.run_dir is not None else None
 
 
 def existing_recorder() -> Recorder | NullRecorder | None:
@@ -347,27 +377,6 @@ def reset_process_recorder() -> None:
         rec, _process_recorder = _process_recorder, None
     if rec is not None:
         rec.close()
-
-
-def _env_job_id(env: os._Environ[str] | dict[str, str]) -> str:
-    job = env.get("WARMSTART_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or ""
-    return "" if job == "none" else job  # torchrun sets "none" when no --rdzv-id is given
-
-
-def _env_int(env: Any, variable: str, default: int) -> int:
-    raw = env.get(variable, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(variable, raw, "an integer") from None
-
-
-def _env_attempt(env: Any) -> int:
-    if env.get("WARMSTART_ATTEMPT", "").strip():
-        return _env_int(env, "WARMSTART_ATTEMPT", 0)
-    return _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0)
 
 
 # -- process hooks: exit, uncaught exceptions, SIGTERM, fork ------------------------------------------

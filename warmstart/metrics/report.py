@@ -18,29 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from warmstart.metrics.advisor import IntervalAdvice
-from warmstart.metrics.calculator import (
-    CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN, AttemptTimeline, RunResult,
-)
+from warmstart.metrics.buckets import EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN, bucket_colour, bucket_label
+from warmstart.metrics.calculator import AttemptTimeline, RunResult
 from warmstart.metrics.fleet import FleetResult
 
-# One colour per bucket, the same in every chart: green is what we want more of, reds are losses.
-_COLOURS = {
-    EFFECTIVE: "#2ca02c", "compile": "#1f77b4", "sharding_plan": "#9467bd", "process_group_init": "#8c564b",
-    "data_loader_init": "#e377c2", "model_transform": "#bcbd22", "checkpoint_load": "#17becf",
-    INIT_OTHER: "#c7c7c7", CHECKPOINT_BLOCKING: "#ff7f0e", "eval": "#aec7e8", LOST: "#d62728",
-    RECOVERY: "#ff9896", SHUTDOWN: "#7f7f7f",
-}
-_EXTRA_COLOURS = ("#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ffbb78")
 _L1_LABELS = (("time_to_start_s", "time to start"), ("time_to_recover_s", "time to recover"),
               ("lost_progress_s", "lost progress"), ("checkpoint_blocking_s", "checkpoint blocking"),
               ("shutdown_s", "shutdown"))
-
-
-def bucket_colour(name: str) -> str:
-    """The chart colour of bucket ``name`` (stable for unknown names too)."""
-    if name in _COLOURS:
-        return _COLOURS[name]
-    return _EXTRA_COLOURS[sum(name.encode()) % len(_EXTRA_COLOURS)]
 
 
 def format_duration(seconds: float) -> str:
@@ -235,7 +219,8 @@ def _phase_bars(tl: AttemptTimeline, lane: str, bar) -> None:
     if tl.recovery_before:
         bar(lane, *tl.recovery_before, RECOVERY, bucket_colour(RECOVERY), "waiting to be rescheduled")
     first = tl.first_step if tl.first_step is not None else tl.end
-    bar(lane, tl.start, first, "start-up (before first step)", "#c7c7c7", "start-up: before the first step")
+    bar(lane, tl.start, first, "start-up (before first step)", bucket_colour(INIT_OTHER),
+        "start-up: before the first step")
     if tl.first_step is not None and tl.loop_end is not None:
         lost_from = tl.lost_from if tl.lost_from is not None else tl.loop_end
         bar(lane, tl.first_step, lost_from, "training loop", bucket_colour(EFFECTIVE), "training loop")
@@ -276,8 +261,9 @@ def _breakdown_figure(result: RunResult):
     for name in names:  # one stacked bar per attempt plus the whole job
         ys = ["job"] + [f"attempt {a.attempt}" for a in result.attempts]
         xs = [result.buckets[name]] + [a.buckets.get(name, 0.0) for a in result.attempts]
+        hover = html.escape(f"{name} ({bucket_label(name)})")
         fig.add_trace(go.Bar(y=ys, x=xs, name=name, orientation="h", marker_color=bucket_colour(name),
-                             hovertemplate=f"{html.escape(name)}: %{{x:.3f}} s<extra></extra>"))
+                             hovertemplate=f"{hover}: %{{x:.3f}} s<extra></extra>"))
     fig.update_layout(title="breakdown (seconds; the bars sum to end-to-end)", barmode="stack",
                       template="plotly_white", height=180 + 40 * (len(result.attempts) + 1),
                       yaxis={"autorange": "reversed"}, legend={"orientation": "h", "y": -0.3},
@@ -296,7 +282,8 @@ def _run_section(result: RunResult, index: int) -> str:
     l1_rows = [(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e)) for key, label in _L1_LABELS]
     l1_rows.append(("failures", result.l1["failures"],
                     ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items())))
-    l2_rows = [(name, f"{s:,.3f}", _pct(s, e2e)) for name, s in result.buckets.items() if s > 0]
+    l2_rows = [(name, f"{s:,.3f}", _pct(s, e2e), bucket_label(name))
+               for name, s in result.buckets.items() if s > 0]
     config = {"displaylogo": False, "responsive": True}
     timeline = _timeline_figure(result).to_html(full_html=False, include_plotlyjs=False,
                                                 div_id=f"timeline-{index}", config=config)
@@ -310,7 +297,7 @@ def _run_section(result: RunResult, index: int) -> str:
     <span class="facts">end-to-end {format_duration(e2e)} · {result.devices} device(s) ·
     {len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)</span></div>
   <div class="tables"><div><h3>L1</h3>{_html_table(("figure", "time", "% of e2e"), l1_rows)}</div>
-  <div><h3>L2 buckets</h3>{_html_table(("bucket", "seconds", "% of e2e"), l2_rows)}</div></div>
+  <div><h3>L2 buckets</h3>{_html_table(("bucket", "seconds", "% of e2e", "what"), l2_rows)}</div></div>
   {breakdown}
   {timeline}
   {f'<ul class="warnings">{warnings_html}</ul>' if warnings_html else ''}

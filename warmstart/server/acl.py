@@ -39,12 +39,15 @@ CLUSTER_TOPOLOGY = ("cluster|slots", "cluster|shards", "cluster|nodes", "cluster
 keys are (COMMAND, and COMMAND GETKEYS for commands it cannot parse itself); all read-only
 introspection."""
 
-READ = ("get", "mget", "exists", "strlen", "getrange")
+READ = ("get", "mget", "exists", "strlen", "getrange", "hlen", "hkeys", "hgetall")
 """The store's reads: a pointer (GET), a blob's chunks (MGET, one slot thanks to the hash tag),
-whether a blob is still there (EXISTS), and a chunk's length or part (STRLEN, GETRANGE)."""
+whether a blob is still there (EXISTS), a chunk's length or part (STRLEN, GETRANGE), and the
+namespace registry (HLEN, then HGETALL or HKEYS when it is small) that ``cache explain`` and
+``cache clear`` read."""
 
-WRITE = ("set", "unlink", "del", "scan")
-"""The store's writes: SET (NX EX for entries; PX for leases), UNLINK/DEL (``cache clear``,
+WRITE = ("set", "hset", "hdel", "unlink", "del", "scan")
+"""The store's writes: SET (NX EX for entries; PX for leases), HSET/HDEL (a namespace's field of
+the namespace registry: set once per writing process, removed by ``cache clear``), UNLINK/DEL (``cache clear``,
 ``doctor``'s probe, a lease's release) and SCAN (``cache clear`` and ``doctor``'s key-id count).
 SCAN is the writer's only: its COUNT cannot be limited by an ACL, and a reader, the credential
 handed out widely, should not be able to walk (or stall) the whole key space; ``doctor`` with

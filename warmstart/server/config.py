@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
+from warmstart.config import server_settings
 from warmstart.errors import ConfigError
 
 DEFAULT_PORT = 6379
@@ -44,13 +45,9 @@ class OptionError(ConfigError):
         return self.args[0]
 
 
-def default_dir(environ: dict[str, str] | None = None) -> Path:
+def default_dir(environ: Mapping[str, str] | None = None) -> Path:
     """``$WARMSTART_SERVER_DIR``, else ``$XDG_STATE_HOME/warmstart/server``, else ``~/.local/state/warmstart/server``."""
-    env = os.environ if environ is None else environ
-    if env.get("WARMSTART_SERVER_DIR"):
-        return Path(env["WARMSTART_SERVER_DIR"]).expanduser()
-    base = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "warmstart" / "server"
+    return server_settings(environ).dir
 
 
 @dataclasses.dataclass(frozen=True)

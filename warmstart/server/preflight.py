@@ -17,6 +17,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+from warmstart.config import server_settings
 from warmstart.errors import ConfigError
 from warmstart.server.config import CLUSTER_BUS_OFFSET, OptionError, ServerOptions, is_loopback
 from warmstart.server.state import ServerState
@@ -30,8 +31,9 @@ def redis_binary(name: str = "redis-server", environ: Mapping[str, str] | None =
         ConfigError: the override does not name an executable, or nothing is found on ``PATH``.
     """
     env = os.environ if environ is None else environ
+    settings = server_settings(env)
     variable = "WARMSTART_REDIS_SERVER" if name == "redis-server" else "WARMSTART_REDIS_CLI"
-    override = env.get(variable, "").strip()
+    override = settings.redis_server if name == "redis-server" else settings.redis_cli
     if override:
         found = shutil.which(override, path=env.get("PATH"))
         if not found:

@@ -1,0 +1,131 @@
+"""`warmstart cache explain`: each miss of a job named with its reason, against a real redis-server.
+
+Two "machines" share one server: the first fills it, the second (which differs in one thing) misses,
+and explain must say why: another namespace (and which component), another key, or evicted blobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from _redis import RedisNode
+from warmstart.cli import cli
+from warmstart.compile_cache import open_store
+from warmstart.compile_cache.explain import explain
+from warmstart.compile_cache.miss_log import read_misses
+from warmstart.compile_cache.storage import ABSENT, EVICTED, OTHER_KEY_ID, OTHER_NAMESPACE
+from warmstart.config import Settings
+
+KEYS = [f"graph-{i}" for i in range(5)]
+
+
+def _env(url: str, cache_dir, *, secret: str = "team-secret", namespace: str = "") -> dict[str, str]:
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_SECRET": secret,
+           "WARMSTART_CACHE_DIR": str(cache_dir)}
+    if namespace:
+        env["WARMSTART_NAMESPACE"] = namespace
+    return env
+
+
+def _fill(env: dict[str, str], values: dict[str, bytes]) -> None:
+    store = open_store(Settings.from_env(env), persist_stats=False)
+    for key, value in values.items():
+        assert store.put("fx_graph", key, value, sync=True)
+    store.close()
+
+
+def _second_machine(env: dict[str, str], run_dir, monkeypatch, *, all_miss: bool = True) -> Settings:
+    """Look every key up on a machine with its own cache dir, logging misses in ``run_dir``."""
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(run_dir))
+    settings = Settings.from_env(env)
+    store = open_store(settings)
+    results = [store.get("fx_graph", key) for key in KEYS]
+    store.close()
+    assert not any(results) or not all_miss
+    return settings
+
+
+def test_other_namespace_names_the_one_component_that_differs(redis_node, tmp_path, monkeypatch):
+    _fill(_env(redis_node.url, tmp_path / "a", namespace="team-a"), {k: os.urandom(2000) for k in KEYS})
+    settings = _second_machine(_env(redis_node.url, tmp_path / "b", namespace="team-b"), tmp_path / "run",
+                               monkeypatch)
+    assert {m["reason"] for m in read_misses(tmp_path / "run")} == {ABSENT}  # what the job itself saw
+
+    result = explain(settings, tmp_path / "run")
+    assert result.reasons == {OTHER_NAMESPACE: len(KEYS)}
+    assert result.namespace_diff == ["user"]
+    assert any(line.startswith("user: WARMSTART_NAMESPACE differs") for line in result.advice())
+    other = result.others[0]
+    assert other["differs"] == {"user": ["team-b", "team-a"]}
+
+
+def test_other_secret_is_other_key_id(redis_node, tmp_path, monkeypatch):
+    _fill(_env(redis_node.url, tmp_path / "a", secret="writers-secret"), {k: os.urandom(2000) for k in KEYS})
+    settings = _second_machine(_env(redis_node.url, tmp_path / "b", secret="another-secret"), tmp_path / "run",
+                               monkeypatch)
+    result = explain(settings, tmp_path / "run")
+    assert result.reasons == {OTHER_KEY_ID: len(KEYS)}
+    assert result.namespace_diff == []  # same machine, same namespace: only the key differs
+    assert any(line.startswith("other_key_id") for line in result.advice())
+
+
+@pytest.fixture
+def small_server(tmp_path_factory):
+    """A redis-server that evicts least recently used keys past 3 MB, as a full cache server does."""
+    node = RedisNode(tmp_path_factory.mktemp("small"), extra=["--maxmemory", "3mb", "--maxmemory-policy",
+                                                              "allkeys-lru", "--maxmemory-samples", "10"]).start()
+    yield node
+    node.stop()
+
+
+def test_evicted_blobs(small_server, tmp_path, monkeypatch):
+    import redis
+
+    env = _env(small_server.url, tmp_path / "a")
+    _fill(env, {k: os.urandom(200_000) for k in KEYS})  # chunked: pointer plus blob
+    client = redis.Redis.from_url(small_server.url)
+    pointers = [k for k in client.scan_iter(match="ws:*:p:*")]
+    time.sleep(1.1)  # Redis's LRU clock ticks once a second: the reads below must come a tick later
+    for i in range(100):  # another workload fills the server until LRU eviction starts
+        for name in pointers:  # the records are read meanwhile: their blobs are the least recently used keys
+            client.get(name)
+        client.set(f"ws:filler:{i}", os.urandom(100_000))
+        if int(client.info("stats")["evicted_keys"]) >= 2:
+            break
+    assert int(client.info("stats")["evicted_keys"]) >= 2
+    assert all(client.exists(name) for name in pointers)
+
+    settings = _second_machine(_env(small_server.url, tmp_path / "b"), tmp_path / "run", monkeypatch,
+                               all_miss=False)  # entries whose blob survived are hits
+    result = explain(settings, tmp_path / "run")
+    assert result.reasons.get(EVICTED, 0) >= 1, result.reasons
+    assert set(result.reasons) <= {EVICTED, ABSENT}
+    assert any("--maxmemory" in line for line in result.advice())
+
+
+def test_cli_json_and_last_job(redis_node, tmp_path, monkeypatch):
+    _fill(_env(redis_node.url, tmp_path / "a", namespace="team-a"), {k: b"v" * 100 for k in KEYS})
+    env = _env(redis_node.url, tmp_path / "b", namespace="team-b")
+    _second_machine(env, tmp_path / "run", monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = CliRunner().invoke(cli, ["cache", "explain", "--json"])  # no RUN_DIR: the last job of this cache dir
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["reasons"] == {OTHER_NAMESPACE: len(KEYS)}
+    assert data["namespace_diff"] == ["user"]
+    assert {m["kind"] for m in data["misses"]} == {"fx_graph"} and len(data["misses"]) == len(KEYS)
+    assert {"kind", "key", "reason"} <= set(data["misses"][0])
+    human = CliRunner().invoke(cli, ["cache", "explain", str(tmp_path / "run")])
+    assert human.exit_code == 0 and "other_namespace" in human.output and "user" in human.output
+
+
+def test_no_job_yet_is_a_usage_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("WARMSTART_CACHE_DIR", str(tmp_path / "empty"))
+    out = CliRunner().invoke(cli, ["cache", "explain"])
+    assert out.exit_code == 2 and "no job has logged a cache miss" in out.output

@@ -1,0 +1,180 @@
+"""Why a job missed: its logged misses with their reasons, and what differs from the server's entries.
+
+The job's processes log each miss with the reason the store gave (``miss_log.py``). A miss the job
+saw as ``absent`` may still have an entry on the server under another namespace or signing key:
+:func:`explain` asks the server (one pipelined ``EXISTS`` per miss and registered namespace) and
+names it ``other_namespace`` or ``other_key_id``. The server's namespace registry (one small hash,
+written once by each writing process) holds each namespace's components, so the components in
+which this machine differs from the entries the server holds are named without scanning keys;
+everything here works with reader credentials.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from pathlib import Path
+
+from warmstart.compile_cache.miss_log import last_run_dir, read_misses
+from warmstart.compile_cache.storage import ABSENT, EVICTED, MISS_REASONS, OTHER_KEY_ID, OTHER_NAMESPACE, REJECTED, SKIPPED
+from warmstart.config import Settings, redact_url
+
+#: How each namespace component is called in the advice, and what to do when it differs.
+COMPONENT_ADVICE: dict[str, str] = {
+    "user": "WARMSTART_NAMESPACE differs: use the same namespace as the jobs that filled the cache",
+    "torch": "torch versions differ: compiled artifacts are only shared between identical torch versions",
+    "triton": "Triton versions differ: install the same Triton (it comes with torch) as the jobs that filled the cache",
+    "python_abi": "Python versions differ (their ABI): use the same Python as the jobs that filled the cache",
+    "cpu_isa": "the CPUs differ in vector instructions: code compiled for one may not run on the other, so "
+               "these machines cannot share entries (give each machine type its own cache server or namespace)",
+    "gpu_arch": "GPU architectures (or CUDA versions) differ: kernels are not portable between them",
+    "format": "warmstart versions differ in their cache format: upgrade every job to the same warmstart",
+}
+
+_REASON_ADVICE = {
+    ABSENT: "never compiled against this cache: expected on a first start or after a code change",
+    EVICTED: "the server evicted these blobs for memory: raise its --maxmemory (`warmstart server status` "
+             "shows evictions)",
+    OTHER_KEY_ID: "entries exist signed with another key: give this job the writers' verify.pub (or their "
+                  "secret) in WARMSTART_KEY_FILE / WARMSTART_SECRET",
+    REJECTED: "entries failed verification (damaged, or written by someone without the key): they were "
+              "never loaded; `warmstart cache doctor` checks the setup",
+    SKIPPED: "the remote tier was not asked (its breaker was open after a failure, or lookups failed): "
+             "`warmstart cache doctor` checks the connection",
+}
+_MAX_CHECKED = 5000  # misses asked about on the server; a bigger log is sampled from its start
+
+
+@dataclasses.dataclass
+class Explanation:
+    """What :func:`explain` found; :meth:`to_dict` is ``warmstart cache explain --json``."""
+
+    run_dir: Path | None
+    misses: list[dict[str, object]]
+    """Each miss: ``kind``, ``key``, ``reason`` (after asking the server), ``tier``, and ``detail`` when known."""
+    namespace: str
+    components: dict[str, str]
+    """This machine's namespace components."""
+    key_id: str
+    others: list[dict[str, object]]
+    """Other namespaces and key ids registered on the server: ``namespace``, ``key_id``, ``differs``
+    (component -> [this machine, theirs])."""
+    namespace_diff: list[str]
+    """Components in which this machine differs from the closest namespace the server holds entries for."""
+    server: str | None
+    """The server asked (password redacted), or why none was."""
+
+    @property
+    def reasons(self) -> dict[str, int]:
+        counts = collections.Counter(str(m["reason"]) for m in self.misses)
+        return {reason: counts[reason] for reason in MISS_REASONS if counts[reason]}
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        """Misses per artifact kind and reason."""
+        table: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for miss in self.misses:
+            table[str(miss["kind"])][str(miss["reason"])] += 1
+        return {kind: dict(counts) for kind, counts in sorted(table.items())}
+
+    def advice(self) -> list[str]:
+        """What to change, one line each, most telling first."""
+        lines = []
+        reasons = self.reasons
+        if reasons.get(OTHER_NAMESPACE) or (self.namespace_diff and not any(
+                o["namespace"] == self.namespace for o in self.others)):
+            lines += [f"{name}: {COMPONENT_ADVICE.get(name, 'differs')}" for name in self.namespace_diff]
+        for reason in (OTHER_KEY_ID, EVICTED, REJECTED, SKIPPED, ABSENT):
+            if reasons.get(reason):
+                lines.append(f"{reason} ({reasons[reason]}): {_REASON_ADVICE[reason]}")
+        return lines
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+            "reasons": self.reasons,
+            "misses": [{k: m[k] for k in ("kind", "key", "reason", "tier", "detail") if k in m} for m in self.misses],
+            "by_kind": self.by_kind(),
+            "namespace_diff": self.namespace_diff,
+            "namespace": {"id": self.namespace, "key_id": self.key_id, "components": self.components},
+            "others": self.others,
+            "advice": self.advice(),
+            "server": self.server,
+        }
+
+
+def explain(settings: Settings, run_dir: Path | None = None) -> Explanation:
+    """Explain the misses logged under ``run_dir`` (default: the last job that used
+    ``settings.cache_dir``), asking the server in ``settings.cache_url`` where entries are.
+
+    Raises:
+        FileNotFoundError: no run directory was given and no job has logged a miss here yet.
+    """
+    from warmstart.compile_cache.namespace import components, namespace
+
+    if run_dir is None:
+        run_dir = last_run_dir(settings.cache_dir)
+        if run_dir is None:
+            raise FileNotFoundError(f"no job has logged a cache miss in {settings.cache_dir} yet; "
+                                    "give the job's run directory (WARMSTART_RUN_DIR)")
+    misses = read_misses(run_dir)
+    ours = namespace(settings.namespace)
+    mine = dict(components(settings.namespace))
+    key_id = next((str(m["key_id"]) for m in reversed(misses) if m.get("key_id")), "")
+    result = Explanation(run_dir, misses, ours, mine, key_id, [], [], None)
+    if not settings.cache_url:
+        result.server = "no remote tier (WARMSTART_CACHE_URL is unset)"
+        return result
+    try:
+        _ask_server(settings, result)
+    except Exception as exc:  # an unreachable server leaves the job's own reasons
+        result.server = f"{redact_url(settings.cache_url)} could not be asked ({type(exc).__name__}: {exc})"
+    return result
+
+
+def _ask_server(settings: Settings, result: Explanation) -> None:
+    from warmstart.compile_cache import signing
+    from warmstart.compile_cache.remote import RemoteTier
+
+    # Only the registry and EXISTS are read: no entry is verified, so any key will do to connect.
+    keys = signing.keys_for(settings.key_file, settings.secret) or signing.HmacKeys(b"-")
+    tier = RemoteTier(settings.cache_url, keys=keys, namespace=result.namespace)
+    try:
+        result.key_id = result.key_id or keys.key_id
+        result.server = redact_url(settings.cache_url)
+        registry = tier.registry()
+        others = [e for e in registry if (e["namespace"], e["key_id"]) != (result.namespace, result.key_id)]
+        for entry in others:
+            theirs = entry["components"]
+            differs = {name: [result.components.get(name, ""), str(theirs.get(name, ""))]
+                       for name in sorted(set(result.components) | set(theirs))
+                       if result.components.get(name, "") != str(theirs.get(name, ""))}
+            result.others.append({"namespace": entry["namespace"], "key_id": entry["key_id"], "differs": differs})
+        pairs = [(str(o["namespace"]), str(o["key_id"])) for o in result.others]
+        found_in: collections.Counter = collections.Counter()
+        for miss in result.misses[:_MAX_CHECKED]:
+            if miss["reason"] != ABSENT:
+                continue
+            holders = tier.holders(str(miss["kind"]), str(miss["key"]), pairs)
+            if not holders:
+                continue
+            same_ns = [p for p in holders if p[0] == result.namespace]
+            miss["reason"] = OTHER_KEY_ID if same_ns else OTHER_NAMESPACE
+            miss["detail"] = "held by " + ", ".join(f"namespace {ns} key {kid}" for ns, kid in holders[:3])
+            found_in.update(ns for ns, _ in holders if ns != result.namespace)
+        result.namespace_diff = _closest_diff(result, found_in)
+    finally:
+        tier.close()
+
+
+def _closest_diff(result: Explanation, found_in: collections.Counter) -> list[str]:
+    """The components that differ from the namespace holding most of the missed entries, else from
+    the registered namespace closest to this machine's (fewest differences)."""
+    other_ns = [o for o in result.others if o["namespace"] != result.namespace]
+    if not other_ns:
+        return []
+    if found_in:
+        best = found_in.most_common(1)[0][0]
+        chosen = next(o for o in other_ns if o["namespace"] == best)
+    else:
+        chosen = min(other_ns, key=lambda o: (len(o["differs"]), -float(o.get("ts", 0) or 0)))
+    return sorted(chosen["differs"])
