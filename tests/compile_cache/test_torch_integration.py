@@ -46,7 +46,7 @@ def run_job(tmp: Path, *models: str, url: str | None = None, secret: str | None 
 
 
 def remote(result: dict, kind: str) -> dict:
-    return result.get("store", {}).get("remote", {}).get(kind, {}).value
+    return result.get("store", {}).get("remote", {}).get(kind, {})
 
 
 def total(result: dict, tier: str, field: str) -> float:

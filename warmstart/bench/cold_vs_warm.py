@@ -23,7 +23,6 @@ attempt, each rank's last stage and the log.
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import os
 import shlex
@@ -640,60 +639,8 @@ def table_rows(results: dict[str, ConfigResult]) -> list[list[Any]]:
 
 def render_page(results: dict[str, ConfigResult]) -> str:
     """A self-contained HTML page: the figures of the three configurations side by side, then the
-    metrics package's report of their runs (timelines and breakdowns), embedded as the whole page
-    it renders."""
+    metrics package's report of their runs (timelines and breakdowns)."""
     from warmstart.metrics.report import render_html
 
-    report = render_html([results[name].result for name in CONFIGS], title=f"{_TITLE}: the runs")
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(_TITLE)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
-table.bench {{ border-collapse: collapse; margin-bottom: 1.5em; }}
-table.bench th, table.bench td {{ padding: 2px 10px; text-align: right; }}
-table.bench th:first-child, table.bench td:first-child {{ text-align: left; }}
-table.bench thead {{ border-bottom: 1px solid #aaa; }}
-iframe.report {{ width: 100%; height: 100vh; border: none; }}
-</style>
-<script>{_FIT_FRAME_JS}</script>
-</head><body><h1>{html.escape(_TITLE)}</h1>
-{_figures_table(results)}
-<iframe class="report" title="ETT report of the three runs" onload="fitToContent(this)"
-  srcdoc='{_attribute(report)}'></iframe>
-</body></html>
-"""
-
-
-# The embedded report grows to its content's height, so the page has one scroll bar. A browser that
-# keeps the embedded page out of the script's reach leaves it at the window's height, scrolling.
-_FIT_FRAME_JS = """
-function fitToContent(frame) {
-  var doc = frame.contentDocument;
-  if (!doc || !window.ResizeObserver) return;
-  var fit = function () {
-    frame.style.height = Math.ceil(doc.documentElement.getBoundingClientRect().height) + "px";
-  };
-  new ResizeObserver(fit).observe(doc.documentElement);
-  fit();
-}
-"""
-
-
-def _figures_table(results: dict[str, ConfigResult]) -> str:
-    """The table of :func:`table_rows` as HTML."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in _HEADERS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>"
-                   for row in table_rows(results))
-    return f'<table class="bench"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
-def _attribute(text: str) -> str:
-    """``text`` as the value of a single-quoted HTML attribute. Only what would end the value or
-    start a character reference is escaped, so the embedded page reads as written in the file."""
-    return text.replace("&", "&amp;").replace("'", "&#39;")
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.2f}"
-    return str(value)
+    return render_html([results[name].result for name in CONFIGS], title=_TITLE,
+                       intro=[list(_HEADERS), *table_rows(results)])

@@ -46,7 +46,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from warmstart.bench.config import JobConfig
 from warmstart.bench.data import NUM_DENSE, ClickLogDataset, make_loader, make_tables
 from warmstart.bench.model import DenseOverArch, DLRMTrain, embedding_configs
-from warmstart.checkpoint import Checkpointer, CommittedCheckpoint, latest_committed
+from warmstart.checkpoint import Checkpointer, latest_committed
 from warmstart.checkpoint.state import prepare_for_load
 from warmstart.init_pipeline import CompileWarmup, TorchRecStartup, torchrec_startup_graph
 from warmstart.metrics import NullRecorder, Recorder
@@ -191,8 +191,9 @@ class Trainer:
         self.model, self.optimizer = result["model_transform"], result["optimizer_init"]
         self.batches = result["data_loader_init"]
         self.resumed_from = result["checkpoint_load"]
-        if self.resumed_from != latest_step(latest):  # a checkpoint committed while we started: impossible
-            raise RuntimeError(f"resumed from step {self.resumed_from}, expected {latest_step(latest)}")
+        expected = None if latest is None else latest.step
+        if self.resumed_from != expected:  # a checkpoint committed while we started: impossible
+            raise RuntimeError(f"resumed from step {self.resumed_from}, expected {expected}")
         self._stage_rows = result.rows()
         # warmstart: the first asynchronous save pays one-time costs (staging buffers, DTensor's
         # per-shape caches): pay them in the background while training starts
@@ -344,11 +345,6 @@ class Trainer:
         from warmstart.init_pipeline import release_process_groups
 
         release_process_groups()
-
-
-def latest_step(found: CommittedCheckpoint | None) -> int | None:
-    """The step of a committed checkpoint, or None."""
-    return None if found is None else found.step
 
 
 def _dcp_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:

@@ -235,10 +235,15 @@ def _print_explanation(result) -> None:
     if result.others:
         names = sorted(result.components)
         columns = ["component", "this machine", *[f"{o['namespace']} ({o['key_id']})" for o in result.others[:4]]]
-        rows = [[name, result.components.get(name, ""),
-                 *[o["differs"].get(name, [None, "same"])[1] for o in result.others[:4]]] for name in names]
+        rows = [[name, _short(result.components.get(name, "")),
+                 *[_short(o["differs"].get(name, [None, "same"])[1]) for o in result.others[:4]]] for name in names]
         print_table("namespaces on the server", columns, rows, justify=["left"] * len(columns))
     if result.namespace_diff:
         console.print(f"this machine differs in: [bold]{', '.join(result.namespace_diff)}[/]", highlight=False)
     for line in result.advice():
         console.print(f"- {line}", highlight=False)
+
+
+def _short(text: str, width: int = 40) -> str:
+    # A CPU's ISA list runs to 130 characters: the table shows its start, --json all of it.
+    return text if len(text) <= width else text[:width - 1] + "…"

@@ -64,11 +64,10 @@ def _attach(store: "TieredStore", observers: list) -> None:
     for observer in observers:
         try:
             made = observer if hasattr(observer, "looked_up") else observer()
-        except Exception as exc:  # a broken observer costs its reports, never the store
+            if made not in store.observers:
+                store.add_observer(made)
+        except Exception as exc:  # a broken observer (or a store without them) costs the reports, never the store
             warn_once("observer", "warmstart: a cache observer could not be attached (%s: %s)", type(exc).__name__, exc)
-            continue
-        if made not in store.observers:
-            store.add_observer(made)
 
 
 def stats_path(settings: Settings) -> Path:

@@ -304,11 +304,16 @@ def _run_section(result: RunResult, index: int) -> str:
 </section>"""
 
 
-def render_html(results: Sequence[RunResult], title: str = "warmstart ETT report") -> str:
-    """One self-contained page (plotly.js inlined, no network) with a section per run."""
+def render_html(results: Sequence[RunResult], title: str = "warmstart ETT report", *,
+                intro: Sequence[Sequence[Any]] | None = None) -> str:
+    """One self-contained page (plotly.js inlined, no network) with a section per run.
+
+    ``intro``: a table shown above the runs, as rows whose first row is the header (e.g. the
+    figures of a benchmark comparing them); cells are escaped.
+    """
     from plotly.offline import get_plotlyjs
 
-    sections = "".join(_run_section(r, i) for i, r in enumerate(results))
+    sections = (_intro_table(intro) if intro else "") + "".join(_run_section(r, i) for i, r in enumerate(results))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -319,12 +324,23 @@ h2 small {{ color: #888; font-weight: normal; font-size: 0.6em; }}
 .tables {{ display: flex; gap: 3em; flex-wrap: wrap; }}
 table {{ border-collapse: collapse; }} th, td {{ padding: 2px 10px; text-align: right; }}
 th:first-child, td:first-child {{ text-align: left; }} thead {{ border-bottom: 1px solid #aaa; }}
+table.intro {{ margin-bottom: 1.5em; }}
 .warnings {{ color: #a60; }} section.run {{ border-top: 2px solid #eee; padding-top: 1em; }}
 </style>
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body><h1>{html.escape(title)}</h1>{sections}
 </body></html>
 """
+
+
+def _intro_table(rows: Sequence[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(c))}</td>" for c in row) + "</tr>" for row in rows[1:])
+    return f'<table class="intro"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _cell(value: Any) -> str:
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
 
 
 def results_json(results: Sequence[RunResult]) -> list[dict[str, Any]]:
