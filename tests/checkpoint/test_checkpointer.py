@@ -229,3 +229,16 @@ def test_adaptive_interval_follows_young_formula(tmp_path: Path) -> None:
     # is planned, at its start); then the formula asks for far more than max_steps=4 (ms-long steps).
     assert saved == [3, 6, 10]
     assert json.loads((latest_committed(tmp_path).path / "COMMITTED").read_text())["step"] == 10  # type: ignore[union-attr]
+
+
+def test_commit_thread_of_a_save_that_did_not_start_ends_without_committing(tmp_path: Path) -> None:
+    # The commit thread starts before dcp.async_save; when that raises, the thread is told so and
+    # ends at once: no commit, no collective, nothing left running.
+    from concurrent.futures import Future
+
+    ckpt = Checkpointer(tmp_path, mode=AsyncMode.ASYNC, recorder=NullRecorder())
+    handover, commit = Future(), Future()
+    handover.cancel()
+    ckpt._run_commit(commit, 3, tmp_path / "partial", handover, 0.0)
+    assert commit.cancelled() and committed_checkpoints(tmp_path) == []
+    ckpt.close()

@@ -25,7 +25,7 @@ import time
 import uuid
 import warnings
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 from datetime import timedelta
@@ -482,22 +482,35 @@ class Checkpointer:
 
     def _start_async(self, step: int, entries: dict[str, Any], partial: Path, started: float) -> None:
         kind = AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS else AsyncCheckpointerType.THREAD
-        response = dcp.async_save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
-                                  async_checkpointer_type=kind, async_stager=self._stager_for(entries),
-                                  no_dist=not self._distributed)
+        # The commit thread starts before the save does: once the stager's thread is copying, starting
+        # a thread makes training wait for the GIL to come back (a few ms per save on a busy core).
+        handover: Future = Future()  # the save's upload future, once there is one
+        commit: Future = Future()
+        thread = threading.Thread(target=self._run_commit, args=(commit, step, partial, handover, started),
+                                  name=f"warmstart-ckpt-commit-{step}", daemon=True)
+        thread.start()
+        try:
+            response = dcp.async_save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
+                                      async_checkpointer_type=kind, async_stager=self._stager_for(entries),
+                                      no_dist=not self._distributed)
+        except BaseException:
+            handover.cancel()  # nothing was started: the thread ends without a commit
+            raise
         if isinstance(response, AsyncSaveResponse):
             staging, upload = response.staging_completion, response.upload_completion
         else:
             staging, upload = Future(), response
             staging.set_result(None)
-        commit: Future = Future()
-        thread = threading.Thread(target=self._run_commit, args=(commit, step, partial, upload, started),
-                                  name=f"warmstart-ckpt-commit-{step}", daemon=True)
         self._pending = _Pending(step, staging, upload, commit)
         self._commit_thread = thread
-        thread.start()
+        handover.set_result(upload)
 
-    def _run_commit(self, commit: Future, step: int, partial: Path, upload: Future, started: float) -> None:
+    def _run_commit(self, commit: Future, step: int, partial: Path, handover: Future, started: float) -> None:
+        try:
+            upload = handover.result()
+        except CancelledError:  # the save did not start: there is nothing to commit
+            commit.cancel()
+            return
         if not commit.set_running_or_notify_cancel():
             return
         try:
