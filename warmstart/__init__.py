@@ -31,7 +31,7 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     Raises:
         ConfigError: a setting is malformed (one line: variable, value, what is accepted).
     """
-    from warmstart.config import ENABLE_VARIABLES, enable_environment, job_identity, new_job_id
+    from warmstart.config import enable_environment, ensure_job_id, job_identity
 
     env = enable_environment(  # checks everything before changing anything
         os.environ, cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode, secret=secret,
@@ -41,8 +41,7 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     # The PGO state is named before an id is generated: a generated id is new on every run, and
     # repeats of a job should share what Dynamo learnt.
     _activate(pgo_job_id=identity.given_job_id or None)
-    if not identity.job_id:
-        os.environ[ENABLE_VARIABLES["job_id"]] = new_job_id()  # children share one generated id
+    ensure_job_id(identity)  # children share one generated id
 
 
 def _activate(pgo_job_id: str | None) -> None:

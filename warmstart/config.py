@@ -213,6 +213,28 @@ def job_identity(environ: Mapping[str, str] | None = None) -> JobIdentity:
                        quiet_errors=quiet_errors(env), given_job_id=env.get("WARMSTART_JOB_ID", ""))
 
 
+def metrics_on(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process records ETT events: ``WARMSTART=1`` or ``WARMSTART_RUN_DIR`` set.
+    Never raises, so that a malformed rank matters only to jobs that record."""
+    env = os.environ if environ is None else environ
+    return env.get("WARMSTART", "") == "1" or bool(env.get("WARMSTART_RUN_DIR", "").strip())
+
+
+def ensure_job_id(identity: JobIdentity) -> str:
+    """``identity``'s job id; a job without one gets one now, exported as ``WARMSTART_JOB_ID`` so that
+    its other processes (and child processes) use the same."""
+    if identity.job_id:
+        return identity.job_id
+    job_id = os.environ["WARMSTART_JOB_ID"] = new_job_id()
+    return job_id
+
+
+def job_run_dir(identity: JobIdentity, job_id: str) -> Path:
+    """Where a job's ETT events and cache-miss log go: ``WARMSTART_RUN_DIR``, else
+    ``warmstart-runs/<job id>`` (relative to the working directory)."""
+    return identity.run_dir or Path("warmstart-runs") / job_id
+
+
 def quiet_errors(environ: Mapping[str, str] | None = None) -> bool:
     """:attr:`JobIdentity.quiet_errors` on its own. Never raises: it is what decides whether a
     process says that its settings are bad, :func:`job_identity`'s errors included."""
@@ -283,8 +305,7 @@ def enable_environment(environ: Mapping[str, str], **given: object) -> dict[str,
     env = dict(environ)
     env["WARMSTART"] = "1"
     env.update({ENABLE_VARIABLES[name]: str(value) for name, value in given.items() if value is not None})
-    Settings.from_env(env)
-    job_identity(env)
+    Settings.from_env(env)  # the job identity too
     return env
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmstart.compile_cache.storage import KINDS, Hit, Miss, ReadOnly, Storage, StoreObserver, warn_once
@@ -117,7 +117,7 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
                 if not keys.can_sign:
                     log.info("warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
                              keys.scheme, keys.key_id)
-                    remote = ReadOnly(remote, "verify-only key")
+                    remote = ReadOnly(remote)
             elif not _warned_no_secret:
                 log.warning("warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET, WARMSTART_SECRET_FILE or "
                             "WARMSTART_KEY_FILE: remote cache refused (unsigned entries would run unverified code); "
@@ -129,8 +129,9 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     if local is None and remote is None:
         return None
     if settings.mode == "ro":
-        local = ReadOnly(local, "WARMSTART_CACHE_MODE=ro") if local is not None else None
-        remote = ReadOnly(remote, "WARMSTART_CACHE_MODE=ro") if remote is not None and not isinstance(remote, ReadOnly) else remote
+        local = ReadOnly(local) if local is not None else None
+        if remote is not None and not isinstance(remote, ReadOnly):
+            remote = ReadOnly(remote)
     observers = []
     if persist_stats:
         observers.append(MissLog(None, settings.cache_dir if local is not None else None,

@@ -16,7 +16,9 @@ import dataclasses
 from pathlib import Path
 
 from warmstart.compile_cache.miss_log import last_run_dir, read_misses
-from warmstart.compile_cache.storage import ABSENT, EVICTED, MISS_REASONS, OTHER_KEY_ID, OTHER_NAMESPACE, REJECTED, SKIPPED
+from warmstart.compile_cache.storage import (
+    ABSENT, EVICTED, MISS_REASONS, OTHER_KEY_ID, OTHER_NAMESPACE, REJECTED, SKIPPED,
+)
 from warmstart.config import Settings, redact_url
 
 #: How each namespace component is called in the advice, and what to do when it differs.
@@ -151,10 +153,9 @@ def _ask_server(settings: Settings, result: Explanation) -> None:
             result.others.append({"namespace": entry["namespace"], "key_id": entry["key_id"], "differs": differs})
         pairs = [(str(o["namespace"]), str(o["key_id"])) for o in result.others]
         found_in: collections.Counter = collections.Counter()
-        for miss in result.misses[:_MAX_CHECKED]:
-            if miss["reason"] != ABSENT:
-                continue
-            holders = tier.holders(str(miss["kind"]), str(miss["key"]), pairs)
+        absent = [m for m in result.misses[:_MAX_CHECKED] if m["reason"] == ABSENT]
+        answers = tier.holders([(str(m["kind"]), str(m["key"])) for m in absent], pairs) if pairs else []
+        for miss, holders in zip(absent, answers):
             if not holders:
                 continue
             same_ns = [p for p in holders if p[0] == result.namespace]

@@ -31,15 +31,10 @@ def job_run_dir() -> Path:
     """This job's run directory, as the ETT recorder chooses it: ``WARMSTART_RUN_DIR``, else
     ``warmstart-runs/<job id>``. A job without an id gets one now, exported so that its other
     processes (and its recorder) use the same."""
-    from warmstart.config import job_identity, new_job_id
+    from warmstart.config import ensure_job_id, job_identity, job_run_dir
 
-    job = job_identity()
-    if job.run_dir is not None:
-        return job.run_dir.absolute()
-    job_id = job.job_id
-    if not job_id:
-        job_id = os.environ["WARMSTART_JOB_ID"] = new_job_id()
-    return (Path("warmstart-runs") / job_id).absolute()
+    identity = job_identity()
+    return job_run_dir(identity, ensure_job_id(identity)).absolute()
 
 
 class MissLog:

@@ -519,20 +519,24 @@ class RemoteTier:
                 entries.append(entry)
         return entries
 
-    @_bounded
-    def holders(self, kind: str, key: str, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """Which of ``pairs`` (namespace, key id) hold a record for ``kind``/``key``: the entry a
-        job missed may exist for another namespace or under another key.
+    def holders(self, entries: list[tuple[str, str]], pairs: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+        """For each ``(kind, key)`` of ``entries``, which of ``pairs`` (namespace, key id) hold a
+        record for it: an entry a job missed may exist for another namespace or under another key.
+        One pipelined round trip of ``EXISTS`` per thousand questions, each under the operation deadline.
 
         Raises:
             redis.RedisError: the server cannot be asked.
         """
-        if not pairs:
-            return []
-        pipe = self._client.pipeline(transaction=False)
-        for ns, key_id in pairs:
-            pipe.exists(f"{KEY_PREFIX}{ns}:p:{kind}:{key_id}:{key}")
-        return [pair for pair, found in zip(pairs, pipe.execute()) if found]
+        questions = [f"{KEY_PREFIX}{ns}:p:{kind}:{key_id}:{key}" for kind, key in entries for ns, key_id in pairs]
+        answers: list[int] = []
+        for start in range(0, len(questions), 1000):
+            pipe = self._client.pipeline(transaction=False)
+            for name in questions[start:start + 1000]:
+                pipe.exists(name)
+            with _deadline(self.op_deadline_s):
+                answers += pipe.execute()
+        n = len(pairs)
+        return [[pair for pair, found in zip(pairs, answers[i * n:(i + 1) * n]) if found] for i in range(len(entries))]
 
     def delete(self, kind: str, key: str) -> bool:
         """Remove one entry's pointer (its blob, shared by content, is left to LRU eviction)."""
@@ -565,11 +569,18 @@ class RemoteTier:
                 batch = []
         if batch:
             deleted += self._delete(batch)
-        fields = [f for f in self._client.hkeys(REGISTRY_KEY) if (f.decode() if isinstance(f, bytes) else f)
-                  .startswith(f"{self.namespace}/")] if self._client.hlen(REGISTRY_KEY) <= _REGISTRY_MAX_FIELDS else []
+        self._unregister()
+        return deleted
+
+    def _unregister(self) -> None:
+        # This namespace's fields of the registry (one per key id that wrote to it).
+        if self._client.hlen(REGISTRY_KEY) > _REGISTRY_MAX_FIELDS:
+            return
+        mine = f"{self.namespace}/".encode()
+        fields = [f for f in self._client.hkeys(REGISTRY_KEY)
+                  if (f if isinstance(f, bytes) else f.encode()).startswith(mine)]
         if fields:
             self._client.hdel(REGISTRY_KEY, *fields)
-        return deleted
 
     def _delete(self, keys: list) -> int:
         if isinstance(self._client, redis.Redis):

@@ -105,10 +105,9 @@ class ReadOnly:
     """``storage`` that never writes: ``put`` is refused (counted as ``dropped``), ``get`` passes
     through. What ``WARMSTART_CACHE_MODE=ro`` and a verify-only key make of a tier."""
 
-    def __init__(self, storage: Storage, why: str = "read-only") -> None:
+    def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self.name = storage.name
-        self.why = why
 
     def get(self, kind: str, key: str) -> Lookup:
         return self.storage.get(kind, key)

@@ -20,11 +20,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from warmstart import _defaults
-from collections.abc import Iterable
-
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import ABSENT, SKIPPED, Lookup, Miss, ReadOnly, Storage, StoreObserver, warn_once
 
@@ -81,8 +80,7 @@ class TieredStore:
         except Exception as exc:  # tiers never raise; this holds whatever changes under them
             warn_once(f"store-get:{type(exc).__name__}", "warmstart: cache lookup failed (%s: %s); treated as a miss",
                       type(exc).__name__, exc)
-            result = Miss(SKIPPED, self.name,
-                          f"{type(exc).__name__}: {exc}")
+            result = Miss(SKIPPED, self.name, f"{type(exc).__name__}: {exc}")
         for observer in self.observers:
             try:
                 observer.looked_up(kind, key, result)

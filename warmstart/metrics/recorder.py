@@ -21,14 +21,12 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 from warmstart import _defaults
-from warmstart.config import JobIdentity, job_identity, new_job_id
-from warmstart.errors import ConfigError
+from warmstart.config import ensure_job_id, job_identity, job_run_dir, metrics_on, new_job_id
 from warmstart.metrics.events import (
     FAILURE_CATEGORIES, AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, EventWriter, Failure, Step,
     TrainEnd, encode_events,
@@ -339,28 +337,16 @@ def get_recorder() -> Recorder | NullRecorder:
         return rec
     with _process_lock:
         if _process_recorder is None:
-            identity = _identity_when_on(os.environ)
-            if identity is None:
+            # A malformed variable is an error only when metrics are on: library code asks for the
+            # recorder in jobs that never turned them on.
+            if not metrics_on():
                 _process_recorder = NullRecorder()
             else:
-                job = identity.job_id
-                if not job:
-                    job = os.environ["WARMSTART_JOB_ID"] = new_job_id()
-                _process_recorder = Recorder(identity.run_dir or Path("warmstart-runs") / job, job=job,
-                                             rank=identity.rank, attempt=identity.attempt)
+                identity = job_identity()
+                job = ensure_job_id(identity)
+                _process_recorder = Recorder(job_run_dir(identity, job), job=job, rank=identity.rank,
+                                             attempt=identity.attempt)
         return _process_recorder
-
-
-def _identity_when_on(environ: Mapping[str, str]) -> JobIdentity | None:
-    """The job identity when metrics are on, else ``None``. A malformed variable is an error only when
-    they are on: library code asks for the recorder in jobs that never turned metrics on."""
-    try:
-        identity = job_identity(environ)
-    except ConfigError as exc:
-        if _identity_when_on({k: v for k, v in environ.items() if k != exc.variable}) is None:
-            return None
-        raise
-    return identity if identity.enabled or identity.run_dir is not None else None
 
 
 def existing_recorder() -> Recorder | NullRecorder | None:
