@@ -129,3 +129,25 @@ def test_no_job_yet_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setenv("WARMSTART_CACHE_DIR", str(tmp_path / "empty"))
     out = CliRunner().invoke(cli, ["cache", "explain"])
     assert out.exit_code == 2 and "no job has logged a cache miss" in out.output
+
+
+@pytest.fixture
+def old_acl_server(tmp_path_factory):
+    """A server whose writer may not touch the registry (an ACL from before it existed)."""
+    node = RedisNode(tmp_path_factory.mktemp("old-acl"), extra=[
+        "--user", "default", "off",
+        "--user", "writer", "on", ">pw", "~ws:*", "+@all", "-hset", "-hdel", "-hlen", "-hkeys", "-hgetall"]).start()
+    yield node
+    node.stop()
+
+
+def test_a_server_without_the_registry_costs_the_explanation_never_the_job(old_acl_server, tmp_path, monkeypatch):
+    url = f"redis://writer:pw@127.0.0.1:{old_acl_server.port}/0"
+    _fill(_env(url, tmp_path / "a", namespace="team-a"), {k: b"v" * 3000 for k in KEYS})  # writes despite NOPERM
+    store = open_store(Settings.from_env(_env(url, tmp_path / "c", namespace="team-a")), persist_stats=False)
+    assert all(store.get("fx_graph", k).value == b"v" * 3000 for k in KEYS)
+    store.close()
+    settings = _second_machine(_env(url, tmp_path / "b", namespace="team-b"), tmp_path / "run", monkeypatch)
+    result = explain(settings, tmp_path / "run")
+    assert result.reasons == {ABSENT: len(KEYS)}  # what the job saw: the server could not say more
+    assert "could not be asked" in result.server and "pw" not in result.server
