@@ -93,6 +93,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from _new_machine import finish
     from _redis import RedisNode
 
     from warmstart.compile_cache.signing import generate_key_pair
@@ -116,6 +117,7 @@ def main() -> None:
 
     import statistics
 
+    tables = []
     for title, seconds, field in (
             ("compile + first step (forward and backward)", _seconds, "summary"),
             ("the same, plus loading torch's compiler modules (equal in every configuration)", _seconds_with_imports,
@@ -135,10 +137,8 @@ def main() -> None:
             r[field] = {"seconds": t, **ratios, "same_loss": same}
             table.add_row(model, *[f"{t[n]:.2f}" for n in CONFIGS], f"{ratios['ws_over_local_warm']:.2f}x",
                           f"{ratios['ws_over_cold']:.3f}x", "yes" if same else "NO")
-        console.print(table)
-    console.print(f"machine: {out['machine']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        tables.append(table)
+    finish(console, tables, out, args.json)
 
 
 if __name__ == "__main__":

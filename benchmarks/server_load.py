@@ -284,7 +284,7 @@ def _fill_worker(url, key_file, run, index, budget, min_size, max_size, barrier,
         size = size_of(key, min_size, max_size)
         i += 1
         start = time.perf_counter()
-        ok = client.put(key, payload(key, size, compressible=False))
+        client.put(key, payload(key, size, compressible=False))
         result.put_s.append(time.perf_counter() - start)
         total += size
         written.append((key, size))
@@ -611,7 +611,6 @@ def _print_cost(out, c: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--procs", type=int, default=32, help="client processes")

@@ -17,8 +17,8 @@ __all__ = ["enable", "__version__"]
 def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None = None,
            cache_size: str | None = None, mode: str | None = None, secret: str | None = None,
            secret_file: str | os.PathLike | None = None, key_file: str | os.PathLike | None = None,
-           namespace: str | None = None, run_dir: str | os.PathLike | None = None,
-           job_id: str | None = None) -> None:
+           namespace: str | None = None, compile_wait_s: float | None = None,
+           run_dir: str | os.PathLike | None = None, job_id: str | None = None) -> None:
     """Turn warmstart on in this process and the processes it starts.
 
     Arguments beat environment variables, which beat defaults. They are exported to the
@@ -27,6 +27,8 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     ``key_file`` (``WARMSTART_KEY_FILE``) is an Ed25519 key in PEM: the private key (``signing.key``)
     for jobs that write the shared cache, the public key (``verify.pub``) for jobs that only read
     it. It wins over ``secret``/``secret_file`` (the HMAC secret of older setups) when both are given.
+    ``compile_wait_s`` (``WARMSTART_COMPILE_WAIT_S``) bounds how long a process waits for another
+    one compiling the entry it missed; 0 turns single-flight compiles off.
 
     Raises:
         ConfigError: a setting is malformed (one line: variable, value, what is accepted).
@@ -35,7 +37,8 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
 
     env = enable_environment(  # checks everything before changing anything
         os.environ, cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode, secret=secret,
-        secret_file=secret_file, key_file=key_file, namespace=namespace, run_dir=run_dir, job_id=job_id)
+        secret_file=secret_file, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s,
+        run_dir=run_dir, job_id=job_id)
     os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
     identity = job_identity(os.environ)
     # The PGO state is named before an id is generated: a generated id is new on every run, and

@@ -22,4 +22,11 @@ COMPRESS_LEVEL = -3  # zstd fast level: artifacts to ~0.36 of their size, decomp
 INLINE_BYTES = 64 * 1024  # values up to this size (after compression) live in their signed pointer record
 REMOTE_TTL_S = 30 * 24 * 3600  # remote entries expire after 30 days unless touched by LRU first
 
+# Single-flight compiles (single_flight.py): a process that misses an entry another process is
+# compiling waits for it at most COMPILE_WAIT_S, looking at the lease every LEASE_POLL_S at most; a
+# Redis lease not renewed for LEASE_TTL_S (its holder died) lapses, and a waiter takes it over.
+COMPILE_WAIT_S = 300.0
+LEASE_TTL_S = 3.0
+LEASE_POLL_S = 0.25
+
 FLUSH_INTERVAL_S = 1.0  # ETT event files are flushed at least this often

@@ -290,6 +290,7 @@ ENABLE_VARIABLES: dict[str, str] = {
     "secret_file": "WARMSTART_SECRET_FILE",
     "key_file": "WARMSTART_KEY_FILE",
     "namespace": "WARMSTART_NAMESPACE",
+    "compile_wait_s": "WARMSTART_COMPILE_WAIT_S",
     "run_dir": "WARMSTART_RUN_DIR",
     "job_id": "WARMSTART_JOB_ID",
 }
@@ -337,6 +338,9 @@ class Settings:
     wins: the job signs and verifies with it alone."""
     namespace: str = ""
     """``WARMSTART_NAMESPACE``: extra namespace (team, trust domain)."""
+    compile_wait_s: float = _defaults.COMPILE_WAIT_S
+    """``WARMSTART_COMPILE_WAIT_S``: the longest a process waits for another process that is compiling
+    the entry it missed (then it compiles it itself); 0 turns single-flight compiles off."""
     job: JobIdentity = dataclasses.field(default_factory=lambda: JobIdentity(False, "", None, 0, 0, False))
     """Which job, rank and attempt this process belongs to (see :func:`job_identity`)."""
 
@@ -368,11 +372,20 @@ class Settings:
         namespace = env.get("WARMSTART_NAMESPACE", "").strip()
         if namespace and not re.fullmatch(r"[A-Za-z0-9._\-]+", namespace):
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
+        wait_raw = env.get("WARMSTART_COMPILE_WAIT_S", "").strip()
+        compile_wait_s = _defaults.COMPILE_WAIT_S
+        if wait_raw:
+            try:
+                compile_wait_s = float(wait_raw)
+            except ValueError:
+                compile_wait_s = -1.0
+            if not (0 <= compile_wait_s < float("inf")):
+                raise ConfigError("WARMSTART_COMPILE_WAIT_S", wait_raw, "seconds, a number >= 0 (0 turns waiting off)")
         job = job_identity(env)
         values: dict[str, object] = dict(
             enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",
             cache_size=cache_size,
-            mode=mode, secret=secret, key_file=key_file, namespace=namespace, job=job,
+            mode=mode, secret=secret, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s, job=job,
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -231,14 +232,17 @@ def test_adaptive_interval_follows_young_formula(tmp_path: Path) -> None:
     assert json.loads((latest_committed(tmp_path).path / "COMMITTED").read_text())["step"] == 10  # type: ignore[union-attr]
 
 
-def test_commit_thread_of_a_save_that_did_not_start_ends_without_committing(tmp_path: Path) -> None:
-    # The commit thread starts before dcp.async_save; when that raises, the thread is told so and
-    # ends at once: no commit, no collective, nothing left running.
-    from concurrent.futures import Future
-
-    ckpt = Checkpointer(tmp_path, mode=AsyncMode.ASYNC, recorder=NullRecorder())
-    handover, commit = Future(), Future()
-    handover.cancel()
-    ckpt._run_commit(commit, 3, tmp_path / "partial", handover, 0.0)
-    assert commit.cancelled() and committed_checkpoints(tmp_path) == []
+def test_async_save_that_cannot_start_fails_on_the_next_call(tmp_path: Path) -> None:
+    # dcp.async_save runs on the commit thread: a state it cannot save (a lock cannot be copied) does
+    # not raise in save(), it fails the save; wait() reports it, nothing is committed, the commit
+    # thread ends, and the next save works.
+    ckpt = Checkpointer(tmp_path, mode=AsyncMode.ASYNC, recorder=NullRecorder(), save_rng=False)
+    ckpt.save(0, {"t": {"x": torch.ones(2), "lock": threading.Lock()}})
+    ckpt.wait_staged()  # returns: the copy is over (it failed)
+    with pytest.raises(CheckpointError, match="checkpoint of step 0"):
+        ckpt.wait()
+    assert committed_checkpoints(tmp_path) == [] and not list(tmp_path.glob("*.partial"))
+    assert ckpt._join_commit(10)  # the commit thread has ended
+    ckpt.save(1, {"t": {"x": torch.ones(2)}}, block=True)
+    assert [c.step for c in committed_checkpoints(tmp_path)] == [1]
     ckpt.close()

@@ -128,3 +128,35 @@ def test_unplain_names_from_triton_itself_are_refused(machine, name):
         m.put(b"data", name)
     with pytest.raises(ValueError):
         m.put_group("__grp__k.json", {name: "/x"})
+
+
+def test_a_kernel_compile_that_ends_without_writing_releases_its_lease(redis_node, tmp_path, monkeypatch):
+    """Triton calls nothing on its manager when a compile raises: the lease its group miss took
+    (single-flight) ends with the manager, and a completed compile's put_group releases it first."""
+    import gc
+
+    from warmstart.compile_cache.single_flight import SingleFlight
+    from warmstart.compile_cache.stats import Stats
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    remote = RemoteTier(redis_node.url, secret=b"s", namespace="tri")
+    stats = Stats()
+    flight = SingleFlight(local_dir=tmp_path / "ws", local_writable=True, remote=remote, stats=stats)
+    set_store(TieredStore(LocalTier(tmp_path / "ws", 1 << 30), remote, stats=stats, single_flight=flight))
+    try:
+        m = WarmstartCacheManager("FAILS")
+        assert m.get_group("__grp__k.json") is None
+        assert flight.holds("triton_kernel", "FAILS/__grp__k.json")
+        del m  # the compile raised: Triton drops its manager
+        gc.collect()
+        assert not flight.holds("triton_kernel", "FAILS/__grp__k.json")
+
+        m = WarmstartCacheManager("WORKS")
+        assert m.get_group("__grp__k.json") is None and flight.held == 1
+        m.put_group("__grp__k.json", {"k.json": m.put(b"{}", "k.json")})
+        from warmstart.compile_cache import get_store
+
+        get_store().flush(timeout=10)
+        assert flight.held == 0 and stats.counters_dict()["leases"] == 2
+    finally:
+        set_store(None)

@@ -53,3 +53,13 @@ def test_without_a_recorder_nothing_is_recorded_or_started(run_dir):
         pass
     assert existing_recorder() is None  # a compile worker reading the cache stays a bystander
     assert not run_dir.exists()
+
+
+def test_a_wait_for_another_process_compile_is_a_cache_wait_span_in_the_compile_bucket(run_dir):
+    rec = get_recorder()
+    with CacheSpans().waiting_on_peer("aot_autograd"):
+        pass
+    rec.flush()
+    lines = [json.loads(line) for line in (run_dir / "events-r0-a0.jsonl").read_text().splitlines()]
+    assert [(line["event"], line["span"], line["bucket"]) for line in lines] == [
+        ("begin", "cache_wait", "compile"), ("end", "cache_wait", "compile")]

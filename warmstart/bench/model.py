@@ -10,6 +10,7 @@ shape only; building, sharding and compiling it is the trainer's job.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,13 +21,23 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from warmstart.bench.data import NUM_DENSE, TableSpec
 
 
-def _mlp(sizes: list[int], *, last_relu: bool) -> nn.Sequential:
+class MLP(nn.Sequential):
+    """``nn.Sequential`` with a ``forward`` of its own: ``MLP.compile()`` compiles it. (Dynamo does not
+    start tracing in torch's own modules, so ``nn.Sequential(...).compile()`` alone would run eagerly.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def _mlp(sizes: list[int], *, last_relu: bool) -> MLP:
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
         layers.append(nn.Linear(a, b))
         if last_relu or i < len(sizes) - 2:
             layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return MLP(*layers)
 
 
 class DenseOverArch(nn.Module):
@@ -48,6 +59,17 @@ class DenseOverArch(nn.Module):
         self.register_buffer("_tri_rows", rows, persistent=False)
         self.register_buffer("_tri_cols", cols, persistent=False)
         self.over_arch = _mlp([dim + n * (n - 1) // 2, *over_layers, 1], last_relu=False)
+
+    def compile_regions(self, **compile_kwargs: Any) -> None:
+        """Compile the dense arch and the over arch each on its own (regional compilation).
+
+        Each region gets its own graph and cache entries, so a change to one (a layer added to the
+        over arch, an activation changed in the dense arch) recompiles that region only; the other is
+        read from the compile cache. The interaction between them (a batched matmul and a gather) runs
+        eagerly.
+        """
+        self.dense_arch.compile(**compile_kwargs)
+        self.over_arch.compile(**compile_kwargs)
 
     def forward(self, dense: torch.Tensor, sparse_values: torch.Tensor,
                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ import time
 import uuid
 import warnings
 import weakref
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,7 +117,6 @@ class _FileSystemWriter(FileSystemWriter):
 class _Pending:
     step: int
     staging: Future
-    upload: Future
     commit: Future  # result: (message, cause) of a failure, or None once committed
 
 
@@ -481,41 +480,46 @@ class Checkpointer:
             self._report(failure)
 
     def _start_async(self, step: int, entries: dict[str, Any], partial: Path, started: float) -> None:
-        kind = AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS else AsyncCheckpointerType.THREAD
-        # The commit thread starts before the save does: once the stager's thread is copying, starting
-        # a thread makes training wait for the GIL to come back (a few ms per save on a busy core).
-        handover: Future = Future()  # the save's upload future, once there is one
+        # dcp.async_save itself runs on the commit thread: starting it costs 5-15 ms of Python (the
+        # planner, the stager's submission, DCP's executor) that training need not wait for. The state
+        # is already captured (state_dict(), RNG) in ``entries``; the copy only reads its tensors, and
+        # ``wait_staged`` / non-overlapped saves wait for that copy as before.
+        stager = self._stager_for(entries)
+        staging: Future = Future()  # done once the copy no longer reads the live tensors
         commit: Future = Future()
-        thread = threading.Thread(target=self._run_commit, args=(commit, step, partial, handover, started),
+        thread = threading.Thread(target=self._run_save, args=(commit, staging, stager, step, entries, partial, started),
                                   name=f"warmstart-ckpt-commit-{step}", daemon=True)
-        thread.start()
-        try:
-            response = dcp.async_save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
-                                      async_checkpointer_type=kind, async_stager=self._stager_for(entries),
-                                      no_dist=not self._distributed)
-        except BaseException:
-            handover.cancel()  # nothing was started: the thread ends without a commit
-            raise
-        if isinstance(response, AsyncSaveResponse):
-            staging, upload = response.staging_completion, response.upload_completion
-        else:
-            staging, upload = Future(), response
-            staging.set_result(None)
-        self._pending = _Pending(step, staging, upload, commit)
+        self._pending = _Pending(step, staging, commit)
         self._commit_thread = thread
-        handover.set_result(upload)
+        thread.start()
 
-    def _run_commit(self, commit: Future, step: int, partial: Path, handover: Future, started: float) -> None:
-        try:
-            upload = handover.result()
-        except CancelledError:  # the save did not start: there is nothing to commit
-            commit.cancel()
-            return
+    def _run_save(self, commit: Future, staging: Future, stager: AsyncStager, step: int, entries: dict[str, Any],
+                  partial: Path, started: float) -> None:
         if not commit.set_running_or_notify_cancel():
+            staging.cancel()
             return
         try:
+            kind = (AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS
+                    else AsyncCheckpointerType.THREAD)
+            try:
+                response = dcp.async_save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
+                                          async_checkpointer_type=kind, async_stager=stager,
+                                          no_dist=not self._distributed)
+            except (Exception, CheckpointException) as e:  # nothing started: no copy reads the tensors
+                staging.set_result(None)
+                commit.set_result(self._conclude(step, partial, e, started))
+                return
+            if isinstance(response, AsyncSaveResponse):
+                _chain(response.staging_completion, staging)
+                upload = response.upload_completion
+            else:
+                staging.set_result(None)
+                upload = response
+            del entries, response  # the staged copy is DCP's now: do not hold the state's references
             commit.set_result(self._commit_after(step, partial, upload, started))
         except BaseException as e:  # noqa: BLE001 - the caller's next save/wait/close sees it
+            if not staging.done():
+                staging.set_result(None)
             commit.set_exception(e)
 
     def _commit_after(self, step: int, partial: Path, upload: Future, started: float) -> tuple[str, str] | None:
@@ -635,6 +639,12 @@ class Checkpointer:
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = timedelta(seconds=self.commit_timeout_s)
         self._pg.broadcast([tensor], opts).wait()  # type: ignore[union-attr]
+
+
+def _chain(source: Future, target: Future) -> None:
+    """Completes ``target`` when ``source`` completes; a failed copy fails the upload too, and the
+    commit reports it, so ``target`` only says that the copy is over."""
+    source.add_done_callback(lambda _: target.done() or target.set_result(None))
 
 
 def _cause(exc: BaseException) -> str:

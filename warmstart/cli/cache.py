@@ -71,8 +71,11 @@ def stats(as_json: bool) -> None:
                      "saved s"], rows)
     click.echo(f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of "
                f"{_human_bytes(local['limit'])}")
-    if counts.counters_dict().get("recompiles"):
-        click.echo(f"recompilations: {counts.counters_dict()['recompiles']}")
+    counters = counts.counters_dict()
+    if counters.get("recompiles"):
+        click.echo(f"recompilations: {counters['recompiles']}")
+    if counters.get("leases") or counters.get("waits"):
+        click.echo(_single_flight_line(counters))
 
 
 def _local_usage(settings) -> dict[str, int]:
@@ -247,3 +250,16 @@ def _print_explanation(result) -> None:
 def _short(text: str, width: int = 40) -> str:
     # A CPU's ISA list runs to 130 characters: the table shows its start, --json all of it.
     return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _single_flight_line(counters: dict[str, float]) -> str:
+    """One line: how often this cache's jobs compiled an entry once for others, and waited for one."""
+    def n(name: str, word: str) -> str:
+        count = int(counters.get(name, 0))
+        return f"{count} {word}{'' if count == 1 else 's'}"
+
+    line = (f"single-flight: {n('leases', 'lease')} taken (compiled for others), {n('waits', 'wait')} for "
+            f"another process's compile ({counters.get('wait_s', 0.0):.1f} s), {n('takeovers', 'takeover')}")
+    if counters.get("wait_timeouts"):
+        line += f", {n('wait_timeouts', 'wait')} past WARMSTART_COMPILE_WAIT_S"
+    return line

@@ -97,6 +97,7 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     from warmstart.compile_cache.miss_log import MissLog
     from warmstart.compile_cache.namespace import components, namespace
     from warmstart.compile_cache.remote import RemoteTier
+    from warmstart.compile_cache.single_flight import SingleFlight
     from warmstart.compile_cache.stats import Stats
     from warmstart.compile_cache.tiered import TieredStore
 
@@ -137,8 +138,13 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
         observers.append(MissLog(None, settings.cache_dir if local is not None else None,
                                  namespace=namespace(settings.namespace),
                                  key_id=remote.key_id if remote is not None else ""))
+    single_flight = None
+    if settings.compile_wait_s > 0:
+        single_flight = SingleFlight(local_dir=settings.cache_dir if local is not None else None,
+                                     local_writable=local is not None and not isinstance(local, ReadOnly),
+                                     remote=remote, stats=stats, wait_s=settings.compile_wait_s)
     # Counts go next to a usable local tier only: never into a directory that was refused.
-    return TieredStore(local, remote, stats=stats, observers=observers,
+    return TieredStore(local, remote, stats=stats, observers=observers, single_flight=single_flight,
                        stats_file=stats_path(settings) if persist_stats and local is not None else None)
 
 

@@ -7,7 +7,9 @@ Layout under the key prefix ``ws:<namespace>:``:
   Values of up to 64 KiB (compressed) live inside it: one round trip to read, one to write;
 * ``b:{<blake3>}:<i>``: chunk ``i`` of a larger zstd-compressed blob, split under Redis value limits.
   The digest is a hash tag, so all chunks of a blob live in one Cluster slot and come back in one
-  pipelined round trip.
+  pipelined round trip;
+* ``l:<kind>:<key id>:<key>``: the lease of a process compiling that entry now (see
+  ``single_flight.py``): a random token, expiring unless its holder renews it.
 
 Identical large artifacts under different keys are stored once. Writes are ``SET NX``: the first
 writer wins when processes race. Chunk keys are predictable, so a chunk that was already there is
@@ -537,6 +539,69 @@ class RemoteTier:
                 answers += pipe.execute()
         n = len(pairs)
         return [[pair for pair, found in zip(pairs, answers[i * n:(i + 1) * n]) if found] for i in range(len(entries))]
+
+    # -- leases (see single_flight.py) ----------------------------------------------------------
+    def _lease_key(self, kind: str, key: str) -> str:
+        return f"{self._prefix}l:{kind}:{self.key_id}:{key}"
+
+    @_bounded
+    def take_lease(self, kind: str, key: str, token: str, ttl_s: float) -> bool | None:
+        """Take the lease on an entry (``SET NX PX``): True when taken, False when another process
+        holds it, None when leases cannot be used now (breaker open, the server failed, credentials
+        that may not write). Never raises."""
+        if self._write_refused or not self.keys.can_sign or not self.breaker.allow():
+            return None
+        try:
+            return bool(self._client.set(self._lease_key(kind, key), token, nx=True, px=max(1, int(ttl_s * 1000))))
+        except Exception as exc:
+            return self._lease_failed(exc)
+
+    @_bounded
+    def lease_held(self, kind: str, key: str) -> bool | None:
+        """Whether some process holds the lease on an entry; None when the server cannot say."""
+        if not self.breaker.allow():
+            return None
+        try:
+            return bool(self._client.exists(self._lease_key(kind, key)))
+        except Exception as exc:
+            return self._lease_failed(exc)
+
+    @_bounded
+    def renew_leases(self, leases: list[tuple[str, str, str]], ttl_s: float) -> None:
+        """Extend the leases of ``(kind, key, token)`` that are still this process's by ``ttl_s``
+        (GET, then ``SET XX PX``: see the race bound in single_flight.py)."""
+        if not self.breaker.allow():
+            return
+        ttl_ms = max(1, int(ttl_s * 1000))
+        try:
+            for kind, key, token in leases:
+                name = self._lease_key(kind, key)
+                if self._client.get(name) == token.encode():
+                    self._client.set(name, token, xx=True, px=ttl_ms)
+        except Exception as exc:
+            self._lease_failed(exc)
+
+    @_bounded
+    def drop_lease(self, kind: str, key: str, token: str) -> None:
+        """Release a lease if it is still this process's."""
+        if not self.breaker.allow():
+            return
+        name = self._lease_key(kind, key)
+        try:
+            if self._client.get(name) == token.encode():
+                self._client.delete(name)
+        except Exception as exc:
+            self._lease_failed(exc)
+
+    def _lease_failed(self, exc: Exception) -> None:
+        if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
+            self._write_refused = True  # reader credentials: this job waits on leases, never takes one
+            return None
+        if isinstance(exc, _UNREACHABLE):
+            self.breaker.trip(f"{type(exc).__name__}: {exc}")
+        else:
+            log.debug("warmstart: lease operation failed: %s", exc)
+        return None
 
     def delete(self, kind: str, key: str) -> bool:
         """Remove one entry's pointer (its blob, shared by content, is left to LRU eviction)."""

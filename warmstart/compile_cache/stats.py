@@ -50,10 +50,11 @@ class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], Counts] = defaultdict(Counts)
-        self.counters: dict[str, int] = defaultdict(int)
-        """Process-level events that are not per tier, e.g. ``recompiles``."""
+        self.counters: dict[str, float] = defaultdict(int)
+        """Process-level events that are not per tier, e.g. ``recompiles``, and single-flight's
+        ``leases``, ``waits``, ``wait_s`` (seconds), ``takeovers`` and ``wait_timeouts``."""
 
-    def bump(self, name: str, n: int = 1) -> None:
+    def bump(self, name: str, n: float = 1) -> None:
         with self._lock:
             self.counters[name] += n
 
@@ -78,7 +79,7 @@ class Stats:
             out.setdefault(tier, {})[kind] = counts.to_dict()
         return out
 
-    def counters_dict(self) -> dict[str, int]:
+    def counters_dict(self) -> dict[str, float]:
         with self._lock:
             return dict(self.counters)
 
@@ -118,5 +119,6 @@ def load(path: Path) -> Stats:
         for kind, counts in kinds.items():
             stats.add(tier, kind, **{f: counts.get(f, 0) for f in FIELDS})
     for name, n in data.get("counters", {}).items():
-        stats.bump(name, int(n))
+        if isinstance(n, (int, float)):
+            stats.bump(name, n)
     return stats

@@ -143,6 +143,9 @@ class StoreObserver(Protocol):
         """Called once per store lookup with its outcome."""
         ...
 
+    # Optional: ``waiting_on_peer(kind)``, a context manager wrapping the time a lookup waits for
+    # another process that is compiling the entry (single-flight); observers without it are skipped.
+
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()

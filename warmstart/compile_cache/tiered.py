@@ -9,6 +9,10 @@ never makes the job's memory grow with the artifacts it compiles.
 Read-only tiers (:class:`~warmstart.compile_cache.storage.ReadOnly`: ``WARMSTART_CACHE_MODE=ro``, a
 verify-only key) are never queued for. Each lookup's outcome, and each wait on the remote tier, goes
 to the store's observers (the metrics package attaches one that records ETT spans).
+
+With ``single_flight``, a miss of an entry another process is compiling right now waits for that
+process's result instead (see ``single_flight.py``); the lease this process takes on a miss is
+released once its ``put`` is readable in every tier (after the background write).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from warmstart import _defaults
+from warmstart.compile_cache.single_flight import SingleFlight
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import ABSENT, SKIPPED, Lookup, Miss, ReadOnly, Storage, StoreObserver, warn_once
 
@@ -40,6 +45,7 @@ class TieredStore:
         stats_file: where this process's counts are merged at exit (``None``: not persisted).
         queue_bytes: most bytes of values waiting for background writes; a write past it is dropped.
         observers: told of every lookup and every wait on the remote tier (see :meth:`add_observer`).
+        single_flight: leases for misses, so that concurrent compiles of one entry happen once.
     """
 
     name = "store"
@@ -49,7 +55,7 @@ class TieredStore:
 
     def __init__(self, local: Storage | None, remote: Storage | None, *, stats: Stats | None = None,
                  stats_file: Path | None = None, queue_bytes: int = _defaults.WRITE_QUEUE_BYTES,
-                 observers: Iterable[StoreObserver] = ()) -> None:
+                 observers: Iterable[StoreObserver] = (), single_flight: SingleFlight | None = None) -> None:
         self.local = local
         self.remote = remote
         self.stats = stats or Stats()
@@ -57,6 +63,7 @@ class TieredStore:
             if tier is not None:
                 tier.stats = self.stats
         self.observers: list[StoreObserver] = list(observers)
+        self.single_flight = single_flight
         self.stats_file = stats_file
         self.queue_bytes = queue_bytes
         self.queued_bytes = 0
@@ -77,6 +84,9 @@ class TieredStore:
         remote tier's reason says more than the local one's). Never raises."""
         try:
             result = self._get(kind, key)
+            if not result and self.single_flight is not None:
+                result = self.single_flight.resolve(kind, key, result, lambda: self._get(kind, key),
+                                                    lambda: self._observed("waiting_on_peer", kind))
         except Exception as exc:  # tiers never raise; this holds whatever changes under them
             warn_once(f"store-get:{type(exc).__name__}", "warmstart: cache lookup failed (%s: %s); treated as a miss",
                       type(exc).__name__, exc)
@@ -96,19 +106,20 @@ class TieredStore:
                 return result
         if self.remote is None:
             return result
-        with self._waiting(kind):
+        with self._observed("waiting", kind):
             result = self.remote.get(kind, key)
         if result and self.local is not None and not isinstance(self.local, ReadOnly):
             self._enqueue(self.local, kind, key, result.value, result.cost_s)
         return result
 
     @contextlib.contextmanager
-    def _waiting(self, kind: str):
-        # Each observer's span around the wait on the shared cache; one that fails is left out.
+    def _observed(self, method: str, kind: str):
+        # Each observer's span around a wait (on the shared tier, or on another process's compile);
+        # one that fails, or does not know the method, is left out.
         with contextlib.ExitStack() as stack:
             for observer in self.observers:
                 try:
-                    stack.enter_context(observer.waiting(kind))
+                    stack.enter_context(getattr(observer, method)(kind))
                 except Exception:
                     log.debug("store observer failed", exc_info=True)
             yield
@@ -127,29 +138,41 @@ class TieredStore:
             return False
 
     def _put(self, kind: str, key: str, value: bytes, *, cost_s: float, sync: bool) -> bool:
-        stored = False
-        if self.local is not None:  # a read-only tier refuses at once, and counts it
-            stored = self.local.put(kind, key, value, cost_s=cost_s)
-        if self.remote is None:
+        stored = queued_release = False
+        try:
+            if self.local is not None:  # a read-only tier refuses at once, and counts it
+                stored = self.local.put(kind, key, value, cost_s=cost_s)
+            if self.remote is None:
+                return stored
+            if sync or isinstance(self.remote, ReadOnly):
+                return self.remote.put(kind, key, value, cost_s=cost_s) or stored
+            queued_release = self.single_flight is not None
+            if self._enqueue(self.remote, kind, key, value, cost_s, release=queued_release):
+                return True  # a lease on the entry goes once the background write is done
+            queued_release = False
             return stored
-        if sync or isinstance(self.remote, ReadOnly):
-            return self.remote.put(kind, key, value, cost_s=cost_s) or stored
-        return self._enqueue(self.remote, kind, key, value, cost_s) or stored
+        finally:
+            if self.single_flight is not None and not queued_release:
+                self.single_flight.finished(kind, key)
 
     @property
     def writable(self) -> bool:
         """Whether any tier takes writes (``WARMSTART_CACHE_MODE=ro`` makes none)."""
         return any(t is not None and not isinstance(t, ReadOnly) for t in (self.local, self.remote))
 
-    def _enqueue(self, tier: Storage, kind: str, key: str, value: bytes, cost_s: float) -> bool:
+    def _enqueue(self, tier: Storage, kind: str, key: str, value: bytes, cost_s: float, release: bool = False) -> bool:
         self._ensure_writer()
         with self._queued_lock:
             if self.queued_bytes + len(value) > self.queue_bytes:
                 self.stats.add(tier.name, kind, dropped=1)
                 return False
             self.queued_bytes += len(value)
-        self._queue.put_nowait((tier, kind, key, value, cost_s))
+        self._queue.put_nowait((tier, kind, key, value, cost_s, release))
         return True
+
+    def _written(self, kind: str, key: str, release: bool) -> None:
+        if release and self.single_flight is not None:
+            self.single_flight.finished(kind, key)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued background writes are done; False if ``timeout`` ran out first."""
@@ -176,12 +199,13 @@ class TieredStore:
     def _write_loop(self) -> None:
         q = self._queue
         while True:
-            tier, kind, key, value, cost_s = q.get()
+            tier, kind, key, value, cost_s, release = q.get()
             try:
                 tier.put(kind, key, value, cost_s=cost_s)
             except Exception:  # put never raises by contract; this guards the thread regardless
                 log.debug("background write failed", exc_info=True)
             finally:
+                self._written(kind, key, release)
                 with self._queued_lock:
                     self.queued_bytes -= len(value)
                 del value  # not held while waiting for the next item
@@ -192,9 +216,10 @@ class TieredStore:
         dropped = 0
         while True:
             try:
-                tier, kind, _, value, _ = self._queue.get_nowait()
+                tier, kind, key, value, _, release = self._queue.get_nowait()
             except queue.Empty:
                 return dropped
+            self._written(kind, key, release)
             self.stats.add(tier.name, kind, dropped=1)
             with self._queued_lock:
                 self.queued_bytes -= len(value)
@@ -209,6 +234,8 @@ class TieredStore:
         if not self.flush(timeout=self.exit_flush_s):
             log.warning("warmstart: gave up waiting for remote cache writes at exit; dropped %d",
                         self._drop_queued())
+        if self.single_flight is not None:
+            self.single_flight.release_all()
         if self.stats_file is not None:
             try:
                 self.stats.take().merge_into(self.stats_file)

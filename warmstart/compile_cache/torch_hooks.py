@@ -321,19 +321,21 @@ def _hook_cpp_builder(cpp_builder: ModuleType) -> None:
 
     def build(self) -> None:
         # warmstart's part (key, store) fails open to the plain build; g++'s errors are torch's and
-        # pass through unchanged.
-        try:
-            key = _cpp_lookup(self)
-        except Exception as exc:
-            _fail_open("C++ object cache", exc)
-            return original_build(self)
-        if key is None:
-            return original_build(self)
-        if key is _DONE:
+        # pass through unchanged. A lease the lookup takes (single-flight) ends with this build at
+        # the latest, also when g++ fails.
+        with _lease_scope():
+            try:
+                key = _cpp_lookup(self)
+            except Exception as exc:
+                _fail_open("C++ object cache", exc)
+                return original_build(self)
+            if key is None:
+                return original_build(self)
+            if key is _DONE:
+                return None
+            _materialize_pch(self.get_command_line(), original_build)
+            _build_and_store(self, key, original_build)
             return None
-        _materialize_pch(self.get_command_line(), original_build)
-        _build_and_store(self, key, original_build)
-        return None
 
     build.__wrapped__ = original_build  # type: ignore[attr-defined]
     cpp_builder.CppBuilder.build = build
@@ -497,9 +499,43 @@ def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
     cpu_vec_isa.VecISA._probe_load = _probe_load
 
 
-# -- recompilations ----------------------------------------------------------------------------
+def _lease_scope():
+    """Leases taken in the body (single-flight) and not yet released by a ``put`` are released when
+    it ends: a compile that raised, or that torch chose not to cache, must not keep others waiting."""
+    import contextlib
+
+    try:
+        from warmstart.compile_cache import get_store
+
+        store = get_store()
+        flight = store.single_flight if store is not None else None
+        return flight.scope() if flight is not None else contextlib.nullcontext()
+    except Exception as exc:
+        _fail_open("single-flight scope", exc)
+        return contextlib.nullcontext()
+
+
+# -- a frame's compile, and recompilations -----------------------------------------------------
 
 @_patch("torch._dynamo.convert_frame")
+def _hook_convert_frame(convert_frame: ModuleType) -> None:
+    _hook_frame_compile(convert_frame)
+    _hook_recompiles(convert_frame)
+
+
+def _hook_frame_compile(convert_frame: ModuleType) -> None:
+    """Each frame's compile (Dynamo, AOTAutograd, Inductor) is a lease scope (see :func:`_lease_scope`)."""
+    original = convert_frame._compile
+
+    @functools.wraps(original)
+    def _compile(*args, **kwargs):
+        with _lease_scope():
+            return original(*args, **kwargs)
+
+    _compile.__wrapped__ = original  # type: ignore[attr-defined]
+    convert_frame._compile = _compile
+
+
 def _hook_recompiles(convert_frame: ModuleType) -> None:
     original = convert_frame.get_and_maybe_log_recompilation_reasons
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -103,6 +104,8 @@ class WarmstartCacheManager(CacheManager):
         store = self._store()
         data = store.get(KIND, f"{self.key}/{filename}").value if store is not None else None
         if data is None:
+            if store is not None and filename.startswith("__grp__"):
+                self._lease_ends_with_me(store, f"{self.key}/{filename}")
             return None
         if filename.startswith("__grp__"):
             data = self._localize_group(data)
@@ -148,6 +151,14 @@ class WarmstartCacheManager(CacheManager):
         if store is not None:
             portable = {"child_paths": {name: os.path.basename(path) for name, path in group.items()}}
             store.put(KIND, f"{self.key}/{filename}", json.dumps(portable).encode())
+
+    def _lease_ends_with_me(self, store, key: str) -> None:
+        # Triton creates one manager per compile and calls nothing on it when the compile raises:
+        # a lease this miss took (single-flight) ends with the manager at the latest, so that a
+        # failed compile never keeps other processes waiting. ``put_group`` releases it first.
+        flight = getattr(store, "single_flight", None)
+        if flight is not None and flight.holds(KIND, key):
+            weakref.finalize(self, flight.finished, KIND, key)
 
     def _localize_group(self, data: bytes) -> bytes | None:
         try:

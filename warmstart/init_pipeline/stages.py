@@ -165,18 +165,25 @@ class CompileWarmup:
         example_inputs: builds a synthetic batch (positional arguments) on the given device.
         backward: also compile the backward pass (``sum`` of the outputs as the loss).
         compile_kwargs: keyword arguments of ``torch.compile``.
+        compile_module: how the step compiles the module, when it is not ``torch.compile(module,
+            **compile_kwargs)``: e.g. regional compilation, compiling some submodules on their own
+            (``lambda m: m.compile_regions() or m``). Returns what to call.
     """
 
     build: Callable[[torch.device], nn.Module]
     example_inputs: Callable[[torch.device], Sequence[Any]]
     backward: bool = True
     compile_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compile_module: Callable[[nn.Module], Callable[..., Any]] | None = None
 
     def run(self, device: torch.device) -> float:
         """Compile and run once; return the seconds it took."""
         start = time.perf_counter()
         module = self.build(device)
-        compiled = torch.compile(module, **self.compile_kwargs)
+        if self.compile_module is not None:
+            compiled = self.compile_module(module)
+        else:
+            compiled = torch.compile(module, **self.compile_kwargs)
         out = compiled(*self.example_inputs(device))
         if self.backward:
             tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out])

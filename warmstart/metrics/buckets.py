@@ -53,6 +53,8 @@ KNOWN_SPANS: tuple[str, ...] = tuple(span for b in BUCKETS for span in b.spans)
 
 #: A wait on the shared compile cache; written with an explicit bucket (the work it stands in for).
 CACHE_FETCH = "cache_fetch"
+#: A wait for another process that is compiling the same entry (single-flight); in the ``compile`` bucket.
+CACHE_WAIT = "cache_wait"
 
 _BY_NAME = {b.name: b for b in BUCKETS}
 _SPAN_TO_BUCKET = {span: b.name for b in BUCKETS for span in b.spans}

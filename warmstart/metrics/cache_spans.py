@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from warmstart.metrics.buckets import CACHE_FETCH, COMPILE, SHARDING_PLAN
+from warmstart.metrics.buckets import CACHE_FETCH, CACHE_WAIT, COMPILE, SHARDING_PLAN
 from warmstart.metrics.recorder import existing_recorder
 
 if TYPE_CHECKING:
@@ -30,19 +30,27 @@ class CacheSpans:
         >>> add_observer(CacheSpans())
     """
 
-    @contextlib.contextmanager
-    def waiting(self, kind: str) -> Iterator[None]:
+    def waiting(self, kind: str) -> contextlib.AbstractContextManager[None]:
         """Record a ``cache_fetch`` span around the body (nothing without a recorder)."""
-        recorder = existing_recorder()
-        if recorder is None:
-            yield
-            return
-        bucket = SHARDING_PLAN if kind == SHARDING_PLAN else COMPILE
-        recorder.begin(CACHE_FETCH, bucket)
-        try:
-            yield
-        finally:
-            recorder.end(CACHE_FETCH, bucket)
+        return _span(CACHE_FETCH, SHARDING_PLAN if kind == SHARDING_PLAN else COMPILE)
+
+    def waiting_on_peer(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        """Record a ``cache_wait`` span, in the ``compile`` bucket, around a wait for another process
+        that is compiling the entry this one missed."""
+        return _span(CACHE_WAIT, SHARDING_PLAN if kind == SHARDING_PLAN else COMPILE)
 
     def looked_up(self, kind: str, key: str, result: Lookup) -> None:
         """Nothing: a lookup's outcome is the cache's own statistics, not an ETT event."""
+
+
+@contextlib.contextmanager
+def _span(name: str, bucket: str) -> Iterator[None]:
+    recorder = existing_recorder()
+    if recorder is None:
+        yield
+        return
+    recorder.begin(name, bucket)
+    try:
+        yield
+    finally:
+        recorder.end(name, bucket)

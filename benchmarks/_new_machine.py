@@ -1,0 +1,38 @@
+"""What the compile benchmarks share: a brand-new "machine" for a job, and how they end."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "benchmarks" / "compile_job.py"
+MACHINE = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def machine_env(machine: Path, extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a job on a brand-new machine under ``machine``: empty HOME, TMPDIR and
+    Inductor, Triton and warmstart directories, no inherited warmstart or Inductor settings."""
+    for sub in ("home", "tmp", "inductor", "triton", "warmstart", "runs"):
+        (machine / sub).mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
+    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+               TRITON_CACHE_DIR=str(machine / "triton"), WARMSTART_CACHE_DIR=str(machine / "warmstart"),
+               WARMSTART_RUN_DIR=str(machine / "runs"), **extra)
+    return env
+
+
+def job_result(stdout: str) -> dict:
+    """The job's ``RESULT`` line."""
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+
+
+def finish(console, tables: list, out: dict, json_path: str | None) -> None:
+    """Print the tables and the machine; write every figure to ``json_path`` when given."""
+    for table in tables:
+        console.print(table)
+    console.print(f"machine: {out['machine']}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=1))

@@ -1,0 +1,313 @@
+"""Single-flight compiles against real redis-server processes and real processes: a miss of an entry
+another process is producing waits for it; a holder that dies, raises or stalls, a server that stops,
+a read-only job and reader credentials each end the wait within a bound, never with an exception.
+
+Each "machine" is a store with its own local directory; two stores on one directory are two ranks of
+one host. Times appear only as hang guards (``pytest.mark.timeout``); speed is in the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from _redis import RedisNode
+from warmstart import _defaults
+from warmstart.compile_cache import open_store
+from warmstart.compile_cache.storage import Hit, Miss
+from warmstart.config import Settings
+
+KIND, KEY, VALUE = "fx_graph", "fgraph-key-1", b"compiled graph" * 1000
+#: Hang guard: every case here ends within a lease lifetime, a server deadline or a set wait bound.
+HANG_GUARD_S = 60
+
+
+def _env(cache_dir: Path, url: str | None = None, **extra: str) -> dict[str, str]:
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(cache_dir)}
+    if url:
+        env.update(WARMSTART_CACHE_URL=url, WARMSTART_SECRET="flight-secret")
+    env.update(extra)
+    return env
+
+
+def _store(cache_dir: Path, url: str | None = None, **extra: str):
+    return open_store(Settings.from_env(_env(cache_dir, url, **extra)), persist_stats=False)
+
+
+class _Lookup(threading.Thread):
+    """``store.get`` in a thread, as the second process's compile would call it."""
+
+    def __init__(self, store, kind: str = KIND, key: str = KEY) -> None:
+        super().__init__(daemon=True)
+        self.store, self.kind, self.key = store, kind, key
+        self.result: Hit | Miss | None = None
+        self.error: BaseException | None = None
+        self.ended_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.store.get(self.kind, self.key)
+        except BaseException as exc:  # noqa: BLE001 - the test asserts there is none
+            self.error = exc
+        self.ended_at = time.monotonic()
+
+    def waiting(self) -> bool:
+        """Whether the lookup is (still) waiting on a lease."""
+        return self.is_alive() and self.store.stats.counters_dict().get("waits", 0) >= 1
+
+    def outcome(self, timeout: float = HANG_GUARD_S):
+        self.join(timeout)
+        assert not self.is_alive(), "the lookup did not end"
+        assert self.error is None, self.error
+        return self.result
+
+
+def _until(predicate, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
+
+
+def _lease_keys(url: str) -> list[bytes]:
+    return [k for k in redis.Redis.from_url(url).scan_iter(match="ws:*:l:*")]
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_second_machine_waits_for_the_first_and_reads_its_entry(redis_node, tmp_path):
+    a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
+    assert not a.get(KIND, KEY)  # A misses and takes the lease: it compiles
+    assert len(_lease_keys(redis_node.url)) == 1
+    waiter = _Lookup(b)
+    _until(waiter.waiting)
+    assert a.put(KIND, KEY, VALUE)  # the lease goes once the remote write is done
+    result = waiter.outcome()
+    assert result and result.value == VALUE and result.tier == "remote"
+    assert a.stats.counters_dict() == {"leases": 1}
+    counters = b.stats.counters_dict()
+    assert counters["waits"] == 1 and "takeovers" not in counters and "leases" not in counters
+    assert counters["wait_s"] > 0
+    _until(lambda: not _lease_keys(redis_node.url))
+    a.close(), b.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_ranks_of_one_host_wait_on_the_local_lock_without_a_server(tmp_path):
+    a, b = _store(tmp_path / "host"), _store(tmp_path / "host")
+    assert not a.get(KIND, KEY)
+    assert (tmp_path / "host" / "leases").is_dir()
+    waiter = _Lookup(b)
+    _until(waiter.waiting)
+    assert a.put(KIND, KEY, VALUE)
+    result = waiter.outcome()
+    assert result and result.value == VALUE and result.tier == "local"
+    a.close(), b.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_compile_that_raises_releases_the_lease_and_a_waiter_takes_over(redis_node, tmp_path):
+    a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
+    waiter = None
+    with pytest.raises(RuntimeError, match="g\\+\\+ failed"):
+        with a.single_flight.scope():  # what a frame's compile is
+            assert not a.get(KIND, KEY)
+            waiter = _Lookup(b)
+            _until(waiter.waiting)
+            raise RuntimeError("g++ failed")
+    result = waiter.outcome()
+    assert not result and result.reason == "absent"
+    assert b.stats.counters_dict()["takeovers"] == 1 and b.single_flight.held == 1  # B compiles now
+    assert a.single_flight.held == 0
+    a.close(), b.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_compile_that_stores_nothing_releases_the_lease_when_it_returns(redis_node, tmp_path):
+    a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
+    with a.single_flight.scope():
+        assert not a.get(KIND, KEY)  # e.g. torch decided the graph is not cacheable
+    assert a.single_flight.held == 0 and not _lease_keys(redis_node.url)
+    assert not b.get(KIND, KEY) and b.stats.counters_dict() == {"leases": 1}  # no wait at all
+    a.close(), b.close()
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from warmstart.compile_cache import open_store
+    from warmstart.config import Settings
+    store = open_store(Settings.from_env(), persist_stats=False)
+    assert not store.get(sys.argv[1], sys.argv[2])
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def _holder_process(env: dict[str, str]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, KIND, KEY], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_a_holder_killed_with_sigkill_is_taken_over_within_the_lease_lifetime(where, redis_node, tmp_path):
+    url = redis_node.url if where == "remote" else None
+    holder_dir = tmp_path / ("a" if where == "remote" else "host")
+    holder = _holder_process(_env(holder_dir, url))
+    b = _store(tmp_path / "b" if where == "remote" else holder_dir, url)
+    waiter = _Lookup(b)
+    _until(waiter.waiting)
+    killed_at = time.monotonic()
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    result = waiter.outcome()
+    assert not result and b.stats.counters_dict()["takeovers"] == 1 and b.single_flight.held == 1
+    # Bound (docs/compile_cache.md): a Redis lease lapses LEASE_TTL_S after its last renewal, and a
+    # waiter looks again within LEASE_POLL_S; the kernel releases a lock file at once.
+    bound = _defaults.LEASE_TTL_S + _defaults.LEASE_POLL_S + 1.0 if where == "remote" else _defaults.LEASE_POLL_S + 1.0
+    assert waiter.ended_at - killed_at < bound
+    b.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_live_holder_is_renewed_past_the_lease_lifetime(redis_node, tmp_path):
+    holder = _holder_process(_env(tmp_path / "a", redis_node.url))
+    try:
+        time.sleep(_defaults.LEASE_TTL_S * 2)
+        assert len(_lease_keys(redis_node.url)) == 1  # renewed by the holder's thread
+        b = _store(tmp_path / "b", redis_node.url, WARMSTART_COMPILE_WAIT_S="1")
+        result = b.get(KIND, KEY)  # waits its bound, then compiles without a lease
+        assert not result
+        counters = b.stats.counters_dict()
+        assert counters["waits"] == 1 and counters["wait_timeouts"] == 1 and "leases" not in counters
+        assert b.single_flight.held == 0
+        b.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+@pytest.mark.parametrize("fault", ["stopped", "killed"])
+def test_the_server_failing_during_a_wait_means_compiling_at_once(fault, tmp_path):
+    node = RedisNode(tmp_path / "redis").start()
+    try:
+        a, b = _store(tmp_path / "a", node.url), _store(tmp_path / "b", node.url)
+        assert not a.get(KIND, KEY)
+        waiter = _Lookup(b)
+        _until(waiter.waiting)
+        failed_at = time.monotonic()
+        if fault == "stopped":
+            node.proc.send_signal(signal.SIGSTOP)  # a server that no longer answers
+        else:
+            node.kill()
+        result = waiter.outcome()
+        assert not result
+        # One lease poll against a dead server costs at most one operation deadline; then the breaker
+        # keeps the tier off and B compiles under its local lock.
+        assert waiter.ended_at - failed_at < _defaults.REMOTE_OP_DEADLINE_S + _defaults.LEASE_POLL_S + 1.0
+        assert b.single_flight.held == 1
+        assert not b.get(KIND, "another-key")  # breaker open: no wait, no server call
+        a.close(), b.close()
+    finally:
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGCONT)
+        node.stop()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_read_only_job_waits_but_never_takes_a_lease(redis_node, tmp_path):
+    a = _store(tmp_path / "a", redis_node.url)
+    ro = _store(tmp_path / "ro", redis_node.url, WARMSTART_CACHE_MODE="ro")
+    assert not a.get(KIND, KEY)
+    waiter = _Lookup(ro)
+    _until(waiter.waiting)
+    a.put(KIND, KEY, VALUE)
+    assert waiter.outcome().value == VALUE
+    # Nobody holds a lease: the read-only job misses and compiles without taking one.
+    assert not ro.get(KIND, "fresh-key")
+    assert not _lease_keys(redis_node.url) and ro.single_flight.held == 0
+    assert "leases" not in ro.stats.counters_dict()
+    # A holder that gives up: the read-only job stops waiting and compiles, still without a lease.
+    with a.single_flight.scope():
+        assert not a.get(KIND, "second-key")
+        waiter = _Lookup(ro, key="second-key")
+        _until(waiter.waiting)
+    assert not waiter.outcome()
+    assert not _lease_keys(redis_node.url) and "takeovers" not in ro.stats.counters_dict()
+    a.close(), ro.close()
+
+
+@pytest.fixture(scope="module")
+def acl_server(tmp_path_factory):
+    from _redis import require_redis_server, free_port_block
+    from warmstart.server import Credentials, ServerOptions, start, stop
+
+    require_redis_server()
+    directory = tmp_path_factory.mktemp("acl") / "server"
+    state = start(ServerOptions(dir=directory, port=free_port_block(1)))
+    creds = Credentials.load(directory)
+    yield state.url("writer", creds), state.url("reader", creds)
+    stop(directory)
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_leases_respect_the_writer_and_reader_acl(acl_server, tmp_path):
+    writer_url, reader_url = acl_server
+    writer = _store(tmp_path / "w", writer_url)
+    reader = _store(tmp_path / "r", reader_url)
+    assert not writer.get(KIND, KEY) and writer.stats.counters_dict() == {"leases": 1}
+    waiter = _Lookup(reader)  # the reader sees the writer's lease and waits for its entry
+    _until(waiter.waiting)
+    writer.put(KIND, KEY, VALUE)
+    assert waiter.outcome().value == VALUE
+    # The reader may not take a remote lease (SET is refused): it compiles under its local lock only.
+    assert not reader.get(KIND, "reader-miss")
+    lease = reader.single_flight._held[(KIND, "reader-miss")]
+    assert lease.local_fd is not None and not lease.remote
+    writer.close(), reader.close()
+
+
+def test_leases_are_counted_in_cache_stats(redis_node, tmp_path):
+    from click.testing import CliRunner
+
+    from warmstart.cli import cli
+
+    env = _env(tmp_path / "a", redis_node.url)
+    store = open_store(Settings.from_env(env))
+    assert not store.get(KIND, KEY)
+    store.put(KIND, KEY, VALUE)
+    store.close()
+    out = CliRunner().invoke(cli, ["cache", "stats", "--json"], env=env)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["counters"]["leases"] == 1
+    out = CliRunner().invoke(cli, ["cache", "stats"], env=env)
+    assert "single-flight" in out.output and "1 lease" in out.output
+
+
+def test_single_flight_is_off_with_a_zero_wait(redis_node, tmp_path):
+    store = _store(tmp_path / "a", redis_node.url, WARMSTART_COMPILE_WAIT_S="0")
+    assert store.single_flight is None
+    assert not store.get(KIND, KEY) and not _lease_keys(redis_node.url)
+    store.close()
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
+def test_a_bad_wait_is_one_clear_error(value):
+    from warmstart.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"WARMSTART_COMPILE_WAIT_S": value})
+    assert "WARMSTART_COMPILE_WAIT_S" in str(info.value) and "seconds" in str(info.value)
+    assert "\n" not in str(info.value)

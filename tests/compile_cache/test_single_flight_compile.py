@@ -1,0 +1,121 @@
+"""Single-flight with real ``torch.compile`` jobs on brand-new "machines" sharing one real redis-server:
+two jobs compiling the same model at once compile it once; a holder killed with SIGKILL mid-compile, or
+whose compile raises, is taken over by the job waiting for it, which finishes on its own.
+
+A holder is made slow or failing with a ``g++`` placed first on its ``PATH`` (Inductor runs the
+compiler by name, so the cache keys stay those of the real one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "benchmarks" / "compile_job.py"
+SECRET = "single-flight-secret"
+#: Hang guard for two small compiles on 2 cores, one after the other: not a speed check.
+HANG_GUARD_S = 300
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(HANG_GUARD_S)]
+
+
+def _start(machine: Path, url: str, *, compiler_dir: Path | None = None, model: str = "tiny") -> subprocess.Popen:
+    for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
+        (machine / sub).mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
+    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+               WARMSTART_CACHE_DIR=str(machine / "warmstart"), WARMSTART_RUN_DIR=str(machine / "runs"),
+               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
+               WARMSTART="1", WARMSTART_CACHE_URL=url, WARMSTART_SECRET=SECRET)
+    if compiler_dir is not None:
+        env["PATH"] = f"{compiler_dir}{os.pathsep}{env['PATH']}"
+    return subprocess.Popen([sys.executable, str(JOB), "--model", model], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+
+
+def _compiler(tmp_path: Path, *, sleep_s: int, fail: bool) -> Path:
+    """A directory whose ``g++`` sleeps before building Inductor's kernels (``*.main.cpp``; not the
+    vector-ISA probes or ``--version``), then builds with the real compiler, or fails."""
+    directory = tmp_path / "compiler"
+    directory.mkdir()
+    real = "/usr/bin/g++"
+    action = 'echo "injected compiler failure" >&2; exit 1' if fail else f'exec {real} "$@"'
+    (directory / "g++").write_text(f'#!/bin/sh\ncase " $* " in *".main.cpp "*) sleep {sleep_s}; {action};; esac\n'
+                                   f'exec {real} "$@"\n')
+    (directory / "g++").chmod(0o755)
+    return directory
+
+
+def _until(predicate, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.1)
+
+
+def _aot_lease(url: str) -> bool:
+    return any(True for _ in redis.Redis.from_url(url).scan_iter(match="ws:*:l:aot_autograd:*"))
+
+
+def _waiting(machine: Path) -> bool:
+    # A job that misses an entry another machine is compiling holds its own host's lock file while
+    # it waits for the other machine's lease.
+    return any((machine / "warmstart" / "leases").glob("*.lock"))
+
+
+def test_two_machines_compiling_one_model_at_once_compile_it_once(redis_node, tmp_path):
+    procs = [_start(tmp_path / f"m{i}", redis_node.url) for i in range(2)]
+    results = [_result(p) for p in procs]
+    assert results[0]["losses"] == results[1]["losses"]
+    counters = [r["counters"] for r in results]
+    waiter = next(r for r in results if r["counters"].get("waits"))
+    holder = next(r for r in results if r is not waiter)
+    assert holder["counters"]["leases"] >= 1 and not holder["counters"].get("waits"), counters
+    assert not waiter["counters"].get("takeovers"), counters
+    # The waiter loaded what the holder compiled: its graphs and objects came from the shared tier.
+    assert waiter["store"]["remote"]["fx_graph"]["hits"] >= 1
+    assert waiter["store"]["remote"].get("cpp_object", {}).get("misses", 0) == 0
+    assert waiter["aot_autograd"].get("autograd_cache_hit", 0) == 1
+
+
+def test_a_holder_killed_mid_compile_is_taken_over(redis_node, tmp_path):
+    holder = _start(tmp_path / "holder", redis_node.url, compiler_dir=_compiler(tmp_path, sleep_s=120, fail=False))
+    try:
+        _until(lambda: _aot_lease(redis_node.url))
+        waiter = _start(tmp_path / "waiter", redis_node.url)
+        _until(lambda: _waiting(tmp_path / "waiter"))
+        time.sleep(1.0)
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+        result = _result(waiter)
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+    assert result["counters"]["waits"] >= 1 and result["counters"]["takeovers"] >= 1
+    assert result["counters"].get("wait_timeouts", 0) == 0  # it ended because the lease lapsed
+    assert result["inductor"]["fxgraph_cache_miss"] >= 1  # it compiled itself
+
+
+def test_a_holder_whose_compile_raises_releases_its_leases(redis_node, tmp_path):
+    holder = _start(tmp_path / "holder", redis_node.url, compiler_dir=_compiler(tmp_path, sleep_s=25, fail=True))
+    _until(lambda: _aot_lease(redis_node.url))
+    waiter = _start(tmp_path / "waiter", redis_node.url)
+    _, err = holder.communicate(timeout=HANG_GUARD_S)
+    assert holder.returncode != 0 and "injected compiler failure" in err
+    result = _result(waiter)
+    assert result["counters"]["takeovers"] >= 1 and result["counters"].get("wait_timeouts", 0) == 0
+    assert result["inductor"]["fxgraph_cache_miss"] >= 1

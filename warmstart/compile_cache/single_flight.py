@@ -1,0 +1,386 @@
+"""Single-flight compiles: of the processes that miss the same entry at once, one compiles it and the
+others wait for its result instead of compiling it too.
+
+A process that misses an entry (same namespace, key id, kind and key) takes a *lease* on it before it
+compiles: a lock file in the local cache directory (``flock``: ranks on one host, with or without a
+server), and a key in Redis (``SET NX PX``: every host), renewed every ``ttl_s / 3`` by a background
+thread while its holder works. The holder's ``put`` of the entry releases the lease once the entry is
+readable in every tier; a compile that raises releases it when the compile ends (see :func:`scope`).
+A process that finds the lease taken waits, polling the lease, and then reads the entry. It stops
+waiting and compiles itself when:
+
+* the lease is gone and the entry is not there: its holder died (``flock`` is released by the kernel at
+  once; a Redis lease lapses ``ttl_s`` after its last renewal) or its compile raised. The waiter takes
+  the lease over and compiles;
+* it has waited ``wait_s`` (a holder alive but stuck): it compiles without a lease;
+* the server fails or its breaker is open: it compiles at once.
+
+A read-only job (``WARMSTART_CACHE_MODE=ro``, a verify-only key, reader credentials) waits on leases
+it sees but never takes one. A lease is held at most ``wait_s``: past that nobody waits for it anyway.
+
+Renewal uses only commands of the writer's allow-list (GET, then ``SET XX PX``): a renewal that runs
+after its own lease already lapsed and another process took it (a holder stalled more than ``ttl_s``)
+can extend the new holder's lease once, by at most ``ttl_s``; both then compile, which is what happens
+without single-flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from warmstart import _defaults
+from warmstart.compile_cache.stats import Stats
+from warmstart.compile_cache.storage import Lookup, ReadOnly
+
+log = logging.getLogger("warmstart.cache")
+
+#: Kinds worth waiting for: each is seconds of compiling. Not ``pgo`` (read before compiling, never
+#: produced by it) nor ``isa_probe`` (under a second, and every process needs its answer at once).
+LEASED_KINDS = frozenset({"fx_graph", "aot_autograd", "cpp_object", "triton_kernel", "autotune"})
+
+#: Kinds torch may store after the compile that missed them has returned: AOTAutograd lowers the
+#: backward graph lazily, at the first backward pass, and saves its entry then. A lease of these kinds
+#: outlives a scope that ends normally by as long as the scope took (at least ``DEFERRED_MIN_S``), so
+#: that waiters load the entry instead of tracing the joint graph again.
+DEFERRED_KINDS = frozenset({"aot_autograd"})
+DEFERRED_MIN_S = 5.0
+
+
+def leased(kind: str, key: str) -> bool:
+    """Whether a miss of ``kind``/``key`` takes a lease. Triton's kernels are leased by their group
+    file, which Triton looks up first and writes last; the files it groups are written by the holder."""
+    if kind == "triton_kernel":
+        return key.rsplit("/", 1)[-1].startswith("__grp__")
+    return kind in LEASED_KINDS
+
+
+@dataclass(eq=False)
+class Lease:
+    """What this process holds for one entry it is compiling."""
+
+    kind: str
+    key: str
+    token: str
+    local_fd: int | None = None
+    remote: bool = False
+    taken_at: float = field(default_factory=time.monotonic)
+    pid: int = field(default_factory=os.getpid)
+    release_at: float | None = None
+    """Set when the compile that took it returned without storing it (see ``DEFERRED_KINDS``)."""
+
+
+class _Held:
+    """Another process holds the lease: where (``local``/``remote``), and what of it we hold."""
+
+    def __init__(self, where: str, partial: Lease | None) -> None:
+        self.where = where
+        self.partial = partial
+
+
+class SingleFlight:
+    """Leases for the store's misses (see the module docstring).
+
+    Args:
+        local_dir: the local tier's directory (lock files go in ``leases/`` under it), or ``None``.
+        local_writable: whether this process may take local locks (not in read-only mode).
+        remote: the remote tier, or ``None``; a :class:`ReadOnly` one is watched, never leased.
+        stats: where ``leases``, ``waits``, ``wait_s``, ``takeovers`` and ``wait_timeouts`` are counted.
+        wait_s: the longest one wait lasts (and a lease is held); 0 turns single-flight off.
+        ttl_s: a Redis lease's lifetime without renewal: how soon a dead holder's lease lapses.
+        poll_s: the longest pause between two looks at a lease.
+    """
+
+    def __init__(self, *, local_dir: Path | None, local_writable: bool, remote, stats: Stats,
+                 wait_s: float = _defaults.COMPILE_WAIT_S, ttl_s: float = _defaults.LEASE_TTL_S,
+                 poll_s: float = _defaults.LEASE_POLL_S) -> None:
+        self.lock_dir = Path(local_dir) / "leases" if local_dir is not None else None
+        self.local_writable = local_writable and self.lock_dir is not None
+        self.remote = remote
+        self.remote_writable = remote is not None and not isinstance(remote, ReadOnly)
+        self.stats = stats
+        self.wait_s = wait_s
+        self.ttl_s = ttl_s
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], Lease] = {}
+        self._renewer: threading.Thread | None = None
+        self._renewer_pid = 0
+        self._wake = threading.Event()
+        self._scopes = threading.local()
+        _instances.add(self)
+
+    # -- the store's side ------------------------------------------------------------------------
+
+    def resolve(self, kind: str, key: str, miss: Lookup, lookup: Callable[[], Lookup],
+                waiting: Callable[[], contextlib.AbstractContextManager[None]]) -> Lookup:
+        """After ``miss``: take the lease and return ``miss`` (this process compiles), or wait for the
+        process that holds it and return ``lookup()``'s answer once it is done. Never raises, and
+        returns within ``wait_s`` plus one server deadline."""
+        if self.wait_s <= 0 or not leased(kind, key):
+            return miss
+        with self._lock:
+            if (kind, key) in self._held:  # this process compiles it already (another thread)
+                return miss
+        state = self._take(kind, key)
+        if isinstance(state, Lease):
+            self._hold(state)
+            return miss
+        if state is None:
+            return miss
+        self.stats.bump("waits")
+        start = time.monotonic()
+        try:
+            with waiting():
+                return self._wait(kind, key, miss, lookup, state, start)
+        finally:
+            self.stats.bump("wait_s", round(time.monotonic() - start, 3))
+
+    def _wait(self, kind: str, key: str, miss: Lookup, lookup: Callable[[], Lookup], held: _Held,
+              start: float) -> Lookup:
+        deadline = start + self.wait_s
+        pause = min(0.05, self.poll_s)
+        partial = held.partial
+        try:
+            while True:
+                time.sleep(pause)
+                pause = min(pause * 1.5, self.poll_s)
+                state = self._take(kind, key, partial=partial)
+                if isinstance(state, _Held):
+                    partial = state.partial
+                    if time.monotonic() < deadline:
+                        continue
+                    self.stats.bump("wait_timeouts")
+                    log.info("warmstart: waited %.0f s for another process's compile of a %s entry; "
+                             "compiling it here", self.wait_s, kind)
+                    return miss
+                partial = None
+                # The lease is gone: its holder finished (the entry is readable now) or gave up.
+                result = lookup()
+                if result:
+                    if state is not None:
+                        self._release(state)
+                    return result
+                if state is None:  # the server failed: compile at once, without a lease
+                    return miss
+                self.stats.bump("takeovers")
+                self._hold(state)
+                return miss
+        finally:
+            if partial is not None:
+                self._release(partial)
+
+    def finished(self, kind: str, key: str) -> None:
+        """The entry is readable in every tier that took it (or will not be): release its lease."""
+        with self._lock:
+            lease = self._held.pop((kind, key), None)
+        if lease is not None:
+            self._release(lease, popped=True)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Leases this thread takes inside the body and still holds when it ends are released then:
+        a compile that raised (or stored nothing) must not keep others waiting. When the body returns,
+        leases of ``DEFERRED_KINDS`` are kept for as long again as the body took (at least
+        ``DEFERRED_MIN_S``), waiting for torch's deferred save."""
+        stack = getattr(self._scopes, "stack", None)
+        if stack is None:
+            stack = self._scopes.stack = []
+        stack.append([])
+        start = time.monotonic()
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            taken = stack.pop()
+            now = time.monotonic()
+            for lease in taken:
+                with self._lock:
+                    if self._held.get((lease.kind, lease.key)) is not lease:
+                        continue
+                    if not failed and lease.kind in DEFERRED_KINDS:
+                        lease.release_at = now + max(DEFERRED_MIN_S, now - start)
+                        self._wake.set()
+                        continue
+                    del self._held[(lease.kind, lease.key)]
+                self._release(lease, popped=True)
+
+    def release_all(self) -> None:
+        """Release every lease this process holds (at exit)."""
+        with self._lock:
+            leases, self._held = list(self._held.values()), {}
+        for lease in leases:
+            self._release(lease, popped=True)
+
+    def holds(self, kind: str, key: str) -> bool:
+        """Whether this process holds the lease on ``kind``/``key``."""
+        with self._lock:
+            return (kind, key) in self._held
+
+    @property
+    def held(self) -> int:
+        """How many leases this process holds now."""
+        with self._lock:
+            return len(self._held)
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    def _take(self, kind: str, key: str, partial: Lease | None = None) -> Lease | _Held | None:
+        """Take the lease on ``kind``/``key``: a :class:`Lease` when this process may compile it now,
+        :class:`_Held` when another one holds it, ``None`` when nobody can be waited for and no lease
+        can be taken (a read-only job with the server failing)."""
+        lease = partial or Lease(kind, key, secrets.token_hex(8))
+        if lease.local_fd is None:
+            if self.local_writable:
+                fd = self._lock_local(kind, key)
+                if fd is False:
+                    return _Held("local", None)
+                lease.local_fd = fd if isinstance(fd, int) else None
+            elif self._local_held(kind, key):
+                return _Held("local", None)
+        if self.remote is None:
+            return lease if lease.local_fd is not None else None
+        if self.remote_writable:
+            taken = self.remote.take_lease(kind, key, lease.token, self.ttl_s)
+            if taken is False:
+                return _Held("remote", lease if lease.local_fd is not None else None)
+            lease.remote = bool(taken)
+        if not lease.remote and self.remote.lease_held(kind, key):  # read-only: watch, never take
+            return _Held("remote", lease if lease.local_fd is not None else None)
+        if lease.local_fd is None and not lease.remote:
+            return None
+        return lease
+
+    def _hold(self, lease: Lease) -> None:
+        with self._lock:
+            self._held[(lease.kind, lease.key)] = lease
+        self.stats.bump("leases")
+        stack = getattr(self._scopes, "stack", None)
+        if stack:
+            stack[-1].append(lease)
+        if lease.remote or lease.local_fd is not None:
+            self._ensure_renewer()
+
+    def _release(self, lease: Lease, popped: bool = False) -> None:
+        if not popped:
+            with self._lock:
+                if self._held.get((lease.kind, lease.key)) is lease:
+                    del self._held[(lease.kind, lease.key)]
+        if lease.pid != os.getpid():  # a forked child's copy: the parent's to release
+            return
+        if lease.remote:
+            lease.remote = False
+            try:
+                self.remote.drop_lease(lease.kind, lease.key, lease.token)
+            except Exception:  # it lapses by itself within ttl_s
+                log.debug("could not release a lease", exc_info=True)
+        fd, lease.local_fd = lease.local_fd, None
+        if fd is not None:
+            try:
+                os.close(fd)  # releases the flock
+            except OSError:
+                pass
+
+    def _lock_path(self, kind: str, key: str) -> Path:
+        assert self.lock_dir is not None
+        return self.lock_dir / (hashlib.sha256(f"{kind}\0{key}".encode()).hexdigest()[:40] + ".lock")
+
+    def _lock_local(self, kind: str, key: str) -> int | bool | None:
+        """An fd holding the entry's lock file; False when another process holds it; None when the
+        lock cannot be taken (the directory is unusable: no local single-flight then)."""
+        try:
+            self.lock_dir.mkdir(mode=0o700, exist_ok=True)  # type: ignore[union-attr]
+        except OSError:
+            return None
+        return _try_flock(self._lock_path(kind, key), os.O_RDWR | os.O_CREAT, fcntl.LOCK_EX)
+
+    def _local_held(self, kind: str, key: str) -> bool:
+        if self.lock_dir is None:
+            return False
+        fd = _try_flock(self._lock_path(kind, key), os.O_RDONLY, fcntl.LOCK_SH)
+        if isinstance(fd, int) and not isinstance(fd, bool):
+            os.close(fd)
+            return False
+        return fd is False
+
+    # -- renewal ---------------------------------------------------------------------------------
+
+    def _ensure_renewer(self) -> None:
+        if self._renewer is not None and self._renewer_pid == os.getpid():
+            return
+        with self._lock:
+            if self._renewer is not None and self._renewer_pid == os.getpid():
+                return
+            self._renewer_pid = os.getpid()
+            self._renewer = threading.Thread(target=self._renew_loop, name="warmstart-lease-renewer", daemon=True)
+            self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        while True:
+            self._wake.wait(self.ttl_s / 3)
+            self._wake.clear()
+            with self._lock:
+                leases = list(self._held.values())
+            now = time.monotonic()
+            expired = [lease for lease in leases if now - lease.taken_at > self.wait_s
+                       or (lease.release_at is not None and now >= lease.release_at)]
+            for lease in expired:  # nobody waits longer than wait_s: holding it longer only misleads
+                log.debug("lease on a %s entry held for %.0f s: released", lease.kind, now - lease.taken_at)
+                self._release(lease)
+            remote = [lease for lease in leases if lease.remote and lease not in expired]
+            if remote and self.remote is not None:
+                try:
+                    self.remote.renew_leases([(l.kind, l.key, l.token) for l in remote], self.ttl_s)
+                except Exception:  # the server failed: the leases lapse, waiters compile themselves
+                    log.debug("could not renew leases", exc_info=True)
+
+    def _forget_after_fork(self) -> None:
+        # A forked child holds none of its parent's leases; the parent's flock descriptors are
+        # closed here (the lock stays with the parent) and its renewer thread does not exist here.
+        with contextlib.suppress(Exception):
+            for lease in self._held.values():
+                if lease.local_fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(lease.local_fd)
+        self._held = {}
+        self._lock = threading.Lock()
+        self._renewer = None
+        self._renewer_pid = 0
+        self._scopes = threading.local()
+
+
+def _try_flock(path: Path, open_flags: int, lock: int) -> int | bool | None:
+    """An fd of ``path`` holding ``lock``; False when another process's lock excludes it; None when
+    the file cannot be opened or locked."""
+    try:
+        fd = os.open(path, open_flags | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, lock | fcntl.LOCK_NB)
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+
+_instances: weakref.WeakSet[SingleFlight] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for flight in list(_instances):
+        flight._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
