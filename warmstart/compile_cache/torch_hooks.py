@@ -507,8 +507,7 @@ def _lease_scope():
     try:
         from warmstart.compile_cache import get_store
 
-        store = get_store()
-        flight = store.single_flight if store is not None else None
+        flight = getattr(get_store(), "single_flight", None)  # a store need not have leases
         return flight.scope() if flight is not None else contextlib.nullcontext()
     except Exception as exc:
         _fail_open("single-flight scope", exc)
