@@ -16,11 +16,13 @@ $(STAMP): requirements-cpu.txt pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
-# redis-server (and chromium, for the HTML report test) from Debian when running as root.
+# redis-server (and chromium, for the HTML report test, and prometheus, for the live-metrics tests) from
+# Debian when running as root.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing$$missing"; \

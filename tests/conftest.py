@@ -1,4 +1,5 @@
-"""Shared fixtures: real redis-server processes (single node and a 3-node Cluster) on free ports,
+"""Shared fixtures: real redis-server processes (single node and a 3-node Cluster) and real
+prometheus servers (``_prometheus.py``) on free ports,
 a fresh "machine" (empty HOME, TMPDIR and cache directories) per test, and process-wide state
 (the compile-cache store, the recorder, the warn-once causes) reset after every test.
 
@@ -17,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _redis import RedisCluster, RedisNode, in_ci  # noqa: E402
+from _prometheus import PrometheusServer  # noqa: E402
 
 
 def pytest_report_header(config) -> str:
@@ -40,6 +42,22 @@ def redis_cluster(tmp_path_factory):
     cluster = RedisCluster(tmp_path_factory.mktemp("cluster"), size=3).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def prometheus_server(tmp_path_factory):
+    """Start a real ``prometheus`` scraping the given targets: ``prometheus_server(["127.0.0.1:PORT"],
+    rule_files=[...])``; every one started is stopped after the test."""
+    started: list[PrometheusServer] = []
+
+    def start(targets: list[str], rule_files: list[Path] = ()) -> PrometheusServer:
+        server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), list(targets), list(rule_files))
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture(autouse=True)

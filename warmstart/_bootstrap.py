@@ -1,8 +1,9 @@
 """Runs at interpreter start-up (from ``warmstart.pth``) in every Python process where ``WARMSTART=1``.
 
-It must stay cheap and must never break the interpreter: it installs import hooks and reads
-settings; the store, Redis and torch are only touched when the process first compiles. A bad
-setting prints one line and leaves warmstart off in this process.
+It must stay cheap and must never break the interpreter: it installs import hooks, reads settings
+and notes when the interpreter was ready (the end of the process's ``process_launch`` span, see
+``warmstart._launch``); the store, Redis and torch are only touched when the process first
+compiles. A bad setting prints one line and leaves warmstart off in this process.
 """
 
 import os
@@ -20,6 +21,18 @@ def _start() -> None:
         if not _quiet():
             sys.stderr.write(f"warmstart: disabled in this process: {exc}\n")
             os.environ["WARMSTART_QUIET_ERRORS"] = "1"  # children: say it once per job, not per process
+    _mark_ready()
+
+
+def _mark_ready() -> None:
+    # The end of this process's `process_launch` span: the program starts running right after site's
+    # .pth files (this hook included).
+    try:
+        from warmstart import _launch
+
+        _launch.mark_interpreter_ready()
+    except Exception:
+        pass
 
 
 def _quiet() -> bool:

@@ -30,3 +30,10 @@ LEASE_TTL_S = 3.0
 LEASE_POLL_S = 0.25
 
 FLUSH_INTERVAL_S = 1.0  # ETT event files are flushed at least this often
+
+# Live metrics (metrics/live.py): the exporter recomputes the job's ETT every METRICS_INTERVAL_S at
+# least, and never more often than keeps that work under METRICS_MAX_CPU_SHARE of one core (a long
+# job's recomputation grows with its events); the recent ETT% covers the last METRICS_WINDOW_S.
+METRICS_INTERVAL_S = 15.0
+METRICS_WINDOW_S = 300.0
+METRICS_MAX_CPU_SHARE = 0.02

@@ -2,8 +2,8 @@
 
 :class:`Settings` holds what a job's cache and metrics need; :func:`job_identity` the few fields
 that say which job, rank and attempt a process belongs to (read on their own so that recording
-events never depends on the cache's settings); :func:`server_settings` what ``warmstart server``
-reads. Explicit arguments to :func:`warmstart.enable` beat environment variables, which beat the defaults in
+events never depends on the cache's settings); :func:`metrics_settings` where live metrics go;
+:func:`server_settings` what ``warmstart server`` reads. Explicit arguments to :func:`warmstart.enable` beat environment variables, which beat the defaults in
 ``_defaults.py``. Parsing is pure (``Settings.from_env(environ)``) so it is tested without touching
 the process environment. Every bad value raises :class:`~warmstart.errors.ConfigError` whose message
 is one line naming the variable, the value and what is accepted.
@@ -12,6 +12,7 @@ is one line naming the variable, the value and what is accepted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import uuid
@@ -255,6 +256,20 @@ def _env_int(env: Mapping[str, str], variable: str, default: int, minimum: int |
     return value
 
 
+def _env_seconds(env: Mapping[str, str], variable: str, default: float, *, zero_ok: bool, accepted: str) -> float:
+    """A finite number of seconds from ``variable`` (> 0, or >= 0 with ``zero_ok``); ``default`` when unset."""
+    raw = env.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(variable, raw, accepted) from None
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise ConfigError(variable, raw, accepted)
+    return value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerSettings:
     """What ``warmstart server`` reads from the environment."""
@@ -278,6 +293,52 @@ def server_settings(environ: Mapping[str, str] | None = None) -> ServerSettings:
         directory = Path(base) / "warmstart" / "server"
     return ServerSettings(dir=directory, redis_server=env.get("WARMSTART_REDIS_SERVER", "").strip() or None,
                           redis_cli=env.get("WARMSTART_REDIS_CLI", "").strip() or None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """Where a job's live metrics go (``warmstart.metrics.live``)."""
+
+    port: int | None = None
+    """``WARMSTART_METRICS_PORT``: serve them over HTTP on this port (plus the local rank when every
+    rank exports); ``None`` (unset or 0): no endpoint."""
+    textfile: Path | None = None
+    """``WARMSTART_METRICS_TEXTFILE``: also write them to this ``.prom`` file (node_exporter's textfile
+    collector); ``None``: no file."""
+    all_ranks: bool = False
+    """``WARMSTART_METRICS_RANKS=all``: every rank exports; else (``0``, unset) rank 0 alone."""
+    interval_s: float = _defaults.METRICS_INTERVAL_S
+    """``WARMSTART_METRICS_INTERVAL_S``: seconds between refreshes of the figures and the textfile."""
+    local_rank: int = 0
+    """``LOCAL_RANK`` (torchrun's rank on this machine), else 0."""
+
+    @property
+    def on(self) -> bool:
+        """Whether any delivery is asked for."""
+        return self.port is not None or self.textfile is not None
+
+
+def metrics_settings(environ: Mapping[str, str] | None = None) -> MetricsSettings:
+    """The live-metrics settings from ``environ`` (default ``os.environ``).
+
+    Raises:
+        ConfigError: a ``WARMSTART_METRICS_*`` variable or ``LOCAL_RANK`` holds a value that is not accepted.
+    """
+    env = os.environ if environ is None else environ
+    port = _env_int(env, "WARMSTART_METRICS_PORT", 0, minimum=0)
+    if port > 65535:
+        raise ConfigError("WARMSTART_METRICS_PORT", env["WARMSTART_METRICS_PORT"], "a port from 1 to 65535, or 0 (off)")
+    textfile_raw = env.get("WARMSTART_METRICS_TEXTFILE", "").strip()
+    if textfile_raw and not textfile_raw.endswith(".prom"):  # node_exporter reads *.prom files only
+        raise ConfigError("WARMSTART_METRICS_TEXTFILE", textfile_raw, "a file path ending in .prom")
+    ranks = env.get("WARMSTART_METRICS_RANKS", "").strip().lower() or "0"
+    if ranks not in ("0", "all"):
+        raise ConfigError("WARMSTART_METRICS_RANKS", env["WARMSTART_METRICS_RANKS"], "0 (rank 0 only) or all")
+    interval_s = _env_seconds(env, "WARMSTART_METRICS_INTERVAL_S", _defaults.METRICS_INTERVAL_S, zero_ok=False,
+                              accepted="seconds, a number greater than 0")
+    return MetricsSettings(port=port or None, textfile=Path(textfile_raw).expanduser() if textfile_raw else None,
+                           all_ranks=ranks == "all", interval_s=interval_s,
+                           local_rank=_env_int(env, "LOCAL_RANK", 0, minimum=0))
 
 
 #: ``warmstart.enable()``'s keyword arguments and the variables they set.
@@ -372,15 +433,8 @@ class Settings:
         namespace = env.get("WARMSTART_NAMESPACE", "").strip()
         if namespace and not re.fullmatch(r"[A-Za-z0-9._\-]+", namespace):
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
-        wait_raw = env.get("WARMSTART_COMPILE_WAIT_S", "").strip()
-        compile_wait_s = _defaults.COMPILE_WAIT_S
-        if wait_raw:
-            try:
-                compile_wait_s = float(wait_raw)
-            except ValueError:
-                compile_wait_s = -1.0
-            if not (0 <= compile_wait_s < float("inf")):
-                raise ConfigError("WARMSTART_COMPILE_WAIT_S", wait_raw, "seconds, a number >= 0 (0 turns waiting off)")
+        compile_wait_s = _env_seconds(env, "WARMSTART_COMPILE_WAIT_S", _defaults.COMPILE_WAIT_S, zero_ok=True,
+                                      accepted="seconds, a number >= 0 (0 turns waiting off)")
         job = job_identity(env)
         values: dict[str, object] = dict(
             enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",

@@ -69,9 +69,16 @@ def test_every_configuration_failed_once_and_resumed_from_its_last_commit(bench)
 @pytest.mark.slow
 def test_fresh_machines_miss_and_the_shared_cache_hits(bench):
     data, _, work, _ = bench
-    # baseline: both attempts compile from nothing (fresh local dirs, no shared cache)
+    # baseline: both attempts compile from nothing (fresh local dirs, no shared cache). The two ranks of
+    # an attempt share its machine, so one may read from torch's local cache a graph the other has just
+    # written; every graph is still compiled on every attempt's machine.
     base = data["baseline"]["compile_counters"]
-    assert base["fxgraph_cache_hit"] == 0 and base["fxgraph_cache_miss"] > 0
+    assert base["fxgraph_cache_miss"] > 0
+    for attempt in (0, 1):
+        reports = [json.loads(p.read_text())["compile_counters"]
+                   for p in (work / "baseline" / "runs").glob(f"startup-r*-a{attempt}.json")]
+        graphs = max(r["fxgraph_cache_hit"] + r["fxgraph_cache_miss"] for r in reports)
+        assert sum(r["fxgraph_cache_miss"] for r in reports) >= graphs, reports
     # warm: every compile artifact comes from the server cold filled, on both attempts
     warm = data["warm"]["compile_counters"]
     assert warm["fxgraph_cache_miss"] == 0 and warm["autograd_cache_hit"] > 0

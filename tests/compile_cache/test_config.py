@@ -198,3 +198,33 @@ def test_bad_cache_dir_shared_is_one_line():
         Settings.from_env({"WARMSTART_CACHE_DIR_SHARED": "yes"})
     message = str(info.value)
     assert message.startswith("WARMSTART_CACHE_DIR_SHARED='yes'") and "expected" in message and "\n" not in message
+
+
+def test_metrics_settings():
+    from warmstart.config import MetricsSettings, metrics_settings
+
+    assert metrics_settings({}) == MetricsSettings() and not MetricsSettings().on
+    s = metrics_settings({"WARMSTART_METRICS_PORT": "9400", "WARMSTART_METRICS_TEXTFILE": " /var/lib/ne/ws.prom ",
+                          "WARMSTART_METRICS_RANKS": "ALL", "WARMSTART_METRICS_INTERVAL_S": "2.5", "LOCAL_RANK": "3"})
+    assert s == MetricsSettings(port=9400, textfile=Path("/var/lib/ne/ws.prom"), all_ranks=True, interval_s=2.5,
+                                local_rank=3)
+    assert s.on and metrics_settings({"WARMSTART_METRICS_PORT": "0"}).port is None  # 0: off
+
+
+@pytest.mark.parametrize("env,variable", [
+    ({"WARMSTART_METRICS_PORT": "http"}, "WARMSTART_METRICS_PORT"),
+    ({"WARMSTART_METRICS_PORT": "70000"}, "WARMSTART_METRICS_PORT"),
+    ({"WARMSTART_METRICS_PORT": "-1"}, "WARMSTART_METRICS_PORT"),
+    ({"WARMSTART_METRICS_TEXTFILE": "/tmp/metrics.txt"}, "WARMSTART_METRICS_TEXTFILE"),
+    ({"WARMSTART_METRICS_RANKS": "1"}, "WARMSTART_METRICS_RANKS"),
+    ({"WARMSTART_METRICS_INTERVAL_S": "0"}, "WARMSTART_METRICS_INTERVAL_S"),
+    ({"WARMSTART_METRICS_INTERVAL_S": "often"}, "WARMSTART_METRICS_INTERVAL_S"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK"),
+])
+def test_bad_metrics_settings_are_one_line(env, variable):
+    from warmstart.config import metrics_settings
+
+    with pytest.raises(ConfigError) as info:
+        metrics_settings(env)
+    message = str(info.value)
+    assert message.startswith(f"{variable}={env[variable]!r}") and "expected" in message and "\n" not in message

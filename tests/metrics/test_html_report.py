@@ -2,69 +2,21 @@
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
+from _chromium import CHROMIUM, assert_titles_clear, load, overlaps
 from _timelines import ev, run_of, span
+from warmstart.metrics.calculator import compute, load_runs
 from warmstart.metrics.report import render_html
+from warmstart.metrics.windows import TimeFilter, apply
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make test installs it)")
 
-# Instrumentation put in front of the page under test: console.error/warn and uncaught errors become
-# console lines with a marker, since Chromium logs every console level alike.
-_HOOK = """<script>
-(function () {
-  var log = console.log.bind(console);
-  ["error", "warn"].forEach(function (level) {
-    console[level] = function () { log("PAGE-CONSOLE-" + level + ": " + Array.from(arguments).join(" ")); };
-  });
-  window.addEventListener("error", function (e) { log("PAGE-CONSOLE-error: " + e.message); });
-})();
-</script>"""
 
-
-class _Plots(HTMLParser):
-    """Collects the class of each plot div and counts the SVGs plotly draws."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.div_classes: dict[str, str] = {}
-        self.main_svgs = 0
-        self.bar_traces = 0
-        self.points = 0
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        classes = (attrs.get("class") or "").split()
-        if tag == "div" and attrs.get("id"):
-            self.div_classes[attrs["id"]] = " ".join(classes)
-        if "main-svg" in classes:
-            self.main_svgs += 1
-        if "trace" in classes and "bars" in classes:
-            self.bar_traces += 1
-        if "point" in classes:
-            self.points += 1
-
-
-def _load_in_chromium(page: Path, tmp_path: Path) -> tuple[_Plots, list[str]]:
-    instrumented = tmp_path / f"instrumented-{page.name}"
-    instrumented.write_text(page.read_text().replace("<head>", "<head>" + _HOOK, 1))
-    proc = subprocess.run(
-        [CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--enable-logging=stderr", "--v=0",
-         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--window-size=1400,2000",
-         "--dump-dom", instrumented.as_uri()],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
-    problems = [line for line in console if "PAGE-CONSOLE-" in line or "Uncaught" in line]
-    plots = _Plots()
-    plots.feed(proc.stdout)
+def _load_in_chromium(page, tmp_path):
+    plots, problems, _ = load(page, tmp_path)
     return plots, problems
 
 
@@ -99,4 +51,21 @@ def test_console_errors_are_detected(tmp_path):
     page.write_text("<html><head></head><body><script>console.error('bad'); missingFn();</script></body></html>")
     _, problems = _load_in_chromium(page, tmp_path)
     assert any("bad" in line for line in problems)
-    assert any(re.search(r"missingFn", line) for line in problems)
+    assert any("missingFn" in line for line in problems)
+
+
+@pytest.mark.parametrize("width", [1400, 800])
+def test_report_titles_are_clear_of_the_toolbar(tmp_path, width):
+    _run_with_everything(tmp_path / "run")
+    windowed = apply(compute(load_runs([tmp_path / "run"])[0], segments=True), TimeFilter(every=5))
+    page = tmp_path / "report.html"
+    page.write_text(render_html([windowed]))
+    _, problems, boxes = load(page, tmp_path, width=width)
+    assert problems == []
+    assert_titles_clear(boxes, ["breakdown-0", "windows-0", "timeline-0"])
+
+
+def test_overlap_is_detected():
+    # The check above must be able to fail: a title under the mode bar overlaps it.
+    assert overlaps([600, 10, 1000, 30], [900, 2, 1200, 28])
+    assert not overlaps([600, 40, 1000, 60], [900, 2, 1200, 28])

@@ -1,9 +1,10 @@
 """Entry point of the reference job: ``torchrun --nproc-per-node 2 -m warmstart.bench.reference_job``.
 
 The attempt's clock starts first, before torch and TorchRec are imported (importing them is part of
-what every start and restart costs), then the trainer is built, trained and closed whatever happens,
-as in torchtitan's ``train.py``. With ``--mode warmstart`` and ``WARMSTART=1`` in the environment the
-same script runs with every warmstart part on; see ``docs/reference_job.md``.
+what every start and restart costs: the ``imports`` span), then the trainer is built, trained and
+closed whatever happens, as in torchtitan's ``train.py``. With ``--mode warmstart`` and
+``WARMSTART=1`` in the environment the same script runs with every warmstart part on; see
+``docs/reference_job.md``.
 
 Example:
     WARMSTART=1 WARMSTART_RUN_DIR=runs/demo torchrun --nproc-per-node 2 --max-restarts 1 \\
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     _quiet_known_warnings()
-    from warmstart.bench.trainer import Trainer  # imports torch and TorchRec: counted in the start-up
+    with rec.span("imports"):  # torch and TorchRec: part of every start and restart, in a bucket of its own
+        from warmstart.bench.trainer import Trainer
 
     trainer = None
     try:

@@ -1,8 +1,10 @@
-"""``warmstart ett``: ETT% of runs (``report``), of a fleet (``fleet``) and the checkpoint-interval
-advisor (``interval``). A thin layer over ``warmstart.metrics``; output formats live in its ``report``."""
+"""``warmstart ett``: ETT% of runs (``report``), of a fleet (``fleet``), projected to another scale
+(``project``), and the checkpoint-interval advisor (``interval``). A thin layer over
+``warmstart.metrics``; output formats live in its ``report``."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -10,11 +12,16 @@ from pathlib import Path
 import click
 
 from warmstart.cli._output import emit_json, json_option
+from warmstart.cli._windows import every_usage_errors, time_filter, window_options
 from warmstart.metrics.advisor import advise_interval
 from warmstart.metrics.calculator import RunResult, compute, load_runs
 from warmstart.metrics.events import EventFormatError
 from warmstart.metrics.fleet import FleetResult
-from warmstart.metrics.report import print_fleet, print_interval, print_run, render_html, results_json
+from warmstart.metrics.projection import ProjectionError, Scale, measure, project
+from warmstart.metrics.report import print_projections
+from warmstart.metrics.report import print_fleet, print_interval, print_run, render_fleet_html, render_html
+from warmstart.metrics.report import results_json
+from warmstart.metrics.windows import FleetWindow, FleetWindows, TimeFilter, apply, default_every
 
 
 class _BadInput(click.ClickException):
@@ -23,8 +30,10 @@ class _BadInput(click.ClickException):
     exit_code = 2
 
 
-def _results(run_dirs: Sequence[Path], progress: bool = False) -> Iterator[RunResult]:
-    """Compute each run directory's jobs, one directory at a time (events are dropped after)."""
+def _results(run_dirs: Sequence[Path], progress: bool = False,
+             time: TimeFilter | None = None, segments: bool = False) -> Iterator[RunResult]:
+    """Compute each run directory's jobs, one directory at a time (events are dropped after); with
+    ``time``, restricted and sliced by it. ``segments``: keep each job's segments even without ``time``."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -39,7 +48,10 @@ def _results(run_dirs: Sequence[Path], progress: bool = False) -> Iterator[RunRe
             except EventFormatError as exc:
                 raise _BadInput(str(exc)) from None
             for run in runs:
-                result = compute(run)
+                result = compute(run, segments=segments or time is not None)
+                if time is not None:
+                    with every_usage_errors():
+                        result = apply(result, time)
                 for note in result.warnings:
                     click.echo(f"warmstart: warning: {note}", err=True)
                 yield result
@@ -55,6 +67,7 @@ def group() -> None:
       warmstart ett report warmstart-runs/job-1 --html ett.html
       warmstart ett fleet warmstart-runs/*
       warmstart ett interval --blocking 30 --failures-per-day 2
+      warmstart ett project warmstart-runs/job-1 --devices 1024 --days 7
     """
 
 
@@ -63,23 +76,23 @@ def group() -> None:
 @json_option
 @click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Also write a self-contained HTML page with the timeline and breakdown charts.")
-def report(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None) -> None:
+@window_options
+def report(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None, since: float | None,
+           until: float | None, every: float | None, exclude: tuple[tuple[float, float], ...]) -> None:
     """ETT% of each run with its two-level breakdown (L1 figures, L2 buckets).
 
     RUN_DIR holds the run's *.jsonl event files (docs/reference.md#events), searched recursively.
+    --since/--until/--exclude restrict the totals to that time; --every adds the ETT% of each window.
 
     \b
     Example:
       warmstart ett report warmstart-runs/job-1
       warmstart ett report warmstart-runs/job-1 --json
+      warmstart ett report warmstart-runs/job-1 --every 1h --exclude 2024-05-01T02:00Z..2024-05-01T03:00Z
     """
-    results = list(_results(run_dirs))
+    results = list(_results(run_dirs, time=time_filter(since, until, every, exclude)))
     if html_file is not None:
-        try:
-            html_file.write_text(render_html(results), encoding="utf-8")
-        except OSError as exc:
-            raise click.ClickException(f"cannot write {html_file}: {exc.strerror}") from None
-        click.echo(f"warmstart: wrote {html_file}", err=True)
+        _write_page(html_file, render_html(results))
     if as_json:
         emit_json(results_json(results))
         return
@@ -90,23 +103,73 @@ def report(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None) ->
 @group.command("fleet")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @json_option
-def fleet(run_dirs: tuple[Path, ...], as_json: bool) -> None:
+@click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="Also write a self-contained HTML page: fleet ETT% over time and the jobs that lost the most.")
+@window_options
+def fleet(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None, since: float | None,
+          until: float | None, every: float | None, exclude: tuple[tuple[float, float], ...]) -> None:
     """Fleet ETT%, weighted by device-seconds, over many runs.
 
     A directory holding several jobs' events (e.g. warmstart-runs/) counts each job.
+    --since/--until/--exclude restrict the totals to that time; --every adds the fleet ETT% of each
+    window (windows start at --since, else on multiples of DURATION since the unix epoch). The --html
+    page charts the windows of --every, else 20 to 100 windows of a round length fitted to the fleet's span.
 
     \b
     Example:
       warmstart ett fleet warmstart-runs/*
       warmstart ett fleet warmstart-runs --json
+      warmstart ett fleet warmstart-runs --since 2024-05-01T00:00Z --every 1d
+      warmstart ett fleet warmstart-runs --html fleet.html
     """
+    time = time_filter(since, until, every, exclude)
     total = FleetResult()
-    for result in _results(run_dirs, progress=True):
+    series = FleetWindows(time) if time is not None and time.every is not None else None
+    # Without --every the page's windows are sized to the fleet's span, known only once every job is
+    # read: until then each job's segments are held (--every folds them one job at a time instead).
+    held: list[RunResult] | None = [] if html_file is not None and series is None else None
+    # Each job is restricted here; the fleet's windows are cut on one grid for all jobs, below.
+    restrict_only = None if time is None else dataclasses.replace(time, every=None)
+    for result in _results(run_dirs, progress=True, time=restrict_only, segments=held is not None):
         total.add(result)
+        if series is not None:
+            with every_usage_errors():  # the jobs together may span too many windows
+                series.add(result)
+        if held is not None and result.attempts:
+            held.append(dataclasses.replace(result, timeline=[], rank_segments={}, ranks={}, slow_steps=None))
+    if series is not None:
+        with every_usage_errors():
+            total.windows = series.windows()
+    if html_file is not None:
+        windows = total.windows if held is None else _fitted_windows(held, time)
+        _write_page(html_file, render_fleet_html(total, windows=windows))
     if as_json:
         emit_json(total.to_dict())
     else:
         print_fleet(total)
+
+
+def _fitted_windows(results: Sequence[RunResult], time: TimeFilter | None) -> list[FleetWindow]:
+    """The fleet's windows at :func:`default_every`'s length for the span of ``results`` (or of
+    --since/--until), lined up as ``FleetWindows`` lines them up."""
+    if not results:
+        return []
+    time = time or TimeFilter()
+    since = min(r.start_ts for r in results) if time.since is None else time.since
+    until = max(r.end_ts for r in results) if time.until is None else time.until
+    origin = 0.0 if time.since is None else time.since
+    series = FleetWindows(dataclasses.replace(time, every=default_every(since, until, origin)))
+    for result in results:
+        series.add(result)
+    return series.windows()
+
+
+def _write_page(path: Path, page: str) -> None:
+    try:
+        path.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
+    click.echo(f"warmstart: wrote {path}", err=True)
 
 
 @group.command("interval")
@@ -131,3 +194,36 @@ def interval(blocking_s: float, failures_per_day: float, current_s: float | None
         emit_json(advice.to_dict())
     else:
         print_interval(advice)
+
+
+@group.command("project")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--devices", type=int, default=None, help="Devices of the projected job (default: the run's).")
+@click.option("--days", type=float, default=None, help="End-to-end days of the projected job (default: the run's).")
+@click.option("--mtbf-h", "mtbf_h", type=float, default=None,
+              help="Its mean time between failures, hours (default: published figures at its size).")
+@click.option("--checkpoint-interval", "interval_s", type=float, default=None,
+              help="Its checkpoint interval, seconds (default: the advisor's optimum).")
+@json_option
+def project_cmd(run_dirs: tuple[Path, ...], devices: int | None, days: float | None, mtbf_h: float | None,
+                interval_s: float | None, as_json: bool) -> None:
+    """ETT% and its breakdown projected to a job of N devices running D days, from each run's costs.
+
+    Per job: one start and one shutdown. Per failure: one recovery and lost progress (half a
+    checkpoint interval plus detection). Failures scale with devices x time. Without --devices and
+    --days: the run's own size, duration, failures and interval (reproducing its measured ETT%).
+
+    \b
+    Example:
+      warmstart ett project warmstart-runs/baseline-1 warmstart-runs/warm-1 --devices 1024 --days 7
+      warmstart ett project warmstart-runs/job-1 --json
+    """
+    scale = Scale(devices=devices, days=days, mtbf_h=mtbf_h, checkpoint_interval_s=interval_s)
+    try:
+        projections = [project(measure(result), scale) for result in _results(run_dirs)]
+    except ProjectionError as exc:
+        raise _BadInput(str(exc)) from None
+    if as_json:
+        emit_json([p.to_dict() for p in projections])
+    else:
+        print_projections(projections)

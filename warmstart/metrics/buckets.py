@@ -26,6 +26,10 @@ class Bucket:
 EFFECTIVE = "effective_training"
 COMPILE = "compile"
 SHARDING_PLAN = "sharding_plan"
+#: From the OS starting the process to its interpreter being ready; recorded by the recorder itself.
+PROCESS_LAUNCH = "process_launch"
+#: The job importing its libraries (torch, TorchRec, ...) before its first other span.
+IMPORTS = "imports"
 INIT_OTHER = "init_other"
 CHECKPOINT_BLOCKING = "checkpoint_blocking"
 LOST = "lost_progress"
@@ -41,6 +45,8 @@ BUCKETS: tuple[Bucket, ...] = (
     Bucket("data_loader_init", "data loader init", "#e377c2", ("data_loader_init",)),
     Bucket("model_transform", "model build and transform", "#bcbd22", ("model_transform",)),
     Bucket("checkpoint_load", "checkpoint load", "#17becf", ("checkpoint_load",)),
+    Bucket(PROCESS_LAUNCH, "process launch and interpreter start", "#5254a3", (PROCESS_LAUNCH,)),
+    Bucket(IMPORTS, "importing the job's libraries", "#8ca252", (IMPORTS,)),
     Bucket(INIT_OTHER, "other start-up, before the first step", "#c7c7c7"),
     Bucket(CHECKPOINT_BLOCKING, "checkpoint saves blocking training", "#ff7f0e", ("checkpoint_save",)),
     Bucket("eval", "evaluation", "#aec7e8", ("eval",)),

@@ -7,7 +7,8 @@ in exactly one bucket, so the buckets always sum to end-to-end time:
   ``attempt_end`` (or last event), cut at the next attempt's start. Everything outside the windows
   (a failed attempt's remains, waiting to be rescheduled) is ``recovery_wait``.
 * Inside a window, before the first ``step``: the named spans' buckets, each instant shared equally
-  among the spans active then; uncovered time is ``init_other``.
+  among the spans active then; uncovered time is ``init_other``. A span counts only inside its window:
+  a ``process_launch`` that began before the ``attempt_start`` counts from it on.
 * From a ``step`` to the next ``step`` (or the window's end, or ``train_end``): that step's training
   time minus the spans inside it (shared the same way; ``checkpoint_save`` is ``checkpoint_blocking``).
   The training time of a step numbered above the attempt's last ``checkpoint_committed`` step in an
@@ -34,7 +35,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from warmstart.metrics.buckets import (
     CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN, STANDARD_BUCKETS, span_bucket,
@@ -43,6 +44,10 @@ from warmstart.metrics.events import (
     AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, Event, Failure, Step, TornLineWarning, TrainEnd,
     event_files, read_events,
 )
+from warmstart.metrics.steps import SlowSteps, analyse_steps
+
+if TYPE_CHECKING:
+    from warmstart.metrics.windows import Window
 
 # Event kinds are told apart by exact type (``type(ev) is Step``): an isinstance check on a struct
 # class costs three times as much, which a million events notice.
@@ -68,6 +73,21 @@ class SpanMark:
     start: float
     end: float
     rank: int
+
+
+class Segment(NamedTuple):
+    """A stretch of a timeline whose time goes to one bucket: ``share`` of each of its seconds (less than
+    1 where overlapping spans split an instant). The segments of a run tile its end-to-end time, so any
+    interval's buckets are the sum of its overlaps with them (``warmstart.metrics.windows``)."""
+
+    start: float
+    end: float
+    bucket: str
+    share: float
+    attempt: int
+    """Index into :attr:`RunResult.attempts` of the attempt whose buckets hold this time."""
+    init: bool
+    """Before the attempt's first step: part of its time to start or to recover."""
 
 
 @dataclasses.dataclass
@@ -137,16 +157,28 @@ class RunResult:
     ranks: dict[int, dict[str, Any]]
     warnings: list[str]
     timeline: list[AttemptTimeline] = dataclasses.field(default_factory=list, repr=False)
+    segments: list[Segment] = dataclasses.field(default_factory=list, repr=False)
+    """The job's timeline as segments; filled only by ``compute(run, segments=True)``."""
+    rank_segments: dict[int, list[Segment]] = dataclasses.field(default_factory=dict, repr=False)
+    """Each rank's own segments, as :attr:`segments`."""
+    windows: list[Window] | None = None
+    """The ETT% of consecutive time windows, when a report asks for them (``warmstart.metrics.windows``)."""
+    slow_steps: SlowSteps | None = None
+    """Slow steps and stragglers (``warmstart.metrics.steps``), a diagnostic beside the buckets."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``warmstart ett report --json`` object of this run (docs/reference.md#report-json)."""
-        return {
+        d = {
             "job": self.job, "run_dir": self.run_dir, "e2e_s": self.e2e_s, "ett_pct": self.ett_pct,
             "devices": self.devices, "buckets": dict(self.buckets), "l1": dict(self.l1),
             "attempts": [a.to_dict() for a in self.attempts],
             "ranks": {str(rank): value for rank, value in self.ranks.items()},
             "start_ts": self.start_ts, "end_ts": self.end_ts, "warnings": list(self.warnings),
+            "slow_steps": self.slow_steps.to_dict() if self.slow_steps is not None else None,
         }
+        if self.windows is not None:
+            d["windows"] = [w.to_dict() for w in self.windows]
+        return d
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -222,13 +254,17 @@ class _Frame:
     devices: int
 
 
-def compute(run: Run) -> RunResult:
-    """Split a job's wall time into buckets (docs/reference.md#events); see the module docstring for the rules."""
+def compute(run: Run, *, segments: bool = False) -> RunResult:
+    """Split a job's wall time into buckets (docs/reference.md#events); see the module docstring for the rules.
+
+    ``segments``: also keep the timeline as :class:`Segment` lists (:attr:`RunResult.segments`), which
+    time windows need; off by default, as a plain report does not.
+    """
     with _gc_paused():
-        return _compute(run)
+        return _compute(run, segments)
 
 
-def _compute(run: Run) -> RunResult:
+def _compute(run: Run, keep_segments: bool = False) -> RunResult:
     events = sorted(run.events, key=operator.attrgetter("ts"))
     notes = list(run.warnings)
     ranks = sorted({e.rank for e in events if e.rank >= 0})
@@ -242,14 +278,21 @@ def _compute(run: Run) -> RunResult:
                          warnings=notes)
     t0, t_end = frames[0].start, max(f.end for f in frames)
 
-    job_split = _split(frames, frame_events, t0, t_end, notes, keep_timeline=True)
+    job_segments: list[Segment] | None = [] if keep_segments else None
+    rank_segments: dict[int, list[Segment]] = {}
+    job_split = _split(frames, frame_events, t0, t_end, notes, keep_timeline=True, segments=job_segments)
     rank_results: dict[int, dict[str, Any]] = {}
     for rank in ranks:
         if rank == primary:
             split = job_split
+            if job_segments is not None:
+                rank_segments[rank] = job_segments
         else:
             own = [e for e in events if e.rank == rank]
-            split = _split(frames, own, t0, t_end, notes, keep_timeline=False)
+            own_segments: list[Segment] | None = [] if keep_segments else None
+            split = _split(frames, own, t0, t_end, notes, keep_timeline=False, segments=own_segments)
+            if own_segments is not None:
+                rank_segments[rank] = own_segments
         total = ordered_buckets(split.total)
         rank_results[rank] = {"e2e_s": t_end - t0, "ett_pct": _pct(total[EFFECTIVE], t_end - t0),
                               "buckets": total}
@@ -260,7 +303,8 @@ def _compute(run: Run) -> RunResult:
     return RunResult(job=run.job, run_dir=run.run_dir, start_ts=t0, end_ts=t_end, e2e_s=e2e,
                      ett_pct=_pct(buckets[EFFECTIVE], e2e), devices=devices, buckets=buckets,
                      l1=_l1(attempts, buckets), attempts=attempts, ranks=rank_results, warnings=notes,
-                     timeline=job_split.timeline)
+                     timeline=job_split.timeline, segments=job_segments or [], rank_segments=rank_segments,
+                     slow_steps=analyse_steps(events, primary))
 
 
 def compute_runs(run_dirs: Iterable[str | os.PathLike]) -> list[RunResult]:
@@ -322,8 +366,9 @@ class _Split:
 
 
 def _split(frames: list[_Frame], events: list[Event], t0: float, t_end: float, notes: list[str],
-           keep_timeline: bool) -> _Split:
-    """Assign every instant of [t0, t_end] to a bucket, using ``events`` for spans and steps."""
+           keep_timeline: bool, segments: list[Segment] | None = None) -> _Split:
+    """Assign every instant of [t0, t_end] to a bucket, using ``events`` for spans and steps; with
+    ``segments``, also append each stretch of time to it."""
     by_attempt: dict[int, list[Event]] = defaultdict(list)
     for ev in events:
         by_attempt[ev.attempt].append(ev)
@@ -338,13 +383,17 @@ def _split(frames: list[_Frame], events: list[Event], t0: float, t_end: float, n
         gap = max(frame.start - cursor, 0.0)
         if gap:
             buckets[RECOVERY] += gap
+            if segments is not None:
+                segments.append(Segment(cursor, frame.start, RECOVERY, 1.0, i, False))
         evs = by_attempt.get(frame.attempt, [])
-        init_s, stat, tl = _fill_window(frame, evs, buckets, notes, keep_timeline)
+        init_s, stat, tl = _fill_window(frame, evs, buckets, notes, keep_timeline, segments, i)
         pre.append(init_s)
         stats.append(stat)
         cursor = frame.stop
         if i == len(frames) - 1 and t_end > cursor:  # the job's tail after its last window
             buckets[RECOVERY] += t_end - cursor
+            if segments is not None:
+                segments.append(Segment(cursor, t_end, RECOVERY, 1.0, i, False))
             if tl is not None and frame.failed:
                 tl.recovery_after = (cursor, t_end)
             cursor = t_end
@@ -363,8 +412,12 @@ _mark_order = operator.itemgetter(0, 1)
 
 
 def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], notes: list[str],
-                 keep_timeline: bool) -> tuple[float, tuple, AttemptTimeline | None]:
-    """Sweep one attempt's window; return its pre-first-step seconds, step stats and timeline."""
+                 keep_timeline: bool, segments: list[Segment] | None = None,
+                 index: int = 0) -> tuple[float, tuple, AttemptTimeline | None]:
+    """Sweep one attempt's window; return its pre-first-step seconds, step stats and timeline.
+
+    With ``segments``, each stretch the sweep attributes is also appended there (as attempt ``index``).
+    """
     s, e = frame.start, frame.stop
     spans = _spans(evs, frame, notes)
     own_train_end = next((ev.ts for ev in evs if type(ev) is TrainEnd), None)
@@ -408,14 +461,22 @@ def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], not
         if d > 0:
             if phase == 2:
                 buckets[SHUTDOWN] += d
+                if segments is not None:
+                    segments.append(Segment(prev, t, SHUTDOWN, 1.0, index, False))
             elif nactive:
                 for bucket, count in active.items():
                     if count:
                         buckets[bucket] += d * count / nactive
+                        if segments is not None:
+                            segments.append(Segment(prev, t, bucket, count / nactive, index, phase == 0))
             elif phase == 0:
                 buckets[INIT_OTHER] += d
+                if segments is not None:
+                    segments.append(Segment(prev, t, INIT_OTHER, 1.0, index, True))
             else:
                 buckets[train_bucket] += d
+                if segments is not None:
+                    segments.append(Segment(prev, t, train_bucket, 1.0, index, False))
             if phase == 0:
                 init_s += d
             prev = t

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from warmstart.metrics.buckets import EFFECTIVE
 from warmstart.metrics.calculator import RunResult, ordered_buckets
+
+if TYPE_CHECKING:
+    from warmstart.metrics.windows import FleetWindow
 
 
 @dataclasses.dataclass
@@ -25,6 +28,11 @@ class FleetResult:
     failures: int = 0
     buckets: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
     runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    run_buckets: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """Each job's buckets in device-seconds, in the order of :attr:`runs` (for the HTML page; not in
+    ``--json``)."""
+    windows: list[FleetWindow] | None = None
+    """Fleet ETT% per time window, when a report asks for them (``warmstart.metrics.windows.FleetWindows``)."""
 
     @property
     def ett_pct(self) -> float:
@@ -45,9 +53,13 @@ class FleetResult:
         self.runs.append({"job": result.job, "run_dir": result.run_dir, "devices": weight,
                           "e2e_s": result.e2e_s, "device_seconds": result.e2e_s * weight,
                           "ett_pct": result.ett_pct, "failures": result.l1.get("failures", 0)})
+        self.run_buckets.append({name: seconds * weight for name, seconds in result.buckets.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """The ``warmstart ett fleet --json`` object (``buckets`` in device-seconds)."""
-        return {"ett_pct": self.ett_pct, "jobs": self.jobs, "device_seconds": self.device_seconds,
-                "effective_device_seconds": self.effective_device_seconds, "failures": self.failures,
-                "buckets": ordered_buckets(self.buckets), "runs": list(self.runs)}
+        d = {"ett_pct": self.ett_pct, "jobs": self.jobs, "device_seconds": self.device_seconds,
+             "effective_device_seconds": self.effective_device_seconds, "failures": self.failures,
+             "buckets": ordered_buckets(self.buckets), "runs": list(self.runs)}
+        if self.windows is not None:
+            d["windows"] = [w.to_dict() for w in self.windows]
+        return d

@@ -8,6 +8,7 @@ SIGTERM writes a ``failure`` first, then the previous hook or the default action
 blocks training on I/O and never raises into it over a write error. It computes nothing: that is
 ``calculator.py``. :func:`get_recorder` is the process-wide instance built from the job identity
 (``warmstart.config.job_identity``); a :class:`NullRecorder` (every call a no-op) when metrics are off.
+Building it starts the live-metrics exporter (``live.py``) when ``WARMSTART_METRICS_*`` asks for one.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from warmstart import _defaults
+from warmstart import _defaults, _launch
 from warmstart.config import ensure_job_id, job_identity, job_run_dir, metrics_on, new_job_id
+from warmstart.metrics.buckets import PROCESS_LAUNCH
 from warmstart.metrics.events import (
     FAILURE_CATEGORIES, AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, EventWriter, Failure, Step,
     TrainEnd, encode_events,
@@ -116,6 +118,8 @@ class Recorder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._inherited = False  # set in a forked child: the attempt's fate is the parent's to record
+        self._launch: tuple[tuple, ...] = ()  # the process_launch span, held back until events of our own
+        self._launch_noted = False
         _live.add(self)
         _install_process_hooks()
         self._start_thread()
@@ -167,6 +171,25 @@ class Recorder:
         """The training loop finished: shutdown starts."""
         self._append((_TRAIN_END, self._time()))
 
+    def process_launch(self) -> bool:
+        """Record this process's launch as a ``process_launch`` span: from the moment the OS started it
+        to the moment its interpreter was ready (warmstart's start-up hook ran, with ``WARMSTART=1``).
+
+        :func:`get_recorder` calls it for the process-wide recorder. The span is held back until this
+        recorder writes events of its own, so a process that records nothing still writes nothing.
+
+        Returns:
+            False, recording nothing, when an end is unknown (no ``/proc``; no start-up hook ran in
+            this interpreter), when this process is a fork that started after the hook ran, or when
+            the launch is already recorded.
+        """
+        start, ready = _launch.process_start_ts(), _launch.interpreter_ready_ts
+        if self._launch_noted or start is None or ready is None or not start < ready:
+            return False
+        self._launch_noted = True
+        self._launch = ((_BEGIN, start, PROCESS_LAUNCH, None), (_END, ready, PROCESS_LAUNCH, None))
+        return True
+
     # -- writing -----------------------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -183,6 +206,8 @@ class Recorder:
                     records.append(popleft())
             except IndexError:  # a signal handler's flush on this thread took the rest
                 pass
+            if self._launch:  # first in the file: it happened before anything else this process records
+                records[:0], self._launch = self._launch, ()
             data = self._encode(records)
             try:
                 self._writer.write(data)
@@ -270,6 +295,7 @@ class Recorder:
         # any) are appended to the same file at flush or exit; there is no flusher thread after fork.
         self._inherited = True
         self._buf.clear()
+        self._launch = ()  # the parent's launch, not ours to write
         self._flush_lock = threading.RLock()  # re-entrant: a SIGTERM may land mid-flush on this thread
         self._writer = EventWriter(self.path)
         self._thread = None
@@ -310,6 +336,10 @@ class NullRecorder:
     def train_end(self) -> None:
         """No-op."""
 
+    def process_launch(self) -> bool:
+        """Records nothing: returns False."""
+        return False
+
     def flush(self) -> None:
         """No-op."""
 
@@ -319,13 +349,32 @@ class NullRecorder:
 
 _process_recorder: Recorder | NullRecorder | None = None
 _process_lock = threading.Lock()
+_exporter: Any = None  # live metrics of the process-wide recorder (metrics/live.py), when asked for
+
+
+def _start_exporter(rec: Recorder) -> None:
+    global _exporter
+    from warmstart.metrics.live import start_exporter  # prometheus_client is imported only when exporting
+
+    _exporter = start_exporter(rec)
+
+
+def _stop_exporter(at_exit: bool = False) -> None:
+    global _exporter
+    exporter, _exporter = _exporter, None
+    if exporter is not None:
+        try:
+            exporter.stop(at_exit=at_exit)
+        except Exception:  # at exit too: the metrics never fail the job
+            pass
 
 
 def get_recorder() -> Recorder | NullRecorder:
     """The process-wide recorder, built once from the job identity (``warmstart.config.job_identity``).
 
     Its run directory defaults to ``./warmstart-runs/<job id>``. When the identity has no job id, one
-    is generated and exported as ``WARMSTART_JOB_ID`` so that child processes share it. Returns a
+    is generated and exported as ``WARMSTART_JOB_ID`` so that child processes share it. It records
+    the process's launch (:meth:`Recorder.process_launch`) with its first events. Returns a
     :class:`NullRecorder` when metrics are off (neither a run directory nor ``WARMSTART=1``).
 
     Raises:
@@ -346,6 +395,8 @@ def get_recorder() -> Recorder | NullRecorder:
                 job = ensure_job_id(identity)
                 _process_recorder = Recorder(job_run_dir(identity, job), job=job, rank=identity.rank,
                                              attempt=identity.attempt)
+                _process_recorder.process_launch()
+                _start_exporter(_process_recorder)
         return _process_recorder
 
 
@@ -363,6 +414,7 @@ def reset_process_recorder() -> None:
         rec, _process_recorder = _process_recorder, None
     if rec is not None:
         rec.close()
+    _stop_exporter()
 
 
 # -- process hooks: exit, uncaught exceptions, SIGTERM, fork ------------------------------------------
@@ -407,6 +459,7 @@ def _at_exit() -> None:
             rec._at_exit()
         except Exception:
             pass
+    _stop_exporter(at_exit=True)  # after the last flush: the final textfile holds the attempt's last events
 
 
 _held_at_fork: list[Recorder] = []

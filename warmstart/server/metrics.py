@@ -1,105 +1,112 @@
 """Prometheus metrics of a cache server, served over HTTP at ``/metrics``.
 
-This module owns the text exposition of :class:`~warmstart.server.status.ServerStatus` (metric
-names ``warmstart_server_*``, one series per node where it makes sense) and a small standard-library
-HTTP exporter. ``start --metrics-port`` runs the exporter as its own daemon process (``python -m
-warmstart.server.metrics --dir DIR``) or, in the foreground, as a thread. Each scrape reads
-``INFO`` fresh; bytes per namespace, which needs a key scan, is refreshed at most every
-:data:`NAMESPACE_REFRESH_S` seconds.
+This module owns the metrics of :class:`~warmstart.server.status.ServerStatus` (metric names
+``warmstart_server_*``, one series per node where it makes sense) as a prometheus_client collector,
+and the exporter that serves them (prometheus_client's HTTP server). ``start --metrics-port`` runs
+the exporter as its own daemon process (``python -m warmstart.server.metrics --dir DIR``) or, in the
+foreground, in this process. Each scrape reads ``INFO`` fresh; bytes per namespace, which needs a
+key scan, is refreshed at most every :data:`NAMESPACE_REFRESH_S` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import subprocess
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from warmstart.server.status import ServerStatus, collect
 
 NAMESPACE_REFRESH_S = 60.0  # a key scan per scrape would cost the server more than the metric is worth
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# name, type, help, NodeStatus attribute
+# name (without a counter's _total), type, help, NodeStatus attribute
 _NODE_METRICS = (
     ("warmstart_server_up", "gauge", "1 when the node answers its admin user", "up"),
     ("warmstart_server_used_memory_bytes", "gauge", "Memory used by Redis", "used_memory"),
     ("warmstart_server_maxmemory_bytes", "gauge", "Memory limit before LRU eviction", "maxmemory"),
     ("warmstart_server_keys", "gauge", "Keys stored", "keys"),
-    ("warmstart_server_evicted_keys_total", "counter", "Keys evicted by the LRU policy", "evicted_keys"),
-    ("warmstart_server_keyspace_hits_total", "counter", "Key lookups that found the key", "keyspace_hits"),
-    ("warmstart_server_keyspace_misses_total", "counter", "Key lookups that did not", "keyspace_misses"),
+    ("warmstart_server_evicted_keys", "counter", "Keys evicted by the LRU policy", "evicted_keys"),
+    ("warmstart_server_keyspace_hits", "counter", "Key lookups that found the key", "keyspace_hits"),
+    ("warmstart_server_keyspace_misses", "counter", "Key lookups that did not", "keyspace_misses"),
     ("warmstart_server_connected_clients", "gauge", "Client connections", "connected_clients"),
     ("warmstart_server_uptime_seconds", "gauge", "Seconds since the node started", "uptime_s"),
 )
+_FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
 
-def render(status: ServerStatus) -> str:
-    """The Prometheus text exposition of ``status``."""
-    out: list[str] = []
+def families(status: ServerStatus) -> list[Any]:
+    """The metric families of ``status`` (prometheus_client's ``Metric`` objects)."""
+    out: list[Any] = []
     for name, kind, help_text, attr in _NODE_METRICS:
-        out += [f"# HELP {name} {help_text}.", f"# TYPE {name} {kind}"]
+        family = _FAMILIES[kind](name, help_text + ".", labels=["node"])
         for node in status.nodes:
-            value = getattr(node, attr)
-            out.append(f'{name}{{node="{node.host}:{node.port}"}} {int(value)}')
+            family.add_metric([f"{node.host}:{node.port}"], int(getattr(node, attr)))
+        out.append(family)
     hit_rate = status.hit_rate
-    out += ["# HELP warmstart_server_hit_ratio Hits over lookups since start, all nodes (NaN before any).",
-            "# TYPE warmstart_server_hit_ratio gauge",
-            f"warmstart_server_hit_ratio {'NaN' if hit_rate is None else repr(round(hit_rate, 6))}",
-            "# HELP warmstart_server_cluster_ok 1 when every node answers (and a Cluster serves every slot).",
-            "# TYPE warmstart_server_cluster_ok gauge",
-            f"warmstart_server_cluster_ok {int(status.up)}",
-            "# HELP warmstart_server_namespace_bytes Memory per warmstart namespace (sampled estimate).",
-            "# TYPE warmstart_server_namespace_bytes gauge"]
+    out.append(GaugeMetricFamily("warmstart_server_hit_ratio", "Hits over lookups since start, all nodes "
+                                 "(NaN before any).", value=math.nan if hit_rate is None else round(hit_rate, 6)))
+    out.append(GaugeMetricFamily("warmstart_server_cluster_ok", "1 when every node answers (and a Cluster "
+                                 "serves every slot).", value=int(status.up)))
+    namespaces = GaugeMetricFamily("warmstart_server_namespace_bytes", "Memory per warmstart namespace "
+                                   "(sampled estimate).", labels=["namespace"])
     for ns, size in status.namespace_bytes.items():
-        out.append(f'warmstart_server_namespace_bytes{{namespace="{_escape(ns)}"}} {size}')
-    return "\n".join(out) + "\n"
+        namespaces.add_metric([ns], size)
+    out.append(namespaces)
+    return out
 
 
-class MetricsServer(ThreadingHTTPServer):
-    """HTTP server answering ``GET /metrics`` for the server in ``directory``."""
+class ServerCollector:
+    """prometheus_client collector of the server in ``directory``: ``INFO`` fresh at each scrape."""
 
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, directory: Path, host: str, port: int) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self._lock = threading.Lock()
         self._namespaces: tuple[float, dict[str, int]] = (0.0, {})
-        super().__init__((host, port), _Handler)
 
-    def scrape(self) -> str:
+    def collect(self) -> Iterator[Any]:
         with self._lock:  # one scrape at a time: each opens a connection per node
             refresh = time.monotonic() - self._namespaces[0] > NAMESPACE_REFRESH_S
             status = collect(self.directory, sample_keys=500 if refresh else 0)
-            if status is None:
-                return "# no server was started from this directory\nwarmstart_server_cluster_ok 0\n"
+            if status is None:  # no server was started from this directory
+                yield GaugeMetricFamily("warmstart_server_cluster_ok", "1 when every node answers (and a "
+                                        "Cluster serves every slot).", value=0)
+                return
             if refresh:
                 self._namespaces = (time.monotonic(), status.namespace_bytes)
             else:
                 status.namespace_bytes = self._namespaces[1]
-            return render(status)
+        yield from families(status)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: MetricsServer
+class MetricsServer:
+    """The exporter of the server in ``directory``: prometheus_client's HTTP server on ``host:port``,
+    serving (on a daemon thread) from the moment it is built.
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-            self.send_error(404, "only /metrics is served")
-            return
-        body = self.server.scrape().encode()
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    Raises:
+        OSError: the port cannot be bound.
+    """
 
-    def log_message(self, format: str, *args: object) -> None:  # scrapes every 15 s would flood the log
-        pass
+    def __init__(self, directory: Path, host: str, port: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ServerCollector(directory))
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def serve_forever(self) -> None:
+        """Block until :meth:`shutdown`."""
+        self._thread.join()
+
+    def shutdown(self) -> None:
+        """Stop serving and close the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
 
 
 def wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float) -> bool:
@@ -125,10 +132,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", required=True, type=int)
     args = parser.parse_args(argv)
     MetricsServer(args.dir, args.host, args.port).serve_forever()
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 if __name__ == "__main__":

@@ -82,8 +82,7 @@ def run_foreground(options: ServerOptions, on_ready: Callable[[ServerState], Non
         if options.metrics_port:
             from warmstart.server.metrics import MetricsServer
 
-            exporter = MetricsServer(options.dir, _listen_host(options), options.metrics_port)
-            threading.Thread(target=exporter.serve_forever, name="warmstart-metrics", daemon=True).start()
+            exporter = MetricsServer(options.dir, _listen_host(options), options.metrics_port)  # serving now
         state.supervisor_pid = os.getpid()
         state.started_at = time.time()
         state.save()

@@ -1,0 +1,279 @@
+"""ETT% projected to another scale: hand-computed costs and projections, the self-check (the run's own
+scale reproduces its measured ETT% within a point), the published failure rates, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from _timelines import ev, run_of, span
+from warmstart.cli import cli
+from warmstart.errors import ConfigError
+from warmstart.metrics.events import write_events
+from warmstart.metrics.projection import (
+    ProjectionError, Scale, measure, project, published_failure_rate, published_mtbf_h,
+)
+
+APPROX = {"abs": 1e-4}
+WEEK_S = 7 * 86400
+
+
+def _job(job: str = "job-1") -> list[list[dict]]:
+    """A job of 4 devices, one failure, a commit every 10 s, each event placed for easy sums:
+
+    attempt 0: start-up 0-10 (compile); steps 0-24 at 10..34, 1 s each; saves block 0.5 s at 19.5 and
+    29.5, committing steps 9 and 19 at 20 and 30; it fails at 35: steps 20-24 (30-35) are lost,
+    exactly half the 10 s interval, and the last step ran 1 s (the ideal) before the failure.
+    attempt 1: rescheduled at 40 (5 s of recovery_wait), checkpoint_load 40-44, compile 44-46, steps
+    20-43 at 46..69, saves at 55.5 and 65.5 (commits at 56 and 66), train_end at 70, attempt_end 72.
+    """
+    a0 = [ev(0, "attempt_start", job=job, devices=4), *span(0, 10, "compile", job=job)]
+    a0 += [ev(10 + i, "step", job=job, step=i) for i in range(25)]
+    for t, step in ((19.5, 9), (29.5, 19)):
+        a0 += [*span(t, t + 0.5, "checkpoint_save", job=job), ev(t + 0.5, "checkpoint_committed", job=job, step=step)]
+    a0 += [ev(35, "failure", job=job, reason="NCCL timeout", category="infra"), ev(36, "attempt_end", job=job)]
+    a1 = [ev(40, "attempt_start", 1, job=job, devices=4), *span(40, 44, "checkpoint_load", 1, job=job),
+          *span(44, 46, "compile", 1, job=job)]
+    a1 += [ev(46 + i, "step", 1, job=job, step=20 + i) for i in range(24)]
+    for t, step in ((55.5, 29), (65.5, 39)):
+        a1 += [*span(t, t + 0.5, "checkpoint_save", 1, job=job), ev(t + 0.5, "checkpoint_committed", 1, job=job,
+                                                                    step=step)]
+    a1 += [ev(70, "train_end", 1, job=job), ev(72, "attempt_end", 1, job=job)]
+    return [a0, a1]
+
+
+def test_measured_costs(tmp_path):
+    res = run_of(tmp_path, *_job())
+    # e2e 72 = start 10 + loop 25 + recovery 11 + loop 24 + shutdown 2; effective 19 + 23 = 42.
+    assert res.ett_pct == pytest.approx(100 * 42 / 72)
+    costs = measure(res)
+    assert (costs.devices, costs.failures, costs.checkpoints) == (4, 1, 4)
+    assert costs.start_s == pytest.approx(10, **APPROX)
+    assert costs.recovery_s == pytest.approx(5 + 4 + 2, **APPROX)
+    assert costs.shutdown_s == pytest.approx(2, **APPROX)
+    assert costs.loop_s == pytest.approx(49, **APPROX)
+    assert costs.blocking_s == pytest.approx(0.5, **APPROX)  # 2 s over 4 checkpoints
+    assert costs.interval_s == pytest.approx(10, **APPROX)  # commits 20 -> 30 and 56 -> 66
+    assert costs.lost_per_failure_s == pytest.approx(5, **APPROX)
+    assert costs.detection_s == pytest.approx(0, **APPROX)  # the failing step had run 1 s, the ideal
+    assert costs.other_loop_pct == pytest.approx(0, **APPROX)
+    assert costs.start_buckets == {"compile": pytest.approx(10, **APPROX)}
+    assert costs.recovery_buckets == pytest.approx({"recovery_wait": 5, "checkpoint_load": 4, "compile": 2}, **APPROX)
+
+
+def test_own_scale_reproduces_the_measured_ett(tmp_path):
+    res = run_of(tmp_path, *_job())
+    p = project(measure(res))
+    # The run's own: 1 failure, interval 10 s. loop = 72 - 10 - 2 - 11 = 49; blocking = 49 x 0.5 / 10
+    # = 2.45 (the run blocked 2 s: its loop is not a whole number of intervals); lost = 10 / 2 + 0.
+    assert (p.devices, p.failures, p.failures_from, p.interval_from) == (4, 1.0, "run", "run")
+    assert p.l1["checkpoint_blocking_s"] == pytest.approx(2.45, **APPROX)
+    assert p.l1["lost_progress_s"] == pytest.approx(5, **APPROX)
+    assert p.projected_ett_pct == pytest.approx(100 * (49 - 2.45 - 5) / 72, **APPROX)
+    assert abs(p.projected_ett_pct - res.ett_pct) < 1
+    assert math.isclose(sum(p.buckets.values()), p.e2e_s, abs_tol=1e-6)
+
+
+def test_projection_with_given_failure_rate_and_interval(tmp_path):
+    p = project(measure(run_of(tmp_path, *_job())), Scale(devices=1024, days=7, mtbf_h=24, checkpoint_interval_s=600))
+    # 168 h / 24 h = 7 failures, each recovering in 11 s and losing 600 / 2 = 300 s.
+    # loop = 604800 - 10 - 2 - 77 = 604711; blocking = 604711 x 0.5 / 600; lost = 2100.
+    loop = WEEK_S - 10 - 2 - 77
+    blocking = loop * 0.5 / 600
+    assert p.failures == pytest.approx(7) and p.failures_from == "option" and p.interval_from == "option"
+    assert p.l1 == pytest.approx({"time_to_start_s": 10, "time_to_recover_s": 77, "failures": 7,
+                                  "lost_progress_s": 2100, "checkpoint_blocking_s": blocking, "shutdown_s": 2},
+                                 **APPROX)
+    assert p.projected_ett_pct == pytest.approx(100 * (loop - blocking - 2100) / WEEK_S, **APPROX)
+    # Start-up as measured; each recovery split as the run's was; the rest as the model says.
+    nonzero = {k: v for k, v in p.buckets.items() if v}
+    assert nonzero == pytest.approx({"effective_training": loop - blocking - 2100, "compile": 10 + 7 * 2,
+                                     "checkpoint_load": 7 * 4, "recovery_wait": 7 * 5, "lost_progress": 2100,
+                                     "checkpoint_blocking": blocking, "shutdown": 2}, **APPROX)
+    assert sum(p.buckets.values()) == pytest.approx(WEEK_S)
+
+
+def test_projection_defaults_published_rate_and_advised_interval(tmp_path):
+    p = project(measure(run_of(tmp_path, *_job())), Scale(devices=1024, days=7))
+    # 1,024 devices: MTBF 7.9 h, 168 / 7.9 failures. Advisor: sqrt(2 x 7.9 h x 0.5 s) = sqrt(28440) s.
+    failures = 168 / 7.9
+    interval = math.sqrt(2 * 7.9 * 3600 * 0.5)
+    loop = WEEK_S - 10 - 2 - failures * 11
+    blocking = loop * 0.5 / interval
+    lost = failures * interval / 2
+    assert (p.failures_from, p.interval_from) == ("published", "advisor")
+    assert p.mtbf_h == pytest.approx(7.9) and p.checkpoint_interval_s == pytest.approx(interval)
+    assert p.projected_ett_pct == pytest.approx(100 * (loop - blocking - lost) / WEEK_S, **APPROX)
+    d = p.to_dict()
+    assert d["inputs"]["failures_per_device_hour"] == pytest.approx(1 / (1024 * 7.9))
+    assert d["inputs"]["interval_from"] == "advisor" and d["measured"]["failures"] == 1
+    # Scale changes only failures: 16,384 devices fail every 1.8 h, so ETT% drops.
+    big = project(measure(run_of(tmp_path, *_job())), Scale(devices=16384, days=7))
+    assert big.failures == pytest.approx(168 / 1.8) and big.projected_ett_pct < p.projected_ett_pct
+
+
+def test_published_failure_rates():
+    assert published_mtbf_h(1024) == pytest.approx(7.9)
+    assert published_mtbf_h(16384) == pytest.approx(1.8)
+    # Half-way in log(devices): the geometric mean of the two rates; sqrt(7.9 x 1.8) h at 4,096.
+    assert published_mtbf_h(4096) == pytest.approx(math.sqrt(7.9 * 1.8))
+    # Outside the figures the per-device rate of the nearest one holds: MTBF inversely proportional.
+    assert published_failure_rate(8) == published_failure_rate(1024) == pytest.approx(1 / (1024 * 7.9))
+    assert published_mtbf_h(512) == pytest.approx(15.8) and published_mtbf_h(32768) == pytest.approx(0.9)
+
+
+def test_run_without_failures_recovers_at_the_cost_of_a_start(tmp_path):
+    events = [ev(0, "attempt_start", devices=8), *span(0, 20, "compile")]
+    events += [ev(20 + i, "step", step=i) for i in range(60)]
+    for t, step in ((29.5, 9), (39.5, 19), (49.5, 29), (59.5, 39), (69.5, 49)):
+        events += [*span(t, t + 0.5, "checkpoint_save"), ev(t + 0.5, "checkpoint_committed", step=step)]
+    events += [ev(80, "train_end"), ev(80, "attempt_end")]
+    costs = measure(run_of(tmp_path, events))
+    assert costs.recovery_s is None and costs.lost_per_failure_s is None
+    own = project(costs)
+    # The model charges a save per 10 s interval of the 60 s loop, 6 of them; the run made 5 (57.5 s trained).
+    assert own.projected_ett_pct == pytest.approx(100 * (60 - 6 * 0.5) / 80, **APPROX)
+    assert abs(own.projected_ett_pct - 100 * 57.5 / 80) < 1
+    p = project(costs, Scale(days=1, mtbf_h=12, checkpoint_interval_s=100))
+    # 2 failures, each paying a 20 s start again and losing 50 s.
+    assert p.recovery_s == pytest.approx(20) and p.l1["time_to_recover_s"] == pytest.approx(40)
+    assert p.l1["lost_progress_s"] == pytest.approx(100, **APPROX)
+    assert p.buckets["compile"] == pytest.approx(20 + 40, **APPROX)
+
+
+def test_impossible_projections_are_errors(tmp_path):
+    no_checkpoint = [ev(0, "attempt_start"), ev(1, "step", step=0), ev(9, "train_end"), ev(10, "attempt_end")]
+    costs = measure(run_of(tmp_path / "a", no_checkpoint))
+    assert project(costs).projected_ett_pct == pytest.approx(80)
+    with pytest.raises(ProjectionError, match="give --checkpoint-interval"):
+        project(costs, Scale(devices=1024, days=7))
+    with pytest.raises(ProjectionError, match="longer than the projected"):
+        project(measure(run_of(tmp_path / "b", *_job())), Scale(days=10 / 86400))
+    with pytest.raises(ProjectionError, match="no events"):
+        measure(run_of(tmp_path / "c", []))
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"devices": 0}, "--devices=0"), ({"devices": -4}, "--devices=-4"), ({"days": 0}, "--days=0"),
+    ({"days": -1.5}, "--days=-1.5"), ({"days": math.inf}, "--days=inf"), ({"mtbf_h": 0}, "--mtbf-h=0"),
+    ({"checkpoint_interval_s": -5}, "--checkpoint-interval=-5"),
+])
+def test_scale_rejects_bad_values(kwargs, named):
+    with pytest.raises(ConfigError, match=named):
+        Scale(**kwargs)
+
+
+# -- the self-check on generated runs shaped like the reference job --------------------------------------
+
+def _reference_like(run_dir, seed: int) -> None:
+    """Two ranks, a start-up of 20-40 s, a checkpoint every 30 steps of about 0.12 s (saves blocking
+    50-100 ms), a failure at step 75, a restart from step 60 that trains to step 135: the reference
+    job's shape, with its timings drawn at random."""
+    rng = random.Random(seed)
+    ranks: dict[int, list[dict]] = {0: [], 1: []}
+    t = 0.0
+    for attempt, (first, last) in enumerate(((0, 75), (60, 135))):
+        for rank, events in ranks.items():
+            events.append(ev(t, "attempt_start", attempt, rank, devices=1))
+        start_up = rng.uniform(20, 40)
+        for rank, events in ranks.items():
+            events += span(t, t + start_up, "compile", attempt, rank)
+        t += start_up
+        for step in range(first, last + 1):
+            for rank, events in ranks.items():
+                events.append(ev(t + rng.uniform(0, 0.002), "step", attempt, rank, step=step))
+            if step == last and attempt == 0:
+                t += rng.uniform(0, 0.01)
+                for rank, events in ranks.items():
+                    events.append(ev(t, "failure", attempt, rank, reason="injected", category="infra"))
+                break
+            t += rng.gauss(0.12, 0.01)
+            if step % 30 == 29:
+                block = rng.uniform(0.05, 0.1)
+                for rank, events in ranks.items():
+                    events += span(t, t + block, "checkpoint_save", attempt, rank)
+                    events.append(ev(t + block, "checkpoint_committed", attempt, rank, step=step))
+                t += block
+        if attempt == 0:
+            for rank, events in ranks.items():
+                events.append(ev(t + 0.2, "attempt_end", attempt, rank))
+            t += rng.uniform(0.2, 0.5)
+    for rank, events in ranks.items():
+        events += [ev(t, "train_end", 1, rank), ev(t + 0.3, "attempt_end", 1, rank)]
+    for rank, events in ranks.items():
+        write_events(run_dir / f"events-r{rank}.jsonl", events)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_own_scale_is_within_a_point_on_reference_like_runs(tmp_path, seed):
+    _reference_like(tmp_path, seed)
+    result = CliRunner().invoke(cli, ["ett", "project", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    (p,) = json.loads(result.stdout)
+    assert p["measured"]["failures"] == 1 and p["inputs"]["failures_from"] == "run"
+    assert abs(p["projected_ett_pct"] - p["measured_ett_pct"]) < 1
+
+
+# -- CLI -----------------------------------------------------------------------------------------------
+
+def _write(run_dir, job):
+    for i, events in enumerate(_job(job)):
+        write_events(run_dir / f"events-a{i}.jsonl", events)
+
+
+def test_cli_json_keys_and_side_by_side_table(tmp_path):
+    _write(tmp_path / "baseline", "baseline")
+    _write(tmp_path / "warm", "warm")
+    runner = CliRunner()
+    args = ["ett", "project", str(tmp_path / "baseline"), str(tmp_path / "warm"), "--devices", "1024", "--days", "7"]
+    result = runner.invoke(cli, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(result.stdout)
+    assert [r["job"] for r in runs] == ["baseline", "warm"]
+    for r in runs:
+        assert {"projected_ett_pct", "measured_ett_pct", "l1", "buckets", "inputs", "measured", "devices", "days",
+                "e2e_s"} <= set(r)
+        assert {"time_to_start_s", "time_to_recover_s", "failures", "lost_progress_s", "checkpoint_blocking_s",
+                "shutdown_s"} <= set(r["l1"])
+        assert {"mtbf_h", "checkpoint_interval_s", "interval_from", "failures_from", "start_s", "recovery_s",
+                "blocking_per_checkpoint_s", "lost_per_failure_s", "detection_s"} <= set(r["inputs"])
+        assert math.isclose(sum(r["buckets"].values()), 7 * 86400, rel_tol=1e-9)
+        assert (r["devices"], r["days"]) == (1024, 7)
+    text = runner.invoke(cli, args).stdout
+    assert "ETT% projected to 1,024 devices x 7 days" in text
+    header = next(line for line in text.splitlines() if "baseline" in line)
+    assert "warm" in header  # one column per run, side by side
+    for label in ("projected ETT%", "measured ETT%", "failures", "checkpoint interval", "time to recover",
+                  "lost progress", "checkpoint blocking"):
+        assert label in text
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--devices", "-1", "--days", "7"], "--devices=-1"),
+    (["--devices", "0"], "--devices=0"),
+    (["--days", "0"], "--days=0.0"),
+    (["--days", "-3"], "--days=-3.0"),
+    (["--mtbf-h", "0"], "--mtbf-h=0.0"),
+    (["--checkpoint-interval", "-10"], "--checkpoint-interval=-10.0"),
+])
+def test_cli_bad_values_are_one_line_usage_errors(tmp_path, args, named):
+    _write(tmp_path, "job-1")
+    result = CliRunner().invoke(cli, ["ett", "project", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert named in line and "expected" in line
+
+
+def test_cli_bad_input_exits_2(tmp_path):
+    result = CliRunner().invoke(cli, ["ett", "project", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "not a run directory" in result.stderr
+    _write(tmp_path / "run", "job-1")
+    result = CliRunner().invoke(cli, ["ett", "project", str(tmp_path / "run"), "--days", "0.0001"])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "longer than the projected" in line

@@ -1,0 +1,331 @@
+"""ETT% projected to another job size and length (docs/metrics.md#projecting-ett-to-another-scale).
+
+Two steps, both pure. :func:`measure` reads what one measured run cost per event: a start, a recovery,
+a checkpoint, a failure's lost progress, and the share of loop time spent in other spans (eval). Then
+:func:`project` builds a job of N devices running D days from those costs:
+
+* per job, whatever its size: one start (time to start) and one shutdown;
+* per failure: one recovery (time to recover) and lost progress, on average half a checkpoint
+  interval plus the detection delay (how long the failing step ran past a normal step);
+* the failure count scales with devices and time: ``failures = N x hours x rate``, the rate per
+  device-hour taken from published reliability figures (:func:`published_mtbf_h`) unless given;
+* per checkpoint interval of loop time, whatever the size: one checkpoint's blocking time.
+
+With neither devices nor days given, the run's own size, duration, failure count and checkpoint
+interval are used, and the projection reproduces the run's measured ETT% (within the model's one
+approximation: a failure costs half an interval, where a real one lands anywhere in it). It does not
+model start-up growing with the job's size: the per-start and per-recovery costs are the run's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from warmstart.errors import ConfigError, WarmstartError
+from warmstart.metrics.advisor import SECONDS_PER_DAY, advise_interval
+from warmstart.metrics.buckets import CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN
+from warmstart.metrics.calculator import RunResult, ordered_buckets
+
+#: Mean time to failure of one job of that many GPUs, in hours, from Meta's study of its research
+#: clusters (Kokolis et al., "Revisiting Reliability in Large-Scale Machine Learning Research
+#: Clusters", 2024). The two figures imply a per-GPU failure rate that falls with job size.
+PUBLISHED_MTTF_H: tuple[tuple[int, float], ...] = ((1024, 7.9), (16384, 1.8))
+
+# Buckets of the training loop; every other bucket but shutdown and recovery_wait is start-up work.
+_LOOP_BUCKETS = (EFFECTIVE, LOST, CHECKPOINT_BLOCKING, "eval")
+
+
+class ProjectionError(WarmstartError, ValueError):
+    """A run cannot be projected (no events, or the projected job is shorter than its own start-up)."""
+
+
+def published_failure_rate(devices: int) -> float:
+    """Failures per device-hour for a job of ``devices`` devices, from :data:`PUBLISHED_MTTF_H`.
+
+    Each published point gives a rate ``1 / (GPUs x MTTF)``. Between the two points the rate is
+    interpolated linearly in log(rate) against log(devices) (a power law through both); outside them it
+    stays at the nearest point's rate, as there is no figure to extrapolate from.
+    """
+    (n_lo, mttf_lo), (n_hi, mttf_hi) = PUBLISHED_MTTF_H
+    rate_lo, rate_hi = 1.0 / (n_lo * mttf_lo), 1.0 / (n_hi * mttf_hi)
+    if devices <= n_lo:
+        return rate_lo
+    if devices >= n_hi:
+        return rate_hi
+    x = math.log(devices / n_lo) / math.log(n_hi / n_lo)
+    return math.exp(math.log(rate_lo) + x * (math.log(rate_hi) - math.log(rate_lo)))
+
+
+def published_mtbf_h(devices: int) -> float:
+    """Mean time between failures, in hours, of a job of ``devices`` devices (:func:`published_failure_rate`)."""
+    return 1.0 / (devices * published_failure_rate(devices))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCosts:
+    """What one measured run cost, per event: the inputs of :func:`project`. Seconds unless named."""
+
+    job: str
+    run_dir: str
+    devices: int
+    """The largest ``devices`` of its ``attempt_start`` events, or its number of ranks when larger."""
+    e2e_s: float
+    ett_pct: float
+    failures: int
+    start_s: float
+    """Time to start: paid once per job."""
+    recovery_s: float | None
+    """Time to recover, per failure; ``None`` when the run never failed (a recovery then costs a start)."""
+    shutdown_s: float
+    loop_s: float
+    """Time in the training loop (from each attempt's first step to its end), all attempts."""
+    checkpoints: int
+    blocking_s: float
+    """Blocking time per checkpoint."""
+    interval_s: float | None
+    """Checkpoint interval: the median time between consecutive commits of an attempt (else the loop
+    time per checkpoint); ``None`` without a commit."""
+    lost_per_failure_s: float | None
+    """Measured lost progress per failure; ``None`` when the run never failed."""
+    detection_s: float
+    """Per failure: how long the step running at the failure had run beyond the ideal step time."""
+    other_loop_pct: float
+    """Share of loop time that is neither training nor checkpoint blocking (eval, other spans), in %."""
+    start_buckets: dict[str, float]
+    """Time to start split into its buckets."""
+    recovery_buckets: dict[str, float]
+    """One recovery split into its buckets (``recovery_wait`` and the re-start's)."""
+    loop_other_buckets: dict[str, float]
+    """The loop's other time split into buckets, as shares summing to 1."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def measure(result: RunResult) -> RunCosts:
+    """The per-event costs of one computed run.
+
+    Raises:
+        ProjectionError: the run has no attempts (no events).
+    """
+    if not result.attempts:
+        raise ProjectionError(f"{result.run_dir}: job {result.job} has no events to project from")
+    l1, buckets = result.l1, result.buckets
+    failures = int(l1["failures"])
+    start, recover, shutdown = l1["time_to_start_s"], l1["time_to_recover_s"], l1["shutdown_s"]
+    loop = max(result.e2e_s - start - recover - shutdown, 0.0)
+    blocking = buckets.get(CHECKPOINT_BLOCKING, 0.0)
+    commits = [sorted(ts for ts, _ in tl.checkpoints) for tl in result.timeline]
+    checkpoints = sum(map(len, commits))
+    gaps = [b - a for ts in commits for a, b in zip(ts, ts[1:])]
+    interval = statistics.median(gaps) if gaps else (loop / checkpoints if checkpoints else None)
+    slow = result.slow_steps
+    ideal = slow.ideal_step_s if slow is not None and slow.ideal_step_s is not None else None
+    detection = 0.0
+    if failures and slow is not None and ideal is not None:
+        detection = sum(max(s.running_s - ideal, 0.0) for s in slow.interrupted) / failures
+    other = max(loop - buckets.get(EFFECTIVE, 0.0) - buckets.get(LOST, 0.0) - blocking, 0.0)
+
+    # The L2 split of start-up and recovery time: attempt 0's start-up buckets scaled to its time to
+    # start, the later attempts' to their share of the time to recover. A start-up bucket with more
+    # seconds than that (torch.compile compiling lazily inside step 0) leaves the rest in the loop.
+    first, later = _startup_buckets(result.attempts[:1]), _startup_buckets(result.attempts[1:])
+    start_buckets = _scaled(first, start)
+    waited = buckets.get(RECOVERY, 0.0)
+    recovered = _scaled(later, recover - waited)
+    if waited:
+        recovered[RECOVERY] = waited
+    leftover = {name: seconds - start_buckets.get(name, 0.0) - recovered.get(name, 0.0)
+                for name, seconds in _startup_buckets(result.attempts).items()}
+    leftover["eval"] = buckets.get("eval", 0.0)
+    return RunCosts(
+        job=result.job, run_dir=result.run_dir, devices=max(result.devices, len(result.ranks), 1),
+        e2e_s=result.e2e_s, ett_pct=result.ett_pct, failures=failures, start_s=start,
+        recovery_s=recover / failures if failures else None, shutdown_s=shutdown, loop_s=loop,
+        checkpoints=max(checkpoints, 1 if blocking else 0),
+        blocking_s=blocking / max(checkpoints, 1), interval_s=interval,
+        lost_per_failure_s=buckets.get(LOST, 0.0) / failures if failures else None, detection_s=detection,
+        other_loop_pct=100.0 * other / loop if loop else 0.0, start_buckets=start_buckets,
+        recovery_buckets={k: v / failures for k, v in recovered.items()} if failures else dict(start_buckets),
+        loop_other_buckets=_scaled(leftover, 1.0) if other else {})
+
+
+def _startup_buckets(attempts) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for attempt in attempts:
+        for name, seconds in attempt.buckets.items():
+            if name not in _LOOP_BUCKETS and name not in (SHUTDOWN, RECOVERY) and seconds > 0:
+                out[name] += seconds
+    return out
+
+
+def _scaled(parts: dict[str, float], total: float) -> dict[str, float]:
+    """``parts`` (negative ones dropped) rescaled to sum to ``total``; all ``init_other`` when empty."""
+    parts = {k: v for k, v in parts.items() if v > 0}
+    whole = sum(parts.values())
+    if total <= 0:
+        return {}
+    if whole <= 0:
+        return {INIT_OTHER: total}
+    return {k: total * v / whole for k, v in parts.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """The job to project to; a field left ``None`` takes the run's own (see :func:`project`)."""
+
+    devices: int | None = None
+    """Devices of the projected job."""
+    days: float | None = None
+    """Its end-to-end time, in days."""
+    mtbf_h: float | None = None
+    """Its mean time between failures, in hours (default: the published figures at its size)."""
+    checkpoint_interval_s: float | None = None
+    """Its checkpoint interval (default: the advisor's optimum; the run's own with neither devices nor days)."""
+
+    def __post_init__(self) -> None:
+        if self.devices is not None and (isinstance(self.devices, bool) or not isinstance(self.devices, int)
+                                         or self.devices < 1):
+            raise ConfigError("--devices", self.devices, "a whole number of devices, at least 1")
+        for option, value, accepted in (("--days", self.days, "a positive number of days"),
+                                        ("--mtbf-h", self.mtbf_h, "a positive number of hours"),
+                                        ("--checkpoint-interval", self.checkpoint_interval_s,
+                                         "a positive number of seconds")):
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(option, value, accepted)
+
+    @property
+    def own(self) -> bool:
+        """Neither devices nor days given: the run's own size, duration, failures and interval."""
+        return self.devices is None and self.days is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """ETT% and its breakdown for one run's costs at one scale; the ``warmstart ett project --json`` object."""
+
+    costs: RunCosts
+    devices: int
+    days: float
+    e2e_s: float
+    projected_ett_pct: float
+    failures: float
+    """Expected failures over the projected job (a fraction when the projection is not the run itself)."""
+    failures_from: str
+    """``run`` (its own count), ``option`` (``--mtbf-h``) or ``published`` (:data:`PUBLISHED_MTTF_H`)."""
+    mtbf_h: float | None
+    checkpoint_interval_s: float | None
+    interval_from: str
+    """``run`` (its own), ``option`` (``--checkpoint-interval``) or ``advisor`` (the optimum)."""
+    lost_per_failure_s: float
+    recovery_s: float
+    first_order_valid: bool
+    """False when the checkpoint interval is not small against the time between failures (above half)."""
+    l1: dict[str, Any]
+    buckets: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict: the projection, the inputs it used, and what was measured."""
+        hours = self.e2e_s / 3600.0
+        return {
+            "job": self.costs.job, "run_dir": self.costs.run_dir, "devices": self.devices, "days": self.days,
+            "e2e_s": self.e2e_s, "projected_ett_pct": self.projected_ett_pct,
+            "measured_ett_pct": self.costs.ett_pct, "l1": dict(self.l1), "buckets": dict(self.buckets),
+            "inputs": {
+                "devices": self.devices, "days": self.days, "mtbf_h": self.mtbf_h,
+                "failures_per_device_hour": self.failures / (self.devices * hours) if hours else 0.0,
+                "failures_from": self.failures_from, "checkpoint_interval_s": self.checkpoint_interval_s,
+                "interval_from": self.interval_from, "start_s": self.costs.start_s,
+                "recovery_s": self.recovery_s, "blocking_per_checkpoint_s": self.costs.blocking_s,
+                "lost_per_failure_s": self.lost_per_failure_s, "detection_s": self.costs.detection_s,
+                "shutdown_s": self.costs.shutdown_s, "other_loop_pct": self.costs.other_loop_pct,
+                "first_order_valid": self.first_order_valid,
+            },
+            "measured": self.costs.to_dict(),
+        }
+
+
+def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
+    """ETT% and its breakdown for a job of ``scale.devices`` devices running ``scale.days`` days.
+
+    With neither devices nor days, the run's own size, duration, failure count and checkpoint interval
+    (``scale.mtbf_h`` and ``scale.checkpoint_interval_s`` still override theirs). Otherwise a missing
+    devices or days is the run's own, the failure rate is the published one at that size unless
+    ``mtbf_h`` is given, and the interval the advisor's optimum for the run's blocking time per
+    checkpoint and the projected failure rate unless given.
+
+    Raises:
+        ProjectionError: start-up, shutdown and recoveries alone outlast the projected job, or failures
+            are expected but the run has neither a checkpoint nor a failure to tell what one loses.
+    """
+    devices = scale.devices or costs.devices
+    e2e = scale.days * SECONDS_PER_DAY if scale.days is not None else costs.e2e_s
+    hours = e2e / 3600.0
+    if scale.mtbf_h is not None:
+        failures, mtbf_h, failures_from = hours / scale.mtbf_h, scale.mtbf_h, "option"
+    elif scale.own:
+        failures, failures_from = float(costs.failures), "run"
+        mtbf_h = hours / failures if failures else None
+    else:
+        mtbf_h = published_mtbf_h(devices)
+        failures, failures_from = hours / mtbf_h, "published"
+
+    interval, interval_from = costs.interval_s, "run"
+    if scale.checkpoint_interval_s is not None:
+        interval, interval_from = scale.checkpoint_interval_s, "option"
+    elif not scale.own and costs.blocking_s > 0 and failures > 0:
+        interval = advise_interval(costs.blocking_s, failures / (e2e / SECONDS_PER_DAY)).interval_s
+        interval_from = "advisor"
+
+    if interval is not None:
+        lost_per_failure = interval / 2 + costs.detection_s
+    elif costs.lost_per_failure_s is not None:
+        lost_per_failure = costs.lost_per_failure_s  # no checkpoint: a failure loses what it lost here
+    elif failures:
+        raise ProjectionError(f"{costs.run_dir}: job {costs.job} committed no checkpoint and never failed, so "
+                              f"nothing tells what a failure loses: give --checkpoint-interval")
+    else:
+        lost_per_failure = 0.0
+    recovery = costs.recovery_s if costs.recovery_s is not None else costs.start_s
+
+    # Fixed costs first, then the loop gets the rest; within it blocking and other spans take their
+    # shares of loop time, failures their lost progress, and training what remains.
+    recover = failures * recovery
+    loop = e2e - costs.start_s - costs.shutdown_s - recover
+    if loop < 0:
+        raise ProjectionError(
+            f"{costs.run_dir}: job {costs.job}: start-up, shutdown and {failures:.1f} recoveries take "
+            f"{e2e - loop:,.0f} s, longer than the projected {e2e:,.0f} s")
+    if interval is not None:
+        blocking = min(loop * costs.blocking_s / interval, loop)
+    else:  # saves that never committed: their measured share of the loop
+        blocking = loop * costs.blocking_s * costs.checkpoints / costs.loop_s if costs.loop_s else 0.0
+    other = min(loop * costs.other_loop_pct / 100.0, loop - blocking)
+    lost = min(failures * lost_per_failure, loop - blocking - other)
+    effective = loop - blocking - other - lost
+
+    buckets: dict[str, float] = defaultdict(float)
+    for name, seconds in costs.start_buckets.items():
+        buckets[name] += seconds
+    for name, seconds in costs.recovery_buckets.items():
+        buckets[name] += failures * seconds
+    for name, share in costs.loop_other_buckets.items():
+        buckets[name] += other * share
+    buckets[EFFECTIVE] += effective
+    buckets[LOST] += lost
+    buckets[CHECKPOINT_BLOCKING] += blocking
+    buckets[SHUTDOWN] += costs.shutdown_s
+    l1 = {"time_to_start_s": costs.start_s, "time_to_recover_s": recover, "failures": failures,
+          "lost_progress_s": lost, "checkpoint_blocking_s": blocking, "shutdown_s": costs.shutdown_s}
+    valid = interval is None or mtbf_h is None or interval <= mtbf_h * 3600.0 / 2
+    return Projection(
+        costs=costs, devices=devices, days=e2e / SECONDS_PER_DAY, e2e_s=e2e,
+        projected_ett_pct=100.0 * effective / e2e if e2e else 0.0, failures=failures,
+        failures_from=failures_from, mtbf_h=mtbf_h, checkpoint_interval_s=interval, interval_from=interval_from,
+        lost_per_failure_s=lost_per_failure, recovery_s=recovery, first_order_valid=valid, l1=l1,
+        buckets=ordered_buckets(buckets))
