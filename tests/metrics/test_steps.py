@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from _steps_reference import analyse_steps as reference_analyse_steps
 from _timelines import ev, run_of, span
 from warmstart.cli import cli
-from warmstart.metrics.events import write_events
+from warmstart.metrics.events import parse_event, write_events
 from warmstart.metrics.steps import analyse_steps, margin_s, trimmed_median
 
 # Durations come from unix times near 1.7e9, where a float is precise to about 2e-7 s.
@@ -137,3 +141,48 @@ def test_report_shows_slow_steps_in_json_table_and_html(tmp_path):
     assert runner.invoke(cli, ["ett", "report", str(tmp_path / "run"), "--html", str(page)]).exit_code == 0
     html = page.read_text()
     assert "<h3>Slow steps</h3>" in html and "<h3>Stragglers</h3>" in html
+
+
+@st.composite
+def _step_timelines(draw) -> list[dict]:
+    """Steps of a few ranks over a few attempts, with jitter, stalls, repeated and skipped step numbers,
+    spans inside steps, failures and train_ends, in any order."""
+    events: list[dict] = []
+    ranks = draw(st.lists(st.integers(-1, 3), min_size=1, max_size=4, unique=True))
+    for attempt in range(draw(st.integers(1, 3))):
+        base = attempt * 1000.0
+        for rank in ranks:
+            t, step = base + draw(st.floats(0, 2)), draw(st.integers(0, 5))
+            for _ in range(draw(st.integers(0, 25))):
+                events.append(ev(t, "step", attempt, rank, step=step))
+                if draw(st.integers(0, 6)) == 0:
+                    begin = t + draw(st.floats(0, 2))
+                    events.extend(span(begin, begin + draw(st.floats(0, 3)), draw(st.sampled_from(["eval", "save"])),
+                                       attempt, draw(st.sampled_from([rank, -1]))))
+                t += draw(st.sampled_from([1.0, 1.0, 1.1, 0.9, 3.0, 0.0]))
+                step += draw(st.sampled_from([1, 1, 1, 0, 2]))
+            if draw(st.booleans()):
+                events.append(ev(t + draw(st.floats(-5, 2)), "train_end", attempt, rank))
+        if draw(st.booleans()):
+            events.append(ev(base + draw(st.floats(0, 40)), "failure", attempt, ranks[0], reason="x", category="infra"))
+        if draw(st.booleans()):
+            events.append(ev(base + draw(st.floats(0, 40)), "begin", attempt, -1, span="compile"))  # never ends
+    return draw(st.permutations(events))
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_close, a, b))
+    return a == b and type(a) is type(b)
+
+
+@given(_step_timelines(), st.sampled_from([None, 0, 1, -1]))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_agrees_with_the_plain_reference(events, rank):
+    parsed = [parse_event(e) for e in events]
+    got, want = analyse_steps(parsed, rank).to_dict(), reference_analyse_steps(parsed, rank).to_dict()
+    assert _close(got, want), (got, want)

@@ -109,17 +109,23 @@ def margin_s(ideal_s: float | None) -> float:
 
 def trimmed_median(durations: Iterable[float]) -> float | None:
     """The median of ``durations`` left after dropping those above median + ``OUTLIER_MADS`` x MAD."""
-    values = sorted(durations)
-    if not values:
+    import numpy as np
+
+    values = np.asarray(durations if isinstance(durations, np.ndarray) else list(durations), dtype=float)
+    if not len(values):
         return None
-    mid = _median(values)
-    mad = _median(sorted(map(abs, map(operator.sub, values, itertools.repeat(mid)))))
-    return _median(values[:bisect.bisect_right(values, mid + OUTLIER_MADS * mad)])
+    mid = _median(np, values)
+    mad = _median(np, np.abs(values - mid))
+    return _median(np, values[values <= mid + OUTLIER_MADS * mad])
 
 
-def _median(ordered: list[float]) -> float:
-    half = len(ordered) // 2
-    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+def _median(np: Any, values: Any) -> float:
+    """The median of a non-empty 1-D array: its middle value, or the mean of the two middle ones."""
+    half = len(values) // 2
+    if len(values) % 2:
+        return float(np.partition(values, half)[half])
+    low, high = np.partition(values, (half - 1, half))[half - 1:half + 1].tolist()
+    return (low + high) / 2
 
 
 def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps:
@@ -129,12 +135,12 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
         events: the job's events.
         rank: the timeline rank whose durations are timed; by default rank 0, else the lowest rank.
     """
+    import numpy as np  # here, not at the top: ``import warmstart.metrics`` stays light
+
     events = events if isinstance(events, list) else list(events)
-    # A job is nearly all steps: pick them out and group them in C-speed passes, the rest one by one.
+    # A job is nearly all steps: pick them out and read their fields in C-speed passes, then work on
+    # columns; the other events (spans, ends, failures) are few and go one by one.
     step_events = [ev for ev in events if type(ev) is Step]
-    steps: dict[tuple[int, int], list[Step]] = defaultdict(list)
-    for key, ev in zip(map(_attempt_rank, step_events), step_events):
-        steps[key].append(ev)
     train_ends: dict[tuple[int, int], float] = {}
     failures: dict[int, float] = {}
     span_marks: dict[int, list[tuple[float, int, tuple[int, str]]]] = defaultdict(list)
@@ -147,59 +153,102 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
             train_ends[key] = min(ev.ts, train_ends.get(key, math.inf))
         elif kind is Failure:
             failures[ev.attempt] = min(ev.ts, failures.get(ev.attempt, math.inf))
-    ranks = sorted({r for _, r in steps if r >= 0})
+    ts = np.fromiter(map(_ts, step_events), dtype=float, count=len(step_events))
+    numbers = _int_column(np, step_events, _step)
+    groups = _groups(np, step_events)
+    ranks = sorted({r for (_, r), _ in groups if r >= 0})
     if rank is None:
         rank = 0 if 0 in ranks else (ranks[0] if ranks else None)
 
-    ends: dict[tuple[int, int], tuple[list[int], list[float]]] = {}  # (attempt, rank) -> step numbers, ends
-    durations: list[float] = []  # of the timeline rank's steps, in order
-    segments: list[tuple[int, int, list[int]]] = []  # per attempt: first index in durations, attempt, steps
+    ends: dict[tuple[int, int], tuple[Any, Any]] = {}  # (attempt, rank) -> step numbers, step ends
+    parts: list[Any] = []  # the timeline rank's net durations, per attempt
+    segments: list[tuple[int, int, Any]] = []  # per attempt: first index in the durations, attempt, steps
+    measured = 0
     interrupted: list[Interrupted] = []
-    for (attempt, r), seq in sorted(steps.items()):
-        starts = [ev.ts for ev in seq]
-        if any(map(operator.gt, starts, starts[1:])):  # events given out of time order
-            seq.sort(key=_event_ts)
-            starts = [ev.ts for ev in seq]
+    for (attempt, r), idx in groups:
+        starts = ts[idx]
+        if len(starts) > 1 and (starts[1:] < starts[:-1]).any():  # events given out of time order
+            idx = idx[np.argsort(starts, kind="stable")]
+            starts = ts[idx]
         job_end = train_ends.get((attempt, -1), train_ends.get((attempt, rank), math.inf))
         train_end = train_ends.get((attempt, r), job_end)
         failure = failures.get(attempt, math.inf)
-        loop_end = min(train_end, failure)
-        cut = bisect.bisect_left(starts, loop_end)
+        cut = int(np.searchsorted(starts, min(train_end, failure), "left"))
         if not cut:
             continue
         starts = starts[:cut]
-        stops = starts[1:]
         if train_end <= failure and train_end < math.inf:
-            stops.append(train_end)
-        elif r == rank and failure < math.inf:
-            interrupted.append(Interrupted(attempt, seq[cut - 1].step, failure - starts[-1]))
-        numbers = [ev.step for ev in seq[:len(stops)]]
-        ends[(attempt, r)] = (numbers, stops)
-        if r == rank and stops:
-            segments.append((len(durations), attempt, numbers))
-            durations.extend(_net_durations(starts, stops, _union(span_marks.get(attempt, []), rank)))
+            stops = np.append(starts[1:], train_end)
+        else:
+            stops = starts[1:]
+            if r == rank and failure < math.inf:
+                interrupted.append(Interrupted(attempt, step_events[idx[cut - 1]].step, failure - float(starts[-1])))
+        step_numbers = numbers[idx[:len(stops)]]
+        ends[(attempt, r)] = (step_numbers, stops)
+        if r == rank and len(stops):
+            segments.append((measured, attempt, step_numbers))
+            parts.append(_net_durations(np, starts, stops, _union(span_marks.get(attempt, []), rank)))
+            measured += len(stops)
+    durations = np.concatenate(parts) if parts else np.zeros(0)
 
     # Each attempt's first step is warm-up (lazy compilation, cold caches): not part of the ideal.
-    bounds = [first for first, _, _ in segments] + [len(durations)]
-    sample = list(itertools.chain.from_iterable(durations[bounds[i] + 1:bounds[i + 1]]
-                                                for i in range(len(segments)))) or durations
-    ideal = trimmed_median(sample)
+    bounds = [first for first, _, _ in segments] + [measured]
+    sample = np.concatenate([durations[bounds[i] + 1:bounds[i + 1]] for i in range(len(segments))] or [durations])
+    ideal = trimmed_median(sample if len(sample) else durations)
     margin = margin_s(ideal)
-    slow: list[SlowStep] = []
+    slowest: list[SlowStep] = []
+    slow_count, lost = 0, 0.0
     if ideal is not None:
-        for i in itertools.compress(range(len(durations)), map((ideal + margin).__lt__, durations)):
-            first, attempt, numbers = segments[bisect.bisect_right(bounds, i) - 1]
-            slow.append(SlowStep(attempt, numbers[i - first], durations[i], durations[i] - ideal))
+        slow = np.flatnonzero(durations > ideal + margin)
+        excess = durations[slow] - ideal
+        slow_count, lost = len(slow), math.fsum(excess.tolist())
+        for k in np.argsort(-excess, kind="stable")[:TOP].tolist():  # the largest excess first, ties in order
+            i = int(slow[k])
+            first, attempt, step_numbers = segments[bisect.bisect_right(bounds, i) - 1]
+            slowest.append(SlowStep(attempt, int(step_numbers[i - first]), float(durations[i]), float(excess[k])))
     return SlowSteps(
-        rank=rank if durations else None, measured_steps=len(durations), ideal_step_s=ideal,
-        slow_above_s=None if ideal is None else ideal + margin, slow_count=len(slow),
-        lost_s=math.fsum(s.excess_s for s in slow),
-        slowest_steps=tuple(heapq.nlargest(TOP, slow, key=lambda s: s.excess_s)),
-        slowest_ranks=_stragglers(ends, margin), interrupted=tuple(interrupted))
+        rank=rank if measured else None, measured_steps=measured, ideal_step_s=ideal,
+        slow_above_s=None if ideal is None else ideal + margin, slow_count=slow_count, lost_s=lost,
+        slowest_steps=tuple(slowest), slowest_ranks=_stragglers(np, ends, margin), interrupted=tuple(interrupted))
 
 
-_attempt_rank = operator.attrgetter("attempt", "rank")
-_event_ts = operator.attrgetter("ts")
+_ts = operator.attrgetter("ts")
+_step = operator.attrgetter("step")
+_attempt = operator.attrgetter("attempt")
+_rank = operator.attrgetter("rank")
+
+
+def _int_column(np: Any, step_events: list[Step], field: Any) -> Any:
+    """One int field of ``step_events`` as an int64 array, or an object array if a value does not fit."""
+    try:
+        return np.fromiter(map(field, step_events), dtype=np.int64, count=len(step_events))
+    except OverflowError:
+        return np.array(list(map(field, step_events)), dtype=object)
+
+
+def _groups(np: Any, step_events: list[Step]) -> list[tuple[tuple[int, int], Any]]:
+    """The indices of ``step_events`` per (attempt, rank), in that order; each group keeps the events' order."""
+    if not step_events:
+        return []
+    attempts = _int_column(np, step_events, _attempt)
+    ranks = _int_column(np, step_events, _rank)
+    if attempts.dtype == object or ranks.dtype == object:  # numbers past int64: group them one by one
+        by_key: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, key in enumerate(zip(attempts.tolist(), ranks.tolist())):
+            by_key[key].append(i)
+        return [(key, np.array(by_key[key], dtype=np.intp)) for key in sorted(by_key)]
+    a_min, r_min = int(attempts.min()), int(ranks.min())
+    width = int(ranks.max()) - r_min + 1
+    if (int(attempts.max()) - a_min + 1) * width <= 1 << 16:
+        # Few (attempt, rank) pairs: a 16-bit key, which a stable sort orders in linear time.
+        keys = ((attempts - a_min) * width + (ranks - r_min)).astype(np.uint16)
+        order = np.argsort(keys, kind="stable")
+    else:
+        order = np.lexsort((ranks, attempts))  # stable too
+    sorted_a, sorted_r = attempts[order], ranks[order]
+    change = np.flatnonzero((sorted_a[1:] != sorted_a[:-1]) | (sorted_r[1:] != sorted_r[:-1])) + 1
+    cuts = [0, *change.tolist(), len(order)]
+    return [((int(sorted_a[lo]), int(sorted_r[lo])), order[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
 
 
 def _union(marks: list[tuple[float, int, tuple[int, str]]], rank: int | None) -> list[tuple[float, float]]:
@@ -225,23 +274,38 @@ def _union(marks: list[tuple[float, int, tuple[int, str]]], rank: int | None) ->
     return covered
 
 
-def _net_durations(starts: list[float], stops: list[float], covered: list[tuple[float, float]]) -> list[float]:
+def _net_durations(np: Any, starts: Any, stops: Any, covered: list[tuple[float, float]]) -> Any:
     """Each step's length (``starts[i]`` to ``stops[i]``, in time order) minus the part ``covered`` covers.
-    Spans are few next to steps: each covered interval is taken out of the steps it overlaps."""
-    out = [stop - start for start, stop in zip(starts, stops)]
-    for begin, end in covered:
-        i = max(bisect.bisect_right(starts, begin) - 1, 0)
-        while i < len(out) and starts[i] < end:
-            inside = min(end, stops[i]) - max(begin, starts[i])
-            if inside > 0:
-                out[i] = max(out[i] - inside, 0.0)
-            i += 1
+
+    Every (covered interval, step) pair that overlaps is found with binary searches; a step that several
+    intervals overlap loses their parts one after the other, in time order, as a loop over them would."""
+    out = stops - starts[:len(stops)]
+    if not covered or not len(out):
+        return out
+    begins = np.array([begin for begin, _ in covered])
+    finishes = np.array([end for _, end in covered])
+    first = np.maximum(np.searchsorted(starts, begins, "right") - 1, 0)
+    counts = np.maximum(np.minimum(np.searchsorted(starts, finishes, "left"), len(out)) - first, 0)
+    total = int(counts.sum())
+    if not total:
+        return out
+    interval = np.repeat(np.arange(len(covered)), counts)
+    step = np.arange(total) - np.repeat(np.cumsum(counts) - counts - first, counts)
+    inside = np.minimum(finishes[interval], stops[step]) - np.maximum(begins[interval], starts[step])
+    keep = np.flatnonzero(inside > 0)
+    order = keep[np.argsort(step[keep], kind="stable")]  # per step, its intervals in time order
+    step, inside = step[order], inside[order]
+    while len(step):  # one round per interval a step overlaps: nearly always a single round
+        lead = np.ones(len(step), dtype=bool)
+        lead[1:] = step[1:] != step[:-1]
+        out[step[lead]] = np.maximum(out[step[lead]] - inside[lead], 0.0)
+        step, inside = step[~lead], inside[~lead]
     return out
 
 
-def _stragglers(ends: dict[tuple[int, int], tuple[list[int], list[float]]], margin: float) -> tuple[RankLag, ...]:
+def _stragglers(np: Any, ends: dict[tuple[int, int], tuple[Any, Any]], margin: float) -> tuple[RankLag, ...]:
     """The ranks whose steps ended last by more than ``margin``, most total lag first."""
-    by_attempt: dict[int, dict[int, tuple[list[int], list[float]]]] = defaultdict(dict)
+    by_attempt: dict[int, dict[int, tuple[Any, Any]]] = defaultdict(dict)
     for (attempt, r), value in ends.items():
         if r >= 0:
             by_attempt[attempt][r] = value
@@ -253,41 +317,51 @@ def _stragglers(ends: dict[tuple[int, int], tuple[list[int], list[float]]], marg
             continue
         ranks = sorted(per_rank)
         numbers = per_rank[ranks[0]][0]
-        if all(per_rank[r][0] == numbers for r in ranks[1:]):  # the usual case: every rank ran the same steps
-            columns = [per_rank[r][1] for r in ranks]
+        if all(np.array_equal(per_rank[r][0], numbers) for r in ranks[1:]):  # usual: every rank ran the same steps
+            columns = np.vstack([per_rank[r][1] for r in ranks])
         else:  # compare the steps every rank ended (one that died or joined late sits the rest out)
-            by_step = [dict(zip(*per_rank[r])) for r in ranks]
-            numbers = sorted(set(by_step[0]).intersection(*by_step[1:]))
-            columns = [[ends_of[n] for n in numbers] for ends_of in by_step]
+            by_step = [_last_end_per_step(np, *per_rank[r]) for r in ranks]
+            numbers = by_step[0][0]
+            for unique, _ in by_step[1:]:
+                if len(unique):
+                    found = unique[np.minimum(np.searchsorted(unique, numbers), len(unique) - 1)]
+                    numbers = numbers[found == numbers]
+                else:
+                    numbers = unique
+            columns = np.vstack([stops[np.searchsorted(unique, numbers)] for unique, stops in by_step])
         # A rank's lag at each step is its end minus the latest end of the other ranks; over the margin,
-        # it was the last to end. Element-wise maps (C speed) over running maxima from both sides give
-        # every rank's "other ranks" maximum in O(ranks x steps): a million steps cost no Python loop.
-        for i, lag in enumerate(_lags(columns)):
-            hits = list(itertools.compress(range(len(numbers)), map(margin.__lt__, lag)))
-            if hits:
+        # it was the last to end. Running maxima from both sides give every rank's "other ranks" maximum.
+        for i, lag in enumerate(_lags(np, columns)):
+            hits = np.flatnonzero(lag > margin)
+            if len(hits):
                 r = ranks[i]
                 counts[r] += len(hits)
-                totals[r].append(math.fsum(map(lag.__getitem__, hits)))
+                totals[r].append(math.fsum(lag[hits].tolist()))
+                top = hits[np.argsort(-lag[hits], kind="stable")[:TOP]]  # the largest lags, ties in order
                 worst[r] = heapq.nlargest(TOP, itertools.chain(
-                    worst[r], ((lag[j], attempt, numbers[j]) for j in heapq.nlargest(TOP, hits, key=lag.__getitem__))))
+                    worst[r], zip(lag[top].tolist(), itertools.repeat(attempt), map(int, numbers[top]))))
     out = [RankLag(r, counts[r], math.fsum(totals[r]), tuple(Lag(a, n, lag) for lag, a, n in worst[r]))
            for r in counts]
     out.sort(key=lambda r: (-r.lag_s, r.rank))
     return tuple(out[:TOP])
 
 
-def _lags(columns: list[list[float]]) -> list[list[float]]:
-    """For each column (a rank's step ends), its values minus the element-wise maximum of the others."""
-    before: list[list[float] | None] = []
-    running: list[float] | None = None
-    for column in columns:
-        before.append(running)
-        running = column if running is None else list(map(max, running, column))
-    lags: list[list[float]] = [[] for _ in columns]
-    running = None
-    for i in reversed(range(len(columns))):
-        left = before[i]
-        others = running if left is None else left if running is None else map(max, left, running)
-        lags[i] = list(map(operator.sub, columns[i], others))
-        running = columns[i] if running is None else list(map(max, running, columns[i]))
-    return lags
+def _last_end_per_step(np: Any, numbers: Any, stops: Any) -> tuple[Any, Any]:
+    """The distinct step numbers in ascending order, each with its last end (a step given twice)."""
+    if len(numbers) < 2 or (numbers[1:] > numbers[:-1]).all():  # the usual case: already so
+        return numbers, stops
+    numbers, stops = numbers[::-1], stops[::-1]
+    order = np.argsort(numbers, kind="stable")  # of equal numbers, the last end comes first
+    numbers, stops = numbers[order], stops[order]
+    lead = np.ones(len(numbers), dtype=bool)
+    lead[1:] = numbers[1:] != numbers[:-1]
+    return numbers[lead], stops[lead]
+
+
+def _lags(np: Any, columns: Any) -> Any:
+    """For each row (a rank's step ends), its values minus the element-wise maximum of the other rows."""
+    before = np.maximum.accumulate(columns, axis=0)
+    after = np.maximum.accumulate(columns[::-1], axis=0)[::-1]
+    last = len(columns) - 1
+    return [row - (after[1] if i == 0 else before[-2] if i == last else np.maximum(before[i - 1], after[i + 1]))
+            for i, row in enumerate(columns)]
