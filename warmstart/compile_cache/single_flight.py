@@ -82,10 +82,10 @@ class Lease:
 
 
 class _Held:
-    """Another process holds the lease: where (``local``/``remote``), and what of it we hold."""
+    """Another process holds the lease; ``partial``: the part of it this process holds meanwhile (its
+    host's lock, while it waits on another host's Redis lease), or ``None``."""
 
-    def __init__(self, where: str, partial: Lease | None) -> None:
-        self.where = where
+    def __init__(self, partial: Lease | None) -> None:
         self.partial = partial
 
 
@@ -246,19 +246,19 @@ class SingleFlight:
             if self.local_writable:
                 fd = self._lock_local(kind, key)
                 if fd is False:
-                    return _Held("local", None)
+                    return _Held(None)
                 lease.local_fd = fd if isinstance(fd, int) else None
             elif self._local_held(kind, key):
-                return _Held("local", None)
+                return _Held(None)
         if self.remote is None:
             return lease if lease.local_fd is not None else None
         if self.remote_writable:
             taken = self.remote.take_lease(kind, key, lease.token, self.ttl_s)
             if taken is False:
-                return _Held("remote", lease if lease.local_fd is not None else None)
+                return _Held(lease if lease.local_fd is not None else None)
             lease.remote = bool(taken)
         if not lease.remote and self.remote.lease_held(kind, key):  # read-only: watch, never take
-            return _Held("remote", lease if lease.local_fd is not None else None)
+            return _Held(lease if lease.local_fd is not None else None)
         if lease.local_fd is None and not lease.remote:
             return None
         return lease
