@@ -36,3 +36,19 @@ def finish(console, tables: list, out: dict, json_path: str | None) -> None:
     console.print(f"machine: {out['machine']}")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1))
+
+
+def store_figures() -> dict:
+    """In a job: warmstart's store stats and counters (``store``, ``counters``), or nothing when
+    warmstart is off or has no store. Background writes are flushed first."""
+    from warmstart.config import job_identity
+
+    if not job_identity().enabled:  # not Settings: a bad cache setting must not fail the job, only turn the cache off
+        return {}
+    from warmstart.compile_cache import get_store
+
+    store = get_store()
+    if store is None:
+        return {}
+    store.flush(timeout=30)
+    return {"store": store.stats.to_dict(), "counters": store.stats.counters_dict()}

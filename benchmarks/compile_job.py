@@ -1,7 +1,7 @@
 """One "job" for the compile-cache benchmark and tests: compile a model, run forward and backward,
 print one JSON line with the loss, the time to compile and run the first step, and cache counters.
 
-    python benchmarks/compile_job.py --model mlp [--regional] [--kill-redis-pid PID]
+    python benchmarks/compile_job.py --model mlp [--regional] [--kill-redis-pid PID] [--no-preimport]
 
 Run it with WARMSTART=1 (and WARMSTART_CACHE_URL, WARMSTART_SECRET) to use warmstart; the
 environment decides everything else, as it would for a user's job.
@@ -14,6 +14,8 @@ import json
 import os
 import resource
 import signal
+import sys
+import threading
 import time
 
 T_START = time.perf_counter()
@@ -26,10 +28,14 @@ T_IMPORTED = time.perf_counter()
 # torch.compile loads Dynamo, AOTAutograd and Inductor on its first call: about 4 s on 2 cores, the
 # same in every configuration and beyond any cache's reach. Load them before the clock starts, as
 # ``import torch`` is, so the timed part is what caching can change; reported as compiler_import_s.
-import torch._dynamo  # noqa: E402
-import torch._functorch._aot_autograd.autograd_cache  # noqa: E402
-import torch._inductor.codecache  # noqa: E402
-import torch._inductor.compile_fx  # noqa: E402
+# ``--no-preimport`` leaves them to the first call (checked before argparse runs: it decides what
+# this module imports).
+PREIMPORT = "--no-preimport" not in sys.argv[1:]
+if PREIMPORT:
+    import torch._dynamo  # noqa: E402
+    import torch._functorch._aot_autograd.autograd_cache  # noqa: E402
+    import torch._inductor.codecache  # noqa: E402
+    import torch._inductor.compile_fx  # noqa: E402
 
 T_COMPILER_IMPORTED = time.perf_counter()
 
@@ -129,12 +135,42 @@ class Tower(nn.Module):
             stage.compile(dynamic=False, **kwargs)
 
 
+class EncoderLayer(nn.Module):
+    """A pre-norm residual MLP block, a module with its own forward (Dynamo inlines each one)."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+class Encoder(nn.Module):
+    """Many small layers: 12 encoder layers of width 32 and a linear head. Little arithmetic, but
+    12 module calls for Dynamo to inline and many small kernels: the costs that grow with depth."""
+
+    def __init__(self, layers: int = 12, dim: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 MODELS = {
     "mlp": (MLP, lambda: torch.randn(32, 64)),
     "conv": (ConvNet, lambda: torch.randn(8, 3, 16, 16)),
     "attention": (Attention, lambda: torch.randn(4, 16, 32)),
     "tiny": (Tiny, lambda: torch.randn(8, 16)),
     "tiny2": (Tiny2, lambda: torch.randn(8, 16)),
+    "encoder": (Encoder, lambda: torch.randn(16, 32)),
     "tower": (Tower, lambda: torch.randn(64, 64)),
     "tower-act": (lambda: Tower("act"), lambda: torch.randn(64, 64)),
     "tower-deeper": (lambda: Tower("deeper"), lambda: torch.randn(64, 64)),
@@ -162,6 +198,75 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+class ImportClock:
+    """Wall seconds the main thread spends in imports that load new modules, outermost imports only
+    (an import inside an import is counted once). Installed only under ``--no-preimport``, to show
+    how much of compile_s is the compiler's module loading."""
+
+    def __init__(self) -> None:
+        import builtins
+        import importlib
+
+        self.seconds = 0.0
+        self._depth = 0
+        self._main = threading.main_thread()
+        self._import, self._import_module = builtins.__import__, importlib.import_module
+        builtins.__import__ = self._timed(self._import)
+        importlib.import_module = self._timed(self._import_module)
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            if self._depth or threading.current_thread() is not self._main:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            before, t = len(sys.modules), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if len(sys.modules) != before:
+                    self.seconds += time.perf_counter() - t
+        return timed
+
+    def stop(self) -> None:
+        import builtins
+        import importlib
+
+        builtins.__import__, importlib.import_module = self._import, self._import_module
+
+
+def torch_phases(compile_s: float, import_s: float | None) -> dict:
+    """torch's own breakdown of compile_s, from the timers of ``dynamo_timed`` (seconds, summed
+    over every frame and graph of the job).
+
+    * ``dynamo_tracing``: Dynamo's frame compiles (bytecode analysis, FX graph capture) less the
+      parts below that run inside them;
+    * ``guards``: building the guards of each compiled frame;
+    * ``backend``: AOTAutograd and Inductor for the forward graphs and the lazily compiled backward
+      ones; on a warm start, their cache lookups and loads;
+    * ``precompile_load``: frames loaded from a precompile package (guards and backends), if any;
+    * ``first_run_and_rest``: what remains: running forward and backward, module set-up, Python;
+    * ``compiler_import``: under ``--no-preimport`` only, loading the compiler's modules: not a phase
+      of its own but part of the ones above (imports run inside tracing and the backend).
+    """
+    from torch._dynamo.utils import compilation_time_metrics
+
+    timers = {key: sum(values) for key, values in compilation_time_metrics.items() if values}
+    frames = timers.get("_compile.compile_inner", 0.0)  # "entire_frame_compile"
+    guards = timers.get("build_guards", 0.0)
+    backend = timers.get("OutputGraph.call_user_compiler", 0.0) + timers.get("backward._backward_impl", 0.0)
+    precompile = sum(timers.get(k, 0.0) for k in ("precompile_load_guards", "precompile_build_guards",
+                                                   "after_deserialization"))
+    # Precompile loads run inside an "entire_frame_compile" timer too, so they come off tracing.
+    tracing = max(frames - guards - timers.get("OutputGraph.call_user_compiler", 0.0) - precompile, 0.0)
+    phases = {"dynamo_tracing": tracing, "guards": guards, "backend": backend, "precompile_load": precompile}
+    phases["first_run_and_rest"] = compile_s - sum(phases.values())
+    if import_s is not None:
+        phases["compiler_import"] = import_s
+    phases["timers"] = timers
+    return phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", action="append", required=True, choices=sorted(MODELS),
@@ -172,6 +277,8 @@ def main() -> None:
     parser.add_argument("--mega-load", default=None, help="before compiling, load torch's Mega-Cache from here")
     parser.add_argument("--kill-redis-pid", type=int, default=None,
                         help="SIGKILL this redis-server after the first model (a server dying mid-job)")
+    parser.add_argument("--no-preimport", action="store_true",
+                        help="do not load torch's compiler modules before the clock: compile_s includes them")
     args = parser.parse_args()
     losses = {}
     mega_load_s = 0.0
@@ -180,12 +287,17 @@ def main() -> None:
         with open(args.mega_load, "rb") as f:
             torch.compiler.load_cache_artifacts(f.read())
         mega_load_s = time.perf_counter() - t
+    import_clock = None if PREIMPORT else ImportClock()
+    modules_before = len(sys.modules)
     t0, cpu0 = time.perf_counter(), _cpu_s()
     for i, name in enumerate(args.model):
         losses[name] = run_model(name, args.regional)
         if i == 0 and args.kill_redis_pid:
             os.kill(args.kill_redis_pid, signal.SIGKILL)
     compile_s, compile_cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
+    modules_after = len(sys.modules)
+    if import_clock is not None:
+        import_clock.stop()
     if args.mega_save:
         artifacts = torch.compiler.save_cache_artifacts()
         with open(args.mega_save, "wb") as f:
@@ -194,17 +306,14 @@ def main() -> None:
 
     result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
               "compile_s": compile_s, "compile_cpu_s": compile_cpu_s, "mega_load_s": mega_load_s,
-              "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"])}
-    from warmstart.config import job_identity
+              "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"]),
+              "preimport": PREIMPORT,
+              "phases": torch_phases(compile_s, None if import_clock is None else import_clock.seconds),
+              "modules_loaded": {"before": modules_before, "after": modules_after,
+                                 "during_compile": modules_after - modules_before}}
+    from _new_machine import store_figures
 
-    if job_identity().enabled:  # not Settings: a bad cache setting must not fail the job, only turn the cache off
-        from warmstart.compile_cache import get_store
-
-        store = get_store()
-        if store is not None:
-            store.flush(timeout=30)
-            result["store"] = store.stats.to_dict()
-            result["counters"] = store.stats.counters_dict()
+    result.update(store_figures())
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -17,7 +17,7 @@ __all__ = ["enable", "__version__"]
 def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None = None,
            cache_size: str | None = None, mode: str | None = None, secret: str | None = None,
            secret_file: str | os.PathLike | None = None, key_file: str | os.PathLike | None = None,
-           namespace: str | None = None, compile_wait_s: float | None = None,
+           namespace: str | None = None, compile_wait_s: float | None = None, dynamo: bool | None = None,
            run_dir: str | os.PathLike | None = None, job_id: str | None = None) -> None:
     """Turn warmstart on in this process and the processes it starts.
 
@@ -28,7 +28,9 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     for jobs that write the shared cache, the public key (``verify.pub``) for jobs that only read
     it. It wins over ``secret``/``secret_file`` (the HMAC secret of older setups) when both are given.
     ``compile_wait_s`` (``WARMSTART_COMPILE_WAIT_S``) bounds how long a process waits for another
-    one compiling the entry it missed; 0 turns single-flight compiles off.
+    one compiling the entry it missed; 0 turns single-flight compiles off. ``dynamo``
+    (``WARMSTART_DYNAMO``, on by default) shares Dynamo's output, so new machines skip tracing the
+    frames another one compiled.
 
     Raises:
         ConfigError: a setting is malformed (one line: variable, value, what is accepted).
@@ -38,7 +40,7 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     env = enable_environment(  # checks everything before changing anything
         os.environ, cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode, secret=secret,
         secret_file=secret_file, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s,
-        run_dir=run_dir, job_id=job_id)
+        dynamo=None if dynamo is None else int(bool(dynamo)), run_dir=run_dir, job_id=job_id)
     os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
     identity = job_identity(os.environ)
     # The PGO state is named before an id is generated: a generated id is new on every run, and
@@ -53,10 +55,11 @@ def _activate(pgo_job_id: str | None) -> None:
     ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
     """
     from warmstart import compile_cache
-    from warmstart.compile_cache import import_hooks, torch_hooks
+    from warmstart.compile_cache import dynamo_frames, import_hooks, torch_hooks
 
     torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
     compile_cache.reset_store()  # the next get_store() builds from the settings now in force
+    dynamo_frames.reset()
     # Compile spans for the ETT metrics, registered once torch's compile callbacks exist: importing
     # them here would import all of torch into every process.
     import_hooks.on_import("torch._dynamo.callback", _install_compile_spans)

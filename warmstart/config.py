@@ -352,6 +352,7 @@ ENABLE_VARIABLES: dict[str, str] = {
     "key_file": "WARMSTART_KEY_FILE",
     "namespace": "WARMSTART_NAMESPACE",
     "compile_wait_s": "WARMSTART_COMPILE_WAIT_S",
+    "dynamo": "WARMSTART_DYNAMO",
     "run_dir": "WARMSTART_RUN_DIR",
     "job_id": "WARMSTART_JOB_ID",
 }
@@ -402,6 +403,9 @@ class Settings:
     compile_wait_s: float = _defaults.COMPILE_WAIT_S
     """``WARMSTART_COMPILE_WAIT_S``: the longest a process waits for another process that is compiling
     the entry it missed (then it compiles it itself); 0 turns single-flight compiles off."""
+    dynamo_frames: bool = True
+    """``WARMSTART_DYNAMO``: share Dynamo's output (each compiled frame's bytecode and guards), so a
+    new machine does not trace frames another one compiled; ``0`` turns it off."""
     job: JobIdentity = dataclasses.field(default_factory=lambda: JobIdentity(False, "", None, 0, 0, False))
     """Which job, rank and attempt this process belongs to (see :func:`job_identity`)."""
 
@@ -435,11 +439,15 @@ class Settings:
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
         compile_wait_s = _env_seconds(env, "WARMSTART_COMPILE_WAIT_S", _defaults.COMPILE_WAIT_S, zero_ok=True,
                                       accepted="seconds, a number >= 0 (0 turns waiting off)")
+        dynamo_raw = env.get("WARMSTART_DYNAMO", "").strip()
+        if dynamo_raw not in ("", "0", "1"):
+            raise ConfigError("WARMSTART_DYNAMO", env["WARMSTART_DYNAMO"], "1 or unset (on), 0 (off)")
         job = job_identity(env)
         values: dict[str, object] = dict(
             enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",
             cache_size=cache_size,
             mode=mode, secret=secret, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s, job=job,
+            dynamo_frames=dynamo_raw != "0",
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

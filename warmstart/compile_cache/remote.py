@@ -12,7 +12,7 @@ Layout under the key prefix ``ws:<namespace>:``:
   ``single_flight.py``): a random token, expiring unless its holder renews it.
 
 Identical large artifacts under different keys are stored once. Writes are ``SET NX``: the first
-writer wins when processes race. Chunk keys are predictable, so a chunk that was already there is
+writer wins when processes race (except for ``REPLACED_KINDS``, whose entries grow: the last wins). Chunk keys are predictable, so a chunk that was already there is
 read back and overwritten unless it holds exactly the intended bytes; readers check every chunk's
 length against the signed size before fetching or joining anything.
 
@@ -44,7 +44,7 @@ from warmstart import _defaults
 from warmstart.compile_cache import signing
 from warmstart.compile_cache.breaker import CircuitBreaker
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import ABSENT, EVICTED, REJECTED, SKIPPED, Hit, Lookup, Miss, warn_once
+from warmstart.compile_cache.storage import ABSENT, EVICTED, REJECTED, REPLACED_KINDS, SKIPPED, Hit, Lookup, Miss, warn_once
 from warmstart.config import url_options, validate_cache_url
 from warmstart.errors import IntegrityError
 
@@ -362,7 +362,7 @@ class RemoteTier:
                 chunks = [view[i * self._chunk_bytes:(i + 1) * self._chunk_bytes] for i in range(len(chunk_keys))]
                 for ckey, chunk in zip(chunk_keys, chunks):
                     pipe.set(ckey, chunk, nx=True, ex=self._ttl_s)
-                pipe.set(pkey, record, nx=True, ex=self._ttl_s)
+                pipe.set(pkey, record, nx=kind not in REPLACED_KINDS, ex=self._ttl_s)
                 results = pipe.execute()
                 existing = [(k, c) for k, c, done in zip(chunk_keys, chunks, results) if not done]
                 if existing:

@@ -25,8 +25,13 @@ KINDS: dict[str, str] = {
     "triton_kernel": "triton kernel",
     "cpp_object": "compiled C++ object",
     "isa_probe": "vector ISA probe",
+    "dynamo_frames": "dynamo frames",
     "sharding_plan": "sharding plan",
 }
+
+#: Kinds whose entry under a key grows (Dynamo's frames for a function, as more are compiled): a
+#: write replaces the entry. For every other kind the key names the content, and the first writer wins.
+REPLACED_KINDS = frozenset({"dynamo_frames"})
 
 
 ABSENT = "absent"

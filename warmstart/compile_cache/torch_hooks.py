@@ -16,6 +16,9 @@ What it plugs in, all through the process-wide store (``get_store()``):
   still pays every C++ compile; and the outcome of Inductor's vector-ISA load probe (a child
   Python per process) by wrapping ``VecISA._probe_load``;
 * Triton kernels, through ``TRITON_CACHE_MANAGER`` (see ``triton_manager.py``);
+* Dynamo's output (each compiled frame's bytecode and guards), through ``dynamo_frames.py``, whose
+  functions are installed here on ``torch._dynamo.eval_frame``, ``torch._dynamo.guards`` and
+  ``torch._dynamo.precompile_context``, AOTAutograd's cache key and around each frame's compile;
 * a job identity for Dynamo's PGO state (``TORCH_COMPILE_JOB_ID``) when the user set none, and a
   count of recompilations.
 
@@ -92,17 +95,29 @@ def configure_environment(environ: MutableMapping[str, str], job_id: str | None 
     """
     import importlib.util
 
-    global _flags
+    global _flags, _bundle_autograd
     has_triton = importlib.util.find_spec("triton") is not None
     _flags = TORCH_FLAGS + TRITON_FLAGS if has_triton else TORCH_FLAGS
     for module_name in {module for module, _, _ in _flags}:
         _PATCHES.setdefault(module_name, _switch_on_flags)
     _PATCHES.setdefault("torch.compiler.config", _set_job_id)
+    _bundle_autograd = _dynamo_frames_on(environ)
+    if _bundle_autograd:
+        _PATCHES.setdefault("torch._functorch.config", _switch_on_flags)
     if has_triton:
         for name, value in TRITON_ENV.items():
             environ.setdefault(name, value)
     if not (environ.get("TORCH_COMPILE_JOB_ID") or environ.get("TORCH_COMPILE_STICKY_PGO_KEY")):
         environ["TORCH_COMPILE_JOB_ID"] = pgo_job_id(job_id)
+
+
+def _dynamo_frames_on(environ: MutableMapping[str, str]) -> bool:
+    from warmstart.config import Settings
+
+    try:
+        return Settings.from_env(environ).dynamo_frames
+    except Exception:  # the store reports a bad setting, and is off
+        return False
 
 
 def pgo_job_id(job_id: str | None = None) -> str:
@@ -188,6 +203,8 @@ def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -
 # -- torch's switches, in this process's config ------------------------------------------------
 
 _flags: tuple[tuple[str, str, str], ...] = TORCH_FLAGS
+#: AOTAutograd bundles compiled graphs into its entries, which Dynamo's packages need (dynamo_frames.py).
+_bundle_autograd = False
 #: (config module, attribute) that warmstart switched on, to switch off again if the remote-cache
 #: hook cannot be installed: a switch without warmstart's backend would reach torch's Redis backend.
 _switched: list[tuple[ModuleType, str]] = []
@@ -206,6 +223,8 @@ def _switch_on_flags(config: ModuleType) -> None:
         if module_name == config.__name__ and getattr(config, attr) is None:
             _set_default(config, attr, True)
             _switched.append((config, attr))
+    if _bundle_autograd and config.__name__ == "torch._functorch.config":
+        _set_default(config, "bundled_autograd_cache", True)  # a value the user set in code still wins
 
 
 def _set_default(config: ModuleType, attr: str, value: bool | None) -> None:
@@ -528,11 +547,49 @@ def _hook_frame_compile(convert_frame: ModuleType) -> None:
 
     @functools.wraps(original)
     def _compile(*args, **kwargs):
-        with _lease_scope():
+        with _lease_scope(), _frames_scope(kwargs.get("package")):
             return original(*args, **kwargs)
 
     _compile.__wrapped__ = original  # type: ignore[attr-defined]
     convert_frame._compile = _compile
+
+
+def _frames_scope(package):
+    import contextlib
+
+    if package is None:
+        return contextlib.nullcontext()
+    try:
+        from warmstart.compile_cache import dynamo_frames
+
+        return dynamo_frames.frame_compile(package)
+    except Exception as exc:
+        _fail_open("Dynamo frames", exc)
+        return contextlib.nullcontext()
+
+
+# -- Dynamo's output (see dynamo_frames.py) ---------------------------------------------------------
+
+#: torch module -> the function of ``dynamo_frames`` that hooks it.
+_FRAME_HOOKS = {
+    "torch._dynamo.eval_frame": "hook_eval_frame",
+    "torch._dynamo.guards": "hook_guards",
+    "torch._dynamo.precompile_context": "hook_precompile_context",
+    "torch._functorch._aot_autograd.autograd_cache": "hook_autograd_cache",
+}
+
+
+def _frames_hook(hook: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        from warmstart.compile_cache import dynamo_frames
+
+        getattr(dynamo_frames, hook)(module)
+
+    return patch
+
+
+for _module_name, _hook in _FRAME_HOOKS.items():
+    _PATCHES[_module_name] = _frames_hook(_hook)
 
 
 def _hook_recompiles(convert_frame: ModuleType) -> None:

@@ -1,0 +1,162 @@
+"""Where a warm start's time goes: compile + first step split into torch's own phases, for each
+configuration, each on a brand-new "machine" unless said otherwise:
+
+* ``cold``: nothing cached, no warmstart;
+* ``torch local-warm``: the cold machine again (torch's own local caches warm);
+* ``warmstart, frames off``: warmstart with ``WARMSTART_DYNAMO=0`` (Dynamo's output not stored or
+  loaded), the shared cache filled by a producer machine;
+* ``warmstart``: warmstart with its default settings, the same shared cache.
+
+The producer (another new machine) fills the shared cache once per model with default settings.
+With frames on, AOTAutograd bundles the compiled graphs into its own entries (torch's
+``bundled_autograd_cache``, part of its cache keys), so a frames-off machine finds no AOTAutograd or
+FX graph entry of that producer, only the C++ objects: ``warmstart, frames off`` is then a mixed
+fleet. ``--frames-off-producer`` adds a second producer with frames off, to measure frames off
+against a cache filled the same way.
+Phases come from torch's ``dynamo_timed`` timers (see ``torch_phases`` in ``compile_job.py``): Dynamo
+tracing, guard building, the backend (AOTAutograd and Inductor: on a warm start, cache lookups and
+loads), frames loaded from a precompile package, and the rest (the first forward and backward).
+Warm configurations run ``--repeats`` times, interleaved; a table row is the run with the median
+total, so its phases add up. Usage::
+
+    python benchmarks/warm_start.py [--models mlp,conv,attention,encoder] [--repeats 3] [--frames-off-producer]
+                                    [--no-preimport] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _new_machine import JOB, MACHINE, finish, job_result, machine_env  # noqa: E402
+
+CONFIGS = ("cold", "torch local-warm", "warmstart, frames off", "warmstart")
+WARM = CONFIGS[1:]
+PHASES = (("dynamo_tracing", "Dynamo tracing"), ("guards", "guards"), ("backend", "backend load/lookups"),
+          ("precompile_load", "precompile load"), ("first_run_and_rest", "first run/rest"))
+
+
+def run(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, str(JOB), "--model", model, *job_args], env=machine_env(machine, env),
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{model} on {machine.name} failed:\n{proc.stderr[-3000:]}")
+    return job_result(proc.stdout)
+
+
+def bench_model(model: str, work: Path, ws: dict[str, str], job_args: list[str], progress, repeats: int,
+                frames_off_producer: bool) -> dict:
+    frames_off = {**ws, "WARMSTART_DYNAMO": "0"}
+    results: dict = {}
+    progress(f"{model}: cold")
+    results["cold"] = [run(work / f"{model}-cold", model, {}, job_args)]
+    progress(f"{model}: producer fills the shared cache (another new machine)")
+    results["producer"] = [run(work / f"{model}-producer", model, ws, job_args)]
+    if frames_off_producer:
+        progress(f"{model}: producer with frames off (another new machine)")
+        results["producer, frames off"] = [run(work / f"{model}-producer-frames-off", model, frames_off, job_args)]
+    warm = {
+        "torch local-warm": lambda r: run(work / f"{model}-cold", model, {}, job_args),
+        "warmstart, frames off": lambda r: run(work / f"{model}-frames-off{r}", model, frames_off, job_args),
+        "warmstart": lambda r: run(work / f"{model}-ws{r}", model, ws, job_args),
+    }
+    # Interleaved, so that a slow spell on this shared machine does not fall on one configuration.
+    for r in range(repeats):
+        for name, step in warm.items():
+            progress(f"{model}: {name} ({r + 1}/{repeats})")
+            results.setdefault(name, []).append(step(r))
+    return results
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median compile_s (the lower one of an even count)."""
+    ordered = sorted(runs, key=lambda x: x["compile_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,conv,attention,encoder")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each warm configuration (median reported)")
+    parser.add_argument("--no-preimport", action="store_true",
+                        help="jobs load torch's compiler modules inside the clock (shown as 'of which imports')")
+    parser.add_argument("--frames-off-producer", action="store_true",
+                        help="a second producer, with frames off, also fills the shared cache")
+    parser.add_argument("--json", default=None, help="write all figures here")
+    args = parser.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    from _redis import RedisNode
+
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    console = Console(width=160)
+    job_args = ["--no-preimport"] if args.no_preimport else []
+    work = Path(tempfile.mkdtemp(prefix="ws-bench-warm-start-"))
+    key_file = work / "signing.key"
+    generate_key_pair(key_file, work / "verify.pub")
+    node = RedisNode(work / "redis").start()
+    ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(key_file)}  # Ed25519
+    out: dict = {"machine": MACHINE, "repeats": args.repeats, "preimport": not args.no_preimport,
+                 "frames_off_producer": args.frames_off_producer, "models": {}}
+    try:
+        with console.status("") as status:
+            for model in args.models.split(","):
+                out["models"][model] = bench_model(model, work, ws, job_args,
+                                                   lambda msg: status.update(f"compiling {msg}"), args.repeats,
+                                                   args.frames_off_producer)
+    finally:
+        node.stop()
+
+    tables = []
+    for model, r in out["models"].items():
+        table = Table(title=f"{model}: compile + first step (forward and backward), seconds; warm configurations: "
+                            f"the run with the median total of {args.repeats}", title_justify="left")
+        table.add_column("configuration")
+        table.add_column("total s", justify="right")
+        for _, label in PHASES:
+            table.add_column(label, justify="right")
+        if args.no_preimport:
+            table.add_column("of which imports", justify="right")
+        table.add_column("modules loaded", justify="right")
+        r["breakdown"] = {}
+        for name in CONFIGS:
+            x = median_run(r[name])
+            phases = x["phases"]
+            r["breakdown"][name] = {"compile_s": x["compile_s"], **{k: phases[k] for k, _ in PHASES},
+                                    "compiler_import": phases.get("compiler_import"),
+                                    "modules_loaded": x["modules_loaded"]["during_compile"]}
+            row = [name, f"{x['compile_s']:.2f}", *[f"{phases[k]:.2f}" for k, _ in PHASES]]
+            if args.no_preimport:
+                row.append(f"{phases.get('compiler_import', 0.0):.2f}")
+            row.append(str(x["modules_loaded"]["during_compile"]))
+            table.add_row(*row)
+        tables.append(table)
+
+    producers = "producers with frames on and off" if args.frames_off_producer else "producer with frames on"
+    summary = Table(title=f"summary: compile + first step, seconds, median of {args.repeats}; shared cache filled by "
+                          f"{producers}", title_justify="left")
+    for column in ("model", "local-warm s", "ws frames off s", "ws s", "frames off / local-warm", "ws / local-warm"):
+        summary.add_column(column, justify="left" if column == "model" else "right")
+    summary.add_column("same loss", justify="center")
+    for model, r in out["models"].items():
+        t = {name: statistics.median(x["compile_s"] for x in r[name]) for name in WARM}
+        same = all(x["losses"] == r["cold"][0]["losses"] for name in WARM for x in r[name])
+        r["summary"] = {"seconds": t, "frames_off_over_local_warm": t["warmstart, frames off"] / t["torch local-warm"],
+                        "ws_over_local_warm": t["warmstart"] / t["torch local-warm"], "same_loss": same}
+        summary.add_row(model, *[f"{t[n]:.2f}" for n in WARM],
+                        f"{r['summary']['frames_off_over_local_warm']:.2f}x", f"{r['summary']['ws_over_local_warm']:.2f}x",
+                        "yes" if same else "NO")
+    tables.append(summary)
+    finish(console, tables, out, args.json)
+
+
+if __name__ == "__main__":
+    main()

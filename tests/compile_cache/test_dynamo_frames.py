@@ -1,0 +1,173 @@
+"""Dynamo's output shared through the signed store, with real ``torch.compile`` jobs on brand-new
+"machines": a producer compiles three models and signs its entries into a real redis-server; every
+other machine only verifies (public key), so what one variant compiles never reaches another.
+
+A warm machine must skip Dynamo for frames that qualify and give the producer's results; any change
+a frame depends on (a global, a flag, a builtin, an input's shape or dtype, a module attribute or
+submodule, a torch config, a line of code) must make it trace again, never reuse a stale frame.
+Every job also checks its outputs and gradients against eager PyTorch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "_frames_job.py"
+#: Hang guard for a few small compiles on 2 cores: not a speed check.
+HANG_GUARD_S = 600
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(HANG_GUARD_S)]
+
+
+def _model_dir(root: Path, name: str, edit: tuple[str, str] | None = None) -> Path:
+    directory = root / name
+    directory.mkdir()
+    source = (HERE / "_frames_model.py").read_text()
+    if edit is not None:
+        assert edit[0] in source
+        source = source.replace(*edit)  # one line for another: every other line keeps its number
+    (directory / "frames_model.py").write_text(source)
+    return directory
+
+
+def _job(machine: Path, model_dir: Path, model: str, variant: str = "base", **env_extra: str) -> dict:
+    for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
+        (machine / sub).mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
+    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+               WARMSTART_CACHE_DIR=str(machine / "warmstart"), WARMSTART_RUN_DIR=str(machine / "runs"),
+               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", WARMSTART="1", **env_extra)
+    proc = subprocess.run([sys.executable, str(JOB), str(model_dir), "--model", model, "--variant", variant], env=env,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    result["log"] = [line for line in proc.stderr.splitlines() if "warmstart" in line]
+    return result
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """A redis-server holding the producer's entries for the three models; reader settings."""
+    from _redis import RedisNode
+
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    root = tmp_path_factory.mktemp("frames")
+    generate_key_pair(root / "signing.key", root / "verify.pub")
+    node = RedisNode(root / "redis").start()
+    models = _model_dir(root, "models")
+    producer = {"WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(root / "signing.key")}
+    cold = {model: _job(root / "producer", models, model, **producer) for model in ("net", "broken", "stack")}
+    yield {"root": root, "models": models, "cold": cold,
+           "reader": {"WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(root / "verify.pub")}}
+    node.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _machines(shared_cache, runs: dict[str, tuple]) -> dict[str, dict]:
+    """Run each ``name: (model_dir, model, variant)`` on its own new machine, two at a time."""
+    root = shared_cache["root"]
+
+    def run(item):
+        name, (model_dir, model, variant) = item
+        return name, _job(root / f"machine-{name}", model_dir, model, variant, **shared_cache["reader"])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, runs.items()))
+
+
+def test_the_producer_compiles_and_stores_frames(shared_cache):
+    for model, result in shared_cache["cold"].items():
+        assert result["same"], model
+        assert result["traced"] >= 1 and result["frames_writes"] >= 1, (model, result)
+
+
+def test_a_new_machine_skips_dynamo_and_gives_the_same_results(shared_cache):
+    models = shared_cache["models"]
+    warm = _machines(shared_cache, {model: (models, model, "base") for model in ("net", "stack")})
+    for model, result in warm.items():
+        assert result["same"], model
+        assert result["frames_hits"] >= 1 and result["traced"] == 0, (model, result)
+        assert result["loss"] == shared_cache["cold"][model]["loss"], model  # the producer's kernels, bit for bit
+
+
+def test_a_model_whose_frames_only_partly_qualify(shared_cache):
+    """Before its graph break the frame is packaged; after it, a closure's guard cannot be kept, so
+    that frame is traced again, and only that one."""
+    result = _machines(shared_cache, {"broken": (shared_cache["models"], "broken", "base")})["broken"]
+    assert result["same"]
+    assert result["frames_hits"] >= 1
+    assert result["traced"] == 1
+    assert result["loss"] == shared_cache["cold"]["broken"]["loss"]
+
+
+@pytest.mark.parametrize("variants", [("global", "flag", "builtin", "shape", "dtype", "attribute", "submodule",
+                                       "torch-config")])
+def test_no_stale_frame_when_what_it_reads_changed(shared_cache, variants):
+    results = _machines(shared_cache, {v: (shared_cache["models"], "net", v) for v in variants})
+    for variant, result in results.items():
+        assert result["same"], (variant, result)  # a stale frame would compute the old model
+        assert result["traced"] >= 1, (variant, result)
+
+
+def test_no_stale_frame_when_a_line_of_code_changed(shared_cache):
+    root = shared_cache["root"]
+    forward = _model_dir(root, "forward-edited", ("* self.scale\n", "* self.scale * 2.0\n"))
+    helper = _model_dir(root, "helper-edited", ("return x * SCALE + 1.0", "return x * SCALE - 1.0"))
+    held = _model_dir(root, "held-edited", ("return x * 0.5", "return x * 0.25"))
+    results = _machines(shared_cache, {"forward": (forward, "net", "base"), "helper": (helper, "net", "base"),
+                                       "held": (held, "net", "base")})
+    for name, result in results.items():
+        assert result["same"] and result["traced"] >= 1, (name, result)
+    # The edited forward has another key. The entry is found for an edited global function and for
+    # an edited function the module holds (self.post), and refused in one log line naming it.
+    assert results["forward"]["frames_hits"] == 0
+    for name, function in (("helper", "helper"), ("held", "halve")):
+        assert results[name]["frames_hits"] == 1, results[name]
+        refused = [line for line in results[name]["log"] if "compiled frames of" in line]
+        assert len(refused) == 1 and function in refused[0], results[name]["log"]
+
+
+def test_warmstart_dynamo_0_turns_it_off(shared_cache):
+    root = shared_cache["root"]
+    result = _job(root / "machine-off", shared_cache["models"], "net", WARMSTART_DYNAMO="0", **shared_cache["reader"])
+    assert result["same"]
+    assert result["frames_hits"] == 0 and result["traced"] == 1
+
+
+def test_an_entry_torch_cannot_load_costs_one_warning_and_a_trace(shared_cache, tmp_path):
+    """A signed entry whose contents cannot be installed (here: not a package at all) is a trace."""
+    import pickle
+
+    import redis
+
+    from warmstart.compile_cache import open_store
+    from warmstart.config import Settings
+
+    url = shared_cache["reader"]["WARMSTART_CACHE_URL"]
+    writer = open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_CACHE_DIR":
+                                           str(tmp_path / "writer"), "WARMSTART_KEY_FILE":
+                                           str(shared_cache["root"] / "signing.key")}), persist_stats=False)
+    client = redis.Redis.from_url(url)
+    keys = [name.decode().rsplit(":", 1)[1] for name in client.scan_iter("ws:*:p:dynamo_frames:*")]
+    originals = {key: writer.get("dynamo_frames", key).value for key in keys}
+    assert keys and all(originals.values())
+    try:
+        for key in keys:
+            writer.put("dynamo_frames", key, pickle.dumps({"format": 1, "entry": None, "identities": {}}), sync=True)
+        result = _job(shared_cache["root"] / "machine-damaged", shared_cache["models"], "net", **shared_cache["reader"])
+    finally:
+        for key, value in originals.items():
+            writer.put("dynamo_frames", key, value, sync=True)
+        writer.close()
+    assert result["same"] and result["traced"] == 1 and result["frames_hits"] == 1
+    refused = [line for line in result["log"] if "compiled frames of" in line]
+    assert len(refused) == 1 and "Net.forward" in refused[0], result["log"]

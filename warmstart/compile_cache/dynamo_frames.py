@@ -1,0 +1,654 @@
+"""Dynamo's output through the store: a frame compiled on one machine is neither traced nor guarded
+again on the next.
+
+A warm start that finds every compiled graph in the cache still runs Dynamo: it traces each frame's
+bytecode again and rebuilds its guards, which on a model of many small layers is most of the start.
+torch 2.13 can package what Dynamo produced for a compiled function (``torch._dynamo.package``:
+each frame's transformed bytecode, its serialized guards, and the compiled graphs it calls, bundled
+by AOTAutograd). warmstart stores that package as one entry (kind ``dynamo_frames``), signed and
+verified like every other, and installs it when the function is compiled again.
+
+torch's own switch for this (``TORCH_CACHING_PRECOMPILE=1``) drops the guards it cannot serialize
+(identity checks on modules, functions and closures) from the live process as well, and keys entries
+by a function's name and first line. warmstart never drops a guard:
+
+* A guard torch cannot serialize is kept only when it checks the identity of a *global* object that
+  has the same name in every process: a module, a class, a builtin, or a function reachable from its
+  module by its qualified name (plus the function's code). The entry records that name, and a
+  process installs the entry only if every such global resolves to the same name (and code) there.
+  A frame with any other such guard (the identity of a local object, a dict's version, a weak
+  reference) is not packaged: a new machine traces it, as without warmstart.
+* Entries are keyed by the function (module, qualified name, code), the module's structure
+  (``repr``) when a module is compiled, the backend's options, ``dynamic`` and ``fullgraph``, and
+  torch's Dynamo, AOTAutograd and Inductor configs. torch, Python and the CPU are the store's
+  namespace; torch itself checks at load that the source lines of every function it inlined are
+  unchanged. Guards on shapes, dtypes, globals and attributes are evaluated on every call, as usual.
+* Anything that cannot be loaded is traced, with one log line.
+
+Only ``torch.compile`` with the Inductor backend (the default) is packaged, and not with a
+``guard_filter_fn`` (which drops guards on purpose). ``WARMSTART_DYNAMO=0`` turns this off. With it
+on, AOTAutograd bundles the compiled graphs into its own entries (torch's
+``bundled_autograd_cache``), which packages need: the cache then holds AOTAutograd entries and no
+separate FX graph entries.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import itertools
+import logging
+import pickle
+import re
+import sys
+import threading
+import time
+import types
+import weakref
+from typing import Any
+
+log = logging.getLogger("warmstart.cache")
+
+KIND = "dynamo_frames"
+_FORMAT = 1
+
+#: Guards torch does not serialize that check an object's identity: kept for globals with a name.
+_IDENTITY_GUARDS = frozenset({"ID_MATCH", "MODULE_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "CLOSURE_MATCH"})
+
+_SOURCE_ROOT = re.compile(r"G\['([^']+)'\]")
+_NUMBERED_GLOBAL = re.compile(r"__\w*?_(\d+)$")
+_SOURCE_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']+)'\]")
+
+
+@dataclasses.dataclass
+class _Package:
+    """warmstart's record of one ``CompilePackage`` it made."""
+
+    key: str | None = None
+    label: str = "?"
+    #: (module of the frame, guard source) -> the global's name in every process.
+    identities: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    dirty: bool = False
+    compile_s: float = 0.0
+
+
+_packages: "weakref.WeakKeyDictionary[Any, _Package]" = weakref.WeakKeyDictionary()
+_lock = threading.RLock()
+_compiling = threading.local()  # .state: the _Package of the frame this thread compiles
+_enabled: bool | None = None
+_installed: set[str] = set()  # keys whose frames this process installed
+_stored: dict[str, bytes] = {}  # key -> fingerprint of the frames this process last read or wrote
+
+
+def enabled() -> bool:
+    """Whether this process packages Dynamo's output: warmstart's store is open and
+    ``WARMSTART_DYNAMO`` is not ``0``."""
+    global _enabled
+    from warmstart.compile_cache import get_store
+
+    if get_store() is None:
+        return False
+    if _enabled is None:
+        from warmstart.config import Settings
+
+        try:
+            _enabled = Settings.from_env().dynamo_frames
+        except Exception:  # get_store() already warned about the setting
+            _enabled = False
+    return _enabled
+
+
+def reset() -> None:
+    """Read ``WARMSTART_DYNAMO`` again on next use (tests, and ``warmstart.enable()``)."""
+    global _enabled
+    _enabled = None
+
+
+# -- hooks, installed by torch_hooks -------------------------------------------------------------
+
+def hook_eval_frame(eval_frame: types.ModuleType) -> None:
+    """Compile with a package when ``torch.compile`` is applied to a function that qualifies, and
+    install the stored one first."""
+    original_optimize = eval_frame._optimize
+    original_call = eval_frame._TorchDynamoContext.__call__
+
+    def _optimize(rebuild_ctx, backend="inductor", *args, **kwargs):
+        context = original_optimize(rebuild_ctx, backend, *args, **kwargs)
+        try:
+            backend_id = _backend_id(backend, kwargs)
+            if backend_id is not None and isinstance(context, eval_frame._TorchDynamoContext):
+                context._warmstart_rebuild = (original_optimize, rebuild_ctx, backend, args, kwargs, backend_id)
+        except Exception as exc:
+            _fail_open("Dynamo frames", exc)
+        return context
+
+    def __call__(self, fn):
+        # The package is made here, where the function is known: one that does not qualify (or whose
+        # package cannot be made) is compiled by the context torch made, without any.
+        rebuild = vars(self).pop("_warmstart_rebuild", None)
+        if rebuild is not None:
+            try:
+                packaged = _packaged_context(rebuild, fn)
+            except Exception as exc:
+                _fail_open("Dynamo frames", exc)
+                packaged = None
+            if packaged is not None:
+                return original_call(packaged, fn)
+        return original_call(self, fn)
+
+    _optimize.__wrapped__ = original_optimize  # type: ignore[attr-defined]
+    __call__.__wrapped__ = original_call  # type: ignore[attr-defined]
+    eval_frame._optimize = _optimize
+    eval_frame._TorchDynamoContext.__call__ = __call__
+
+
+def hook_guards(guards: types.ModuleType) -> None:
+    """Serialize the guards of warmstart's packages without dropping any (see the module docstring)."""
+    manager = guards.CheckFunctionManager
+    original = manager.serialize_guards
+
+    def serialize_guards(self, builder, sorted_guards, output_graph):
+        state = getattr(_compiling, "state", None)
+        if state is None:
+            return original(self, builder, sorted_guards, output_graph)
+        package = getattr(output_graph, "package", None)
+        if package is None:  # torch bypassed this frame already (a graph holding parameters)
+            return b""
+        try:
+            found = _global_identities(manager, sorted_guards, builder, package)
+            with _lock:
+                kept = manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+                manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES = ()  # each one checked above
+                try:
+                    data = original(self, builder, sorted_guards, output_graph)
+                finally:
+                    manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES = kept
+            state.identities.update(found)
+            return data
+        except Exception as exc:  # a guard that cannot be kept, or that torch cannot pickle
+            log.debug("warmstart: a frame of %s is not packaged (traced on new machines): %s", state.label, exc)
+        # Not packaged. torch only checks that a guard state exists; a bypassed entry stores none.
+        package.bypass_current_entry()
+        return b""
+
+    serialize_guards.__wrapped__ = original  # type: ignore[attr-defined]
+    manager.serialize_guards = serialize_guards
+
+
+def hook_precompile_context(precompile_context: types.ModuleType) -> None:
+    """Save a package once AOTAutograd has recorded the compiled graphs its frames call (a training
+    graph's backward is compiled at the first backward, after the frame compile returned)."""
+    context = precompile_context.PrecompileContext
+    original = context.record_artifact.__func__
+
+    def record_artifact(cls, artifact) -> None:
+        original(cls, artifact)
+        if _packages:
+            _save_ready()
+
+    record_artifact.__wrapped__ = original  # type: ignore[attr-defined]
+    context.record_artifact = classmethod(record_artifact)
+
+
+def hook_autograd_cache(autograd_cache: types.ModuleType) -> None:
+    """Leave the package's name for a compiled graph out of AOTAutograd's cache key.
+
+    A frame compiled with a package names its graph with a new UUID (``__compiled_fn_1_<uuid>``), and
+    torch hashes that name into the AOTAutograd key: a frame that is not packaged (or a machine
+    that did not load the package) would never find the AOTAutograd entry another machine stored.
+    torch stores the entry without the name and gives it the loader's own on a hit, so the name is
+    not part of what the entry is.
+    """
+    pickler = autograd_cache.AOTAutogradCachePickler
+    original = pickler._reduce_aot_config
+
+    def _reduce_aot_config(self, aot_config):
+        reduce, fields = original(self, aot_config)
+        name = getattr(aot_config, "precompile_backend_id", None)
+        if name is not None and fields and fields[-1] == name:
+            fields = fields[:-1] + (None,)
+        return reduce, fields
+
+    _reduce_aot_config.__wrapped__ = original  # type: ignore[attr-defined]
+    pickler._reduce_aot_config = _reduce_aot_config
+
+
+@contextlib.contextmanager
+def frame_compile(package: Any):
+    """Around one frame's compile (``convert_frame._compile``): count its cost, save when done."""
+    state = _packages.get(package) if package is not None else None
+    if state is None:
+        yield
+        return
+    outer = getattr(_compiling, "state", None)
+    _compiling.state = state
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _compiling.state = outer
+        state.compile_s += time.perf_counter() - start
+        state.dirty = True
+    _save_ready()
+
+
+# -- making and installing packages -----------------------------------------------------------------
+
+def _backend_id(backend: Any, kwargs: dict) -> str | None:
+    """Inductor's options as a stable string; ``None`` when this compile is not packaged: another
+    backend, a ``guard_filter_fn`` (it drops guards on purpose), torch's own precompile, or off."""
+    if kwargs.get("package") is not None or kwargs.get("guard_filter_fn") is not None or not enabled():
+        return None
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.caching_precompile:
+        return None
+    if backend == "inductor":
+        return "inductor"
+    if type(backend).__name__ == "_TorchCompileInductorWrapper":
+        options = sorted((str(k), _stable_repr(v)) for k, v in getattr(backend, "config", {}).items())
+        return f"inductor {options} dynamic={getattr(backend, 'dynamic', None)}"
+    return None
+
+
+def _packaged_context(rebuild: tuple, fn: Any) -> Any:
+    """A context like the one torch made, compiling ``fn`` with a package (installed from the store
+    when it holds a usable one); ``None`` when ``fn`` is not a function with code of its own."""
+    from torch._dynamo.eval_frame import innermost_fn
+    from torch._dynamo.package import CompilePackage
+
+    original_optimize, rebuild_ctx, backend, args, kwargs, backend_id = rebuild
+    fn_key, module = _compiled_function(fn)
+    function = getattr(innermost_fn(fn_key), "__func__", innermost_fn(fn_key))
+    if not isinstance(function, types.FunctionType):
+        return None
+    state = _Package(label=function.__qualname__)
+    state.key = _key(function, module, backend_id, kwargs.get("dynamic"), bool(kwargs.get("nopython")))
+    package = CompilePackage(fn=None, dynamo=None, ignore_inlined_sources=False)
+    if not _load(package, state, fn_key):
+        package.initialize(fn_key, None, ignore_inlined_sources=False)
+    with _lock:
+        _packages[package] = state
+    return original_optimize(rebuild_ctx, backend, *args, **dict(kwargs, package=package))
+
+
+def _compiled_function(fn: Any) -> tuple[Any, Any]:
+    """The function whose frames are packaged, and the module instance when a module is compiled."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module):
+        return fn.forward, fn
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and getattr(fn, "__func__", None) is torch.nn.Module._call_impl:
+        return owner.forward, owner  # Module.compile() compiles _call_impl; Dynamo starts in forward
+    return fn, None
+
+
+def _load(package: Any, state: _Package, fn_key: Any) -> bool:
+    """Install the stored package of ``state.key`` into ``package``; ``False`` (one log line where
+    an entry was found but not used) when there is none or it cannot be used."""
+    from warmstart.compile_cache import get_store
+
+    store = get_store()
+    try:
+        data = store.get(KIND, state.key).value if store is not None else None
+    except Exception as exc:
+        _fail_open("Dynamo frames read", exc)
+        return False
+    if data is None:
+        return False
+    try:
+        stored = pickle.loads(data)  # the store verified the entry's signature
+        if not isinstance(stored, dict) or stored.get("format") != _FORMAT:
+            raise ValueError("an entry of another format")
+        entry, identities = stored["entry"], stored["identities"]
+        changed = _changed_global(identities, entry)
+        if changed is not None:
+            log.warning("warmstart: compiled frames of %s not used: %s; Dynamo traces them", state.label, changed)
+            return False
+        package.initialize(fn_key, entry.dynamo, ignore_inlined_sources=False)
+        if state.key not in _installed:  # another instance of the module installed the same frames
+            from torch._dynamo.precompile_context import PrecompileContext
+
+            for artifact in entry.backends.values():  # so that a later save of this key has them
+                PrecompileContext.record_artifact(artifact)
+            with _keep_other_packages():
+                package.install(entry.backends)
+            _skip_installed_names(entry)
+            _installed.add(state.key)
+        _stored[state.key] = _fingerprint(entry.dynamo.codes)
+        state.identities = dict(identities)
+        return True
+    except Exception as exc:
+        log.warning("warmstart: compiled frames of %s not used (%s: %s); Dynamo traces them", state.label,
+                 type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        _reset(package)
+        return False
+
+
+def _reset(package: Any) -> None:
+    """Make ``package`` fresh again after a failed load (whatever it installed is removed)."""
+    from torch._dynamo.package import CompilePackage
+
+    if package.is_initialized():
+        with contextlib.suppress(Exception):
+            package.uninstall()
+    CompilePackage.__init__(package, None)
+
+
+@contextlib.contextmanager
+def _keep_other_packages():
+    # install() first clears the precompiled entries of the function's code: with regional
+    # compilation several instances of one class share that code, and each installs its own entries
+    # (their guards tell them apart). Clearing would throw away the ones installed before.
+    from torch._C._dynamo import eval_frame as c_eval_frame
+
+    original = c_eval_frame._reset_precompile_entries
+    c_eval_frame._reset_precompile_entries = lambda code: None
+    try:
+        yield
+    finally:
+        c_eval_frame._reset_precompile_entries = original
+
+
+def _skip_installed_names(entry: Any) -> None:
+    # Installing puts globals named by the producer's counter (``__builtins_dict___0``) into the
+    # frames' modules. Dynamo names the globals of a frame it traces later with this process's
+    # counter, starting at 0, and fails on a name that exists: move the counter past them.
+    from torch._dynamo import bytecode_transformation
+
+    highest = -1
+    for module_name in {code.python_module for code in entry.dynamo.codes}:
+        for name in vars(sys.modules.get(module_name, types.ModuleType("_"))):
+            found = _NUMBERED_GLOBAL.match(name)
+            if found:
+                highest = max(highest, int(found.group(1)))
+    counter = bytecode_transformation._unique_id_counter
+    bytecode_transformation._unique_id_counter = itertools.count(max(next(counter), highest + 1))
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+def _save_ready() -> None:
+    """Save every key with new frames whose compiled graphs are all recorded."""
+    with _lock:
+        keys = {s.key for p, s in list(_packages.items()) if s.dirty and s.key is not None}
+    for key in keys:
+        try:
+            _save(key)
+        except Exception as exc:
+            for state in list(_packages.values()):
+                if state.key == key:
+                    state.dirty = False
+            _fail_open("Dynamo frames write", exc)
+
+
+def _save(key: str) -> None:
+    """Store what this process's packages for ``key`` hold, as one entry.
+
+    Several packages share a key when instances of one module class are compiled one by one
+    (regional compilation): each holds the frames it compiled (the first layer's input does not
+    require grad, the next ones' does), and the stored entry must hold them all.
+    """
+    from torch._dynamo.package import PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    from warmstart.compile_cache import get_store
+
+    artifacts = PrecompileContext._backend_artifacts_by_key
+    merged: dict[tuple, Any] = {}
+    seen: set[bytes] = set()
+    identities: dict[tuple[str, str], str] = {}
+    compile_s, saved = 0.0, []
+    with _lock:
+        parts = [(p, s) for p, s in list(_packages.items()) if s.key == key and p.is_initialized()]
+    for package, state in parts:
+        if package._current_entry is not None:
+            continue  # compiling a frame now: saved when that ends
+        codes = package.cache_entry().codes
+        if any(backend not in artifacts for code in codes if not code.bypassed for backend in code.backend_ids):
+            continue  # the backward is compiled at the first backward: saved then
+        for code in codes:
+            _merge(merged, code, seen)
+        identities.update(state.identities)
+        compile_s += state.compile_s
+        saved.append(state)
+    for state in saved:
+        state.dirty = False
+    # A code object without guarded code is stored as not packaged: torch would mark it as one Dynamo
+    # skips, and a new machine must trace it instead.
+    codes = [code if code.guarded_codes or code.bypassed else dataclasses.replace(code, bypassed=True)
+             for code in merged.values()]
+    if not saved or not any(not code.bypassed for code in codes):
+        return
+    fingerprint = _fingerprint(codes)
+    if _stored.get(key) == fingerprint:
+        return  # the store holds these frames already
+    _stored[key] = fingerprint
+    inlined = set().union(*(package.cache_entry().source_info.inlined_sources for package, _ in parts))
+    entry = _DynamoCacheEntry(codes=codes, source_info=SourceInfo(inlined_sources=inlined),
+                              device_type=parts[0][0]._device_type, fn_name=codes[0].python_code.co_qualname,
+                              fn_first_lineno=codes[0].python_code.co_firstlineno)
+    full = PrecompileCacheEntry.from_cache_entry(entry, artifacts)
+    data = pickle.dumps({"format": _FORMAT, "entry": full, "identities": identities}, protocol=pickle.HIGHEST_PROTOCOL)
+    store = get_store()
+    if store is not None:
+        store.put(KIND, key, data, cost_s=compile_s)
+
+
+def _fingerprint(codes: list) -> bytes:
+    """What a set of code entries would install: which codes, bypassed or not, with which guarded code."""
+    h = hashlib.sha256()
+    for code in codes:
+        h.update(repr((_code_ident(code), code.bypassed)).encode())
+        for digest in sorted(_guarded_digest(g) for g in code.guarded_codes):
+            h.update(digest)
+    return h.digest()
+
+
+def _code_ident(code: Any) -> tuple:
+    return (code.python_module, code.code_source, code.install_to_global,
+            tuple(code.function_names) if code.install_to_global else (),
+            code.python_code.co_qualname, code.python_code.co_firstlineno)
+
+
+def _guarded_digest(guarded_code: Any) -> bytes:
+    return hashlib.sha256(guarded_code.guards_state + pickle.dumps(guarded_code.dynamo_code)).digest()
+
+
+def _merge(merged: dict[tuple, Any], code: Any, seen: set[bytes]) -> None:
+    """Add one package's entry for a code object to ``merged`` (an entry per code object)."""
+    ident = _code_ident(code)
+    guarded = []
+    for guarded_code in code.guarded_codes:
+        digest = _guarded_digest(guarded_code)
+        if digest not in seen:
+            seen.add(digest)
+            guarded.append(guarded_code)
+    have = merged.get(ident)
+    if have is None:
+        merged[ident] = dataclasses.replace(code, guarded_codes=guarded, backend_ids=list(code.backend_ids),
+                                            import_sources=dict(code.import_sources),
+                                            function_names=list(code.function_names))
+        return
+    if code.bypassed and not have.bypassed:
+        return
+    if have.bypassed and not code.bypassed:
+        merged[ident] = have = dataclasses.replace(have, bypassed=False, guarded_codes=[], backend_ids=[])
+    have.guarded_codes.extend(guarded)
+    have.backend_ids.extend(b for b in code.backend_ids if b not in have.backend_ids)
+    have.import_sources.update(code.import_sources)
+    have.function_names.extend(n for n in code.function_names if n not in have.function_names)
+    have.has_compile_id = have.has_compile_id or code.has_compile_id
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+def _key(function: types.FunctionType, module: Any, backend_id: str, dynamic: Any, fullgraph: bool) -> str:
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+
+    h = hashlib.sha256()
+    for part in (f"format={_FORMAT}", function.__module__, function.__qualname__, code_digest(function.__code__),
+                 f"{type(module).__module__}.{type(module).__qualname__}\n{module!r}" if module is not None else "",
+                 backend_id, f"dynamic={dynamic} fullgraph={fullgraph}"):
+        h.update(part.encode() + b"\0")
+    for config in (torch._dynamo.config, torch._functorch.config, torch._inductor.config):
+        h.update(_stable_repr(sorted(config.save_config_portable().items())).encode() + b"\0")
+    return h.hexdigest()
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A digest of what a code object does, the same in every process (its file's path left out)."""
+    h = hashlib.sha256()
+    for value in (code.co_qualname, code.co_firstlineno, code.co_argcount, code.co_kwonlyargcount,
+                  code.co_flags, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars):
+        h.update(repr(value).encode() + b"\0")
+    h.update(code.co_code)
+    for const in code.co_consts:
+        h.update((code_digest(const) if isinstance(const, types.CodeType) else _stable_repr(const)).encode() + b"\0")
+    return h.hexdigest()
+
+
+def _stable_repr(value: Any) -> str:
+    # Sets of strings print in hash order, which differs between processes.
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_stable_repr(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())) + "}"
+    return repr(value)
+
+
+# -- identities of globals -------------------------------------------------------------------------
+
+class _NotPackaged(Exception):
+    """A guard of the frame cannot be kept in a package."""
+
+
+def _global_identities(manager: Any, sorted_guards: list, builder: Any, package: Any) -> dict[tuple[str, str], str]:
+    """The names of the globals behind the guards torch does not serialize.
+
+    Raises:
+        _NotPackaged: one of those guards is not an identity check on a global with a name.
+    """
+    unsupported = manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    module_name = package._current_entry.python_module
+    found: dict[tuple[str, str], str] = {}
+    for guard in sorted_guards:
+        kind = guard.create_fn_name()
+        if kind in ("TYPE_MATCH", "BUILTIN_MATCH"):
+            continue  # torch serializes these itself, or refuses (then the frame is not packaged)
+        derived = [t for t in (guard.guard_types or ()) if t in unsupported]
+        if kind not in unsupported and not derived:
+            continue
+        if kind not in _IDENTITY_GUARDS or any(t not in _IDENTITY_GUARDS for t in derived):
+            raise _NotPackaged(f"{kind} guard on {guard.name}")
+        # torch rebuilds the guard at load from the object the source names there: a global of the
+        # frame's module, or for a local (``self.activation``) what its pickled value names (pickle
+        # stores functions, classes and builtins by name). Either way the object must have a name.
+        identity = global_identity(builder.get(guard))
+        if identity is None:
+            raise _NotPackaged(f"{kind} guard on {guard.name}, which has no name in other processes")
+        found[(module_name, guard.name)] = identity
+    return found
+
+
+def global_identity(obj: Any) -> str | None:
+    """What ``obj`` is called in every process: ``module NAME``, ``class M:Q``, ``builtin M:Q`` or
+    ``function M:Q:<code digest>``; ``None`` when it has no such name (a local or nested function,
+    a closure, an instance, an object its name does not lead back to)."""
+    if isinstance(obj, types.ModuleType):
+        return f"module {obj.__name__}" if sys.modules.get(obj.__name__) is obj else None
+    if isinstance(obj, type):
+        kind = "class"
+    elif isinstance(obj, types.FunctionType):
+        if obj.__closure__:
+            return None
+        kind = "function"
+    elif isinstance(obj, types.BuiltinFunctionType):
+        kind = "builtin"
+    else:
+        return None
+    module_name, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not isinstance(module_name, str) or not isinstance(qualname, str) or "<" in qualname:
+        return None
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except Exception:
+        return None
+    if found is not obj:
+        return None
+    if kind == "function":
+        return f"function {module_name}:{qualname}:{code_digest(obj.__code__)}"
+    return f"{kind} {module_name}:{qualname}"
+
+
+def _changed_global(identities: dict[tuple[str, str], str], entry: Any) -> str | None:
+    """The first recorded global that is not what it was when the entry was made, as a phrase."""
+    aliases = {alias: name for code in entry.dynamo.codes for alias, name in code.import_sources.items()}
+    for (module_name, source), expected in identities.items():
+        module = sys.modules.get(module_name)
+        if module is None:
+            return f"module {module_name} is not imported"
+        try:
+            if source.startswith("G["):
+                found = global_identity(_resolve(source, vars(module), aliases))
+            else:
+                found = global_identity(_named(expected))
+        except Exception:
+            found = None
+        if found != expected:
+            return f"{source} in {module_name} is {found or 'something else'}, was {expected}"
+    return None
+
+
+def _named(identity: str) -> Any:
+    """The object an identity (see :func:`global_identity`) names in this process."""
+    kind, _, rest = identity.partition(" ")
+    if kind == "module":
+        return importlib.import_module(rest)
+    module_name, qualname = rest.split(":")[:2]
+    found: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _resolve(source: str, scope: dict, aliases: dict[str, str]) -> Any:
+    """The object a guard's global source (``G['torch'].nn.functional``) names in ``scope``."""
+    root = _SOURCE_ROOT.match(source)
+    if root is None:
+        raise ValueError(f"not a global source: {source}")
+    name = root.group(1)
+    if name in scope:
+        obj = scope[name]
+    elif name in aliases:  # Dynamo's import aliases, installed with the package
+        obj = importlib.import_module(aliases[name])
+    elif name.startswith("__builtins_dict__"):
+        obj = builtins.__dict__
+    else:
+        raise KeyError(name)
+    rest = source[root.end():]
+    while rest:
+        step = _SOURCE_STEP.match(rest)
+        if step is None:
+            raise ValueError(f"cannot follow {rest!r}")
+        obj = getattr(obj, step.group(1)) if step.group(1) else obj[step.group(2)]
+        rest = rest[step.end():]
+    return obj
+
+
+def _fail_open(where: str, exc: BaseException) -> None:
+    from warmstart.compile_cache import torch_hooks
+
+    torch_hooks._fail_open(where, exc)
+
+
