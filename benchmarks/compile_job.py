@@ -311,6 +311,7 @@ def main() -> None:
               "phases": torch_phases(compile_s, None if import_clock is None else import_clock.seconds),
               "modules_loaded": {"before": modules_before, "after": modules_after,
                                  "during_compile": modules_after - modules_before}}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when run with runpy.run_path
     from _new_machine import store_figures
 
     result.update(store_figures())

@@ -7,20 +7,18 @@ configuration, each on a brand-new "machine" unless said otherwise:
   loaded), the shared cache filled by a producer machine;
 * ``warmstart``: warmstart with its default settings, the same shared cache.
 
-The producer (another new machine) fills the shared cache once per model with default settings.
-With frames on, AOTAutograd bundles the compiled graphs into its own entries (torch's
-``bundled_autograd_cache``, part of its cache keys), so a frames-off machine finds no AOTAutograd or
-FX graph entry of that producer, only the C++ objects: ``warmstart, frames off`` is then a mixed
-fleet. ``--frames-off-producer`` adds a second producer with frames off, to measure frames off
-against a cache filled the same way.
+Two producers (new machines) fill the shared cache once per model, one with default settings and
+one with frames off: with frames on, AOTAutograd bundles the compiled graphs into its own entries
+(torch's ``bundled_autograd_cache``, part of its cache keys), so each configuration finds what a
+fleet of its own setting would have stored.
 Phases come from torch's ``dynamo_timed`` timers (see ``torch_phases`` in ``compile_job.py``): Dynamo
 tracing, guard building, the backend (AOTAutograd and Inductor: on a warm start, cache lookups and
 loads), frames loaded from a precompile package, and the rest (the first forward and backward).
 Warm configurations run ``--repeats`` times, interleaved; a table row is the run with the median
 total, so its phases add up. Usage::
 
-    python benchmarks/warm_start.py [--models mlp,conv,attention,encoder] [--repeats 3] [--frames-off-producer]
-                                    [--no-preimport] [--json FILE]
+    python benchmarks/warm_start.py [--models mlp,conv,attention,encoder] [--repeats 3] [--no-preimport]
+                                    [--json FILE]
 """
 
 from __future__ import annotations
@@ -50,17 +48,15 @@ def run(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> 
     return job_result(proc.stdout)
 
 
-def bench_model(model: str, work: Path, ws: dict[str, str], job_args: list[str], progress, repeats: int,
-                frames_off_producer: bool) -> dict:
+def bench_model(model: str, work: Path, ws: dict[str, str], job_args: list[str], progress, repeats: int) -> dict:
     frames_off = {**ws, "WARMSTART_DYNAMO": "0"}
     results: dict = {}
     progress(f"{model}: cold")
     results["cold"] = [run(work / f"{model}-cold", model, {}, job_args)]
     progress(f"{model}: producer fills the shared cache (another new machine)")
     results["producer"] = [run(work / f"{model}-producer", model, ws, job_args)]
-    if frames_off_producer:
-        progress(f"{model}: producer with frames off (another new machine)")
-        results["producer, frames off"] = [run(work / f"{model}-producer-frames-off", model, frames_off, job_args)]
+    progress(f"{model}: producer with frames off (another new machine)")
+    results["producer, frames off"] = [run(work / f"{model}-producer-frames-off", model, frames_off, job_args)]
     warm = {
         "torch local-warm": lambda r: run(work / f"{model}-cold", model, {}, job_args),
         "warmstart, frames off": lambda r: run(work / f"{model}-frames-off{r}", model, frames_off, job_args),
@@ -86,8 +82,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each warm configuration (median reported)")
     parser.add_argument("--no-preimport", action="store_true",
                         help="jobs load torch's compiler modules inside the clock (shown as 'of which imports')")
-    parser.add_argument("--frames-off-producer", action="store_true",
-                        help="a second producer, with frames off, also fills the shared cache")
     parser.add_argument("--json", default=None, help="write all figures here")
     args = parser.parse_args()
     from rich.console import Console
@@ -104,14 +98,12 @@ def main() -> None:
     generate_key_pair(key_file, work / "verify.pub")
     node = RedisNode(work / "redis").start()
     ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(key_file)}  # Ed25519
-    out: dict = {"machine": MACHINE, "repeats": args.repeats, "preimport": not args.no_preimport,
-                 "frames_off_producer": args.frames_off_producer, "models": {}}
+    out: dict = {"machine": MACHINE, "repeats": args.repeats, "preimport": not args.no_preimport, "models": {}}
     try:
         with console.status("") as status:
             for model in args.models.split(","):
                 out["models"][model] = bench_model(model, work, ws, job_args,
-                                                   lambda msg: status.update(f"compiling {msg}"), args.repeats,
-                                                   args.frames_off_producer)
+                                                   lambda msg: status.update(f"compiling {msg}"), args.repeats)
     finally:
         node.stop()
 
@@ -140,9 +132,8 @@ def main() -> None:
             table.add_row(*row)
         tables.append(table)
 
-    producers = "producers with frames on and off" if args.frames_off_producer else "producer with frames on"
     summary = Table(title=f"summary: compile + first step, seconds, median of {args.repeats}; shared cache filled by "
-                          f"{producers}", title_justify="left")
+                          "producers with frames on and off", title_justify="left")
     for column in ("model", "local-warm s", "ws frames off s", "ws s", "frames off / local-warm", "ws / local-warm"):
         summary.add_column(column, justify="left" if column == "model" else "right")
     summary.add_column("same loss", justify="center")

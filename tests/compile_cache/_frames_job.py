@@ -62,7 +62,7 @@ def main() -> None:
     from torch._dynamo.utils import counters
 
     result = {"same": bool(same), "loss": float(out.detach().double().pow(2).sum()), "traced": counters["stats"].get("unique_graphs", 0), "frames_hits": 0,
-              "frames_misses": 0, "frames_writes": 0}
+              "frames_misses": 0, "frames_writes": 0, "frames_rejected": 0}
     from warmstart.compile_cache import get_store
 
     store = get_store()
@@ -73,6 +73,7 @@ def main() -> None:
             result["frames_hits"] += kind.get("hits", 0)
             result["frames_misses"] += kind.get("misses", 0)
             result["frames_writes"] += kind.get("writes", 0)
+            result["frames_rejected"] += kind.get("rejected", 0)
     print("RESULT " + json.dumps(result), flush=True)
 
 

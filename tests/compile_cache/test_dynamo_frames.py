@@ -143,6 +143,26 @@ def test_warmstart_dynamo_0_turns_it_off(shared_cache):
     assert result["frames_hits"] == 0 and result["traced"] == 1
 
 
+def test_a_flipped_byte_is_rejected_and_the_frames_traced(shared_cache):
+    import redis
+
+    client = redis.Redis.from_url(shared_cache["reader"]["WARMSTART_CACHE_URL"])
+    originals = {key: client.get(key) for key in client.scan_iter("ws:*:p:dynamo_frames:*")}
+    assert originals
+    try:
+        for key, value in originals.items():
+            broken = bytearray(value)
+            broken[-3] ^= 0x20
+            client.set(key, bytes(broken))
+        result = _job(shared_cache["root"] / "machine-flipped", shared_cache["models"], "net", **shared_cache["reader"])
+    finally:
+        for key, value in originals.items():
+            client.set(key, value)
+    assert result["same"] and result["traced"] == 1
+    assert result["frames_hits"] == 0 and result["frames_rejected"] >= 1
+    assert result["loss"] == shared_cache["cold"]["net"]["loss"]
+
+
 def test_an_entry_torch_cannot_load_costs_one_warning_and_a_trace(shared_cache, tmp_path):
     """A signed entry whose contents cannot be installed (here: not a package at all) is a trace."""
     import pickle

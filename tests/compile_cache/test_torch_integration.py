@@ -1,6 +1,10 @@
 """Real torch.compile jobs in subprocesses, each on a "new machine" (fresh HOME, TMPDIR and cache
 directories), sharing a real redis-server. Compiled models are shared: one producer fills the cache
-and the consumers reuse it."""
+and the consumers reuse it.
+
+These jobs run with ``WARMSTART_DYNAMO=0``: they check the artifacts torch stores itself (FX graphs,
+AOTAutograd entries, C++ objects) one by one, which a job with Dynamo frames on never looks up when
+the frames load. ``test_dynamo_frames.py`` covers the default."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ def run_job(tmp: Path, *models: str, url: str | None = None, secret: str | None 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
     env.update(HOME=str(tmp / "home"), TMPDIR=str(tmp / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
                TRITON_CACHE_DIR=str(tmp / "triton"), WARMSTART_CACHE_DIR=str(tmp / "warmstart"),
-               WARMSTART_RUN_DIR=str(tmp / "runs"),
+               WARMSTART_RUN_DIR=str(tmp / "runs"), WARMSTART_DYNAMO="0",
                TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1",
                TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1" if pch else "0")
     (tmp / "tmp").mkdir(exist_ok=True)
@@ -169,7 +173,6 @@ def test_server_killed_mid_job_costs_one_failed_call(redis_node, tmp_path, share
 
 @pytest.mark.slow
 def test_eight_processes_compile_at_once_against_an_empty_cache(redis_node, tmp_path):
-    env = dict(os.environ)
     procs = []
     for i in range(8):
         machine = tmp_path / f"m{i}"
@@ -245,8 +248,9 @@ print("RESULT " + json.dumps({"ok": outs, "calls": calls}))
 
 
 def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
-    """Defence in depth: if warmstart's store raises inside torch's path (remote-cache get/put, the C++
-    build, the vector-ISA probe, the recompile counter), torch does what it does without warmstart."""
+    """Defence in depth: if warmstart's store raises inside torch's path (Dynamo frames, remote-cache
+    get/put, the C++ build, the vector-ISA probe, the recompile counter), torch does what it does
+    without warmstart. Dynamo frames on (the default), unlike the other tests here."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
     for name in ("home", "tmp"):
         (tmp_path / name).mkdir()
@@ -260,9 +264,10 @@ def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
     result = json.loads(line[len("RESULT "):])
     assert result["ok"] == [True, True]
     calls = result["calls"]
-    for kind in ("fx_graph", "aot_autograd", "cpp_object", "isa_probe"):
+    for kind in ("dynamo_frames", "aot_autograd", "cpp_object", "isa_probe"):
         assert calls.get(f"get:{kind}", 0) >= 1, calls  # every hook ran and met the broken store
-    assert calls.get("put:fx_graph", 0) >= 1, calls  # a C++ object whose lookup failed is built as torch builds it
+    # a C++ object whose lookup failed is built as torch builds it; graphs are bundled into AOTAutograd's entries
+    assert calls.get("put:aot_autograd", 0) >= 1 and calls.get("put:dynamo_frames", 0) >= 1, calls
     assert calls.get("bump", 0) >= 1, calls
     assert proc.stderr.count("failed (RuntimeError: store down); torch compiles without the cache") == 1, \
         proc.stderr[-3000:]  # one warning for the process, not one per lookup

@@ -293,6 +293,8 @@ def _job_env(name: str, root: Path, tmp_root: Path, run_dir: Path, bench_id: str
     if server is not None:
         env.update({"WARMSTART": "1", "WARMSTART_CACHE_URL": server.writer_url,
                     "WARMSTART_KEY_FILE": server.signing_key_file, "WARMSTART_NAMESPACE": f"bench-{bench_id}"})
+        if "WARMSTART_DYNAMO" in os.environ:  # the one setting the caller chooses: compiled frames on or off
+            env["WARMSTART_DYNAMO"] = os.environ["WARMSTART_DYNAMO"]
     return env
 
 
