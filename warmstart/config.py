@@ -439,18 +439,29 @@ class Settings:
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
         compile_wait_s = _env_seconds(env, "WARMSTART_COMPILE_WAIT_S", _defaults.COMPILE_WAIT_S, zero_ok=True,
                                       accepted="seconds, a number >= 0 (0 turns waiting off)")
-        dynamo_raw = env.get("WARMSTART_DYNAMO", "").strip()
-        if dynamo_raw not in ("", "0", "1"):
-            raise ConfigError("WARMSTART_DYNAMO", env["WARMSTART_DYNAMO"], "1 or unset (on), 0 (off)")
+        dynamo_frames = dynamo_frames_setting(env)
         job = job_identity(env)
         values: dict[str, object] = dict(
             enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",
             cache_size=cache_size,
             mode=mode, secret=secret, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s, job=job,
-            dynamo_frames=dynamo_raw != "0",
+            dynamo_frames=dynamo_frames,
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def dynamo_frames_setting(env: Mapping[str, str]) -> bool:
+    """``WARMSTART_DYNAMO``: whether Dynamo's output is shared (the default), read on its own for the
+    hook that needs only it (``Settings.from_env`` also checks the key file and the URL).
+
+    Raises:
+        ConfigError: a value other than ``1``, ``0`` or empty.
+    """
+    raw = env.get("WARMSTART_DYNAMO", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError("WARMSTART_DYNAMO", env["WARMSTART_DYNAMO"], "1 or unset (on), 0 (off)")
+    return raw != "0"
 
 
 def _read_secret(env: Mapping[str, str]) -> bytes | None:

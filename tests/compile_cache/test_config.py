@@ -47,6 +47,7 @@ def test_sizes(text, expected):
     ({"WARMSTART": "yes"}, "WARMSTART"),
     ({"WARMSTART_SECRET_FILE": "/nonexistent/secret"}, "WARMSTART_SECRET_FILE"),
     ({"WARMSTART_NAMESPACE": "a b"}, "WARMSTART_NAMESPACE"),
+    ({"WARMSTART_DYNAMO": "off"}, "WARMSTART_DYNAMO"),
 ])
 def test_bad_values_name_variable_value_and_what_is_accepted(env, variable):
     with pytest.raises(ConfigError) as info:
@@ -124,6 +125,12 @@ def test_enable_environment_sets_the_variables_of_given_arguments(tmp_path):
     assert (env["WARMSTART_NAMESPACE"], env["WARMSTART_SECRET"], env["WARMSTART_JOB_ID"]) == ("team-a", "s3", "run-7")
     assert env["WARMSTART_CACHE_MODE"] == "ro"  # None: the environment's value stays
     assert base == {"HOME": "/home/u", "WARMSTART_NAMESPACE": "from-env", "WARMSTART_CACHE_MODE": "ro"}
+
+
+@pytest.mark.parametrize("raw,on", [("", True), ("1", True), ("0", False), (" 0 ", False)])
+def test_dynamo_frames_switch(raw, on):
+    assert Settings.from_env({"WARMSTART_DYNAMO": raw}).dynamo_frames is on
+    assert enable_environment({}, dynamo=int(on))["WARMSTART_DYNAMO"] == str(int(on))
 
 
 def test_every_enable_argument_has_a_variable():

@@ -45,8 +45,10 @@ def _job(machine: Path, model_dir: Path, model: str, variant: str = "base", **en
     env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
                WARMSTART_CACHE_DIR=str(machine / "warmstart"), WARMSTART_RUN_DIR=str(machine / "runs"),
                TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", WARMSTART="1", **env_extra)
+    # Each machine works in a directory of its own (torch's configs hold paths such as the working
+    # directory's: they must not be part of the key).
     proc = subprocess.run([sys.executable, str(JOB), str(model_dir), "--model", model, "--variant", variant], env=env,
-                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=machine)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     result["log"] = [line for line in proc.stderr.splitlines() if "warmstart" in line]

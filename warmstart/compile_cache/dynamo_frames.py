@@ -26,7 +26,8 @@ by a function's name and first line. warmstart never drops a guard:
 * Anything that cannot be loaded is traced, with one log line.
 
 Only ``torch.compile`` with the Inductor backend (the default) is packaged, and not with a
-``guard_filter_fn`` (which drops guards on purpose). ``WARMSTART_DYNAMO=0`` turns this off. With it
+``guard_filter_fn`` (which drops guards on purpose) or CUDA graphs from ``mode="reduce-overhead"``
+(torch would load the graphs without them). ``WARMSTART_DYNAMO=0`` turns this off. With it
 on, AOTAutograd bundles the compiled graphs into its own entries (torch's
 ``bundled_autograd_cache``), which packages need: the cache then holds AOTAutograd entries and no
 separate FX graph entries.
@@ -41,6 +42,7 @@ import hashlib
 import importlib
 import itertools
 import logging
+import os
 import pickle
 import re
 import sys
@@ -92,10 +94,10 @@ def enabled() -> bool:
     if get_store() is None:
         return False
     if _enabled is None:
-        from warmstart.config import Settings
+        from warmstart.config import dynamo_frames_setting
 
         try:
-            _enabled = Settings.from_env().dynamo_frames
+            _enabled = dynamo_frames_setting(os.environ)
         except Exception:  # get_store() already warned about the setting
             _enabled = False
     return _enabled
@@ -249,7 +251,10 @@ def _backend_id(backend: Any, kwargs: dict) -> str | None:
     if backend == "inductor":
         return "inductor"
     if type(backend).__name__ == "_TorchCompileInductorWrapper":
-        options = sorted((str(k), _stable_repr(v)) for k, v in getattr(backend, "config", {}).items())
+        config = getattr(backend, "config", {})
+        if config.get("triton.cudagraphs"):
+            return None  # torch loads a packaged graph with the global CUDA-graphs flag, not the mode's
+        options = sorted((str(k), _stable_repr(v)) for k, v in config.items())
         return f"inductor {options} dynamic={getattr(backend, 'dynamic', None)}"
     return None
 
@@ -498,7 +503,11 @@ def _key(function: types.FunctionType, module: Any, backend_id: str, dynamic: An
                  backend_id, f"dynamic={dynamic} fullgraph={fullgraph}"):
         h.update(part.encode() + b"\0")
     for config in (torch._dynamo.config, torch._functorch.config, torch._inductor.config):
-        h.update(_stable_repr(sorted(config.save_config_portable().items())).encode() + b"\0")
+        # Paths (where torch is installed, where debug output goes: the working directory) are this
+        # machine's and change nothing Dynamo or Inductor produce.
+        settings = sorted((k, v) for k, v in config.save_config_portable().items()
+                          if not (isinstance(v, str) and os.path.isabs(v)))
+        h.update(_stable_repr(settings).encode() + b"\0")
     return h.hexdigest()
 
 

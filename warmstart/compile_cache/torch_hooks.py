@@ -112,10 +112,10 @@ def configure_environment(environ: MutableMapping[str, str], job_id: str | None 
 
 
 def _dynamo_frames_on(environ: MutableMapping[str, str]) -> bool:
-    from warmstart.config import Settings
+    from warmstart.config import dynamo_frames_setting
 
     try:
-        return Settings.from_env(environ).dynamo_frames
+        return dynamo_frames_setting(environ)
     except Exception:  # the store reports a bad setting, and is off
         return False
 
