@@ -267,7 +267,8 @@ def _packaged_context(rebuild: tuple, fn: Any) -> Any:
 
     original_optimize, rebuild_ctx, backend, args, kwargs, backend_id = rebuild
     fn_key, module = _compiled_function(fn)
-    function = getattr(innermost_fn(fn_key), "__func__", innermost_fn(fn_key))
+    innermost = innermost_fn(fn_key)
+    function = getattr(innermost, "__func__", innermost)
     if not isinstance(function, types.FunctionType):
         return None
     state = _Package(label=function.__qualname__)
@@ -407,17 +408,20 @@ def _save(key: str) -> None:
     merged: dict[tuple, Any] = {}
     seen: set[bytes] = set()
     identities: dict[tuple[str, str], str] = {}
-    compile_s, saved = 0.0, []
+    inlined: set = set()
+    compile_s, saved, device_type = 0.0, [], "cpu"
     with _lock:
         parts = [(p, s) for p, s in list(_packages.items()) if s.key == key and p.is_initialized()]
     for package, state in parts:
         if package._current_entry is not None:
             continue  # compiling a frame now: saved when that ends
-        codes = package.cache_entry().codes
-        if any(backend not in artifacts for code in codes if not code.bypassed for backend in code.backend_ids):
+        entry = package.cache_entry()
+        if any(backend not in artifacts for code in entry.codes if not code.bypassed for backend in code.backend_ids):
             continue  # the backward is compiled at the first backward: saved then
-        for code in codes:
+        for code in entry.codes:
             _merge(merged, code, seen)
+        inlined |= entry.source_info.inlined_sources
+        device_type = entry.device_type
         identities.update(state.identities)
         compile_s += state.compile_s
         saved.append(state)
@@ -432,13 +436,12 @@ def _save(key: str) -> None:
     fingerprint = _fingerprint(codes)
     if _stored.get(key) == fingerprint:
         return  # the store holds these frames already
-    _stored[key] = fingerprint
-    inlined = set().union(*(package.cache_entry().source_info.inlined_sources for package, _ in parts))
-    entry = _DynamoCacheEntry(codes=codes, source_info=SourceInfo(inlined_sources=inlined),
-                              device_type=parts[0][0]._device_type, fn_name=codes[0].python_code.co_qualname,
+    entry = _DynamoCacheEntry(codes=codes, source_info=SourceInfo(inlined_sources=inlined), device_type=device_type,
+                              fn_name=codes[0].python_code.co_qualname,
                               fn_first_lineno=codes[0].python_code.co_firstlineno)
     full = PrecompileCacheEntry.from_cache_entry(entry, artifacts)
     data = pickle.dumps({"format": _FORMAT, "entry": full, "identities": identities}, protocol=pickle.HIGHEST_PROTOCOL)
+    _stored[key] = fingerprint
     store = get_store()
     if store is not None:
         store.put(KIND, key, data, cost_s=compile_s)
