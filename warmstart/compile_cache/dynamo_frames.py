@@ -336,13 +336,30 @@ def _load(package: Any, state: _Package, fn_key: Any) -> bool:
 
 
 def _reset(package: Any) -> None:
-    """Make ``package`` fresh again after a failed load (whatever it installed is removed)."""
-    from torch._dynamo.package import CompilePackage
+    """Make ``package`` fresh again after a failed load: the precompiled entries it may have put on
+    code objects are removed, so Dynamo traces those frames.
 
-    if package.is_initialized():
-        with contextlib.suppress(Exception):
-            package.uninstall()
+    Not ``package.uninstall()``: it removes the globals the package installed (compiled graphs,
+    resume functions) but clears the entries of the function's own code only, so an entry installed
+    on another code object (a resume function, a helper) could be left calling a global that is
+    gone. Globals left behind are unused names; entries of other packages on the same code go too
+    (those frames are traced).
+    """
+    from torch._C._dynamo.eval_frame import _reset_precompile_entries
+    from torch._dynamo.package import CompilePackage, _lookup_code
+
+    for code, entry in list(getattr(package, "_codes", {}).items()):
+        for target in {code, _lookup_or(code, entry, _lookup_code)}:
+            with contextlib.suppress(Exception):
+                _reset_precompile_entries(target)
     CompilePackage.__init__(package, None)
+
+
+def _lookup_or(code: Any, entry: Any, lookup: Any) -> Any:
+    try:
+        return lookup(entry) if entry.code_source else code
+    except Exception:
+        return code
 
 
 @contextlib.contextmanager
