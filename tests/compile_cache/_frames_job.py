@@ -3,8 +3,13 @@ what ``--variant`` says, compile ``--model`` with ``torch.compile``, run forward
 print one JSON line: whether outputs and gradients equal eager PyTorch's, how many graphs Dynamo
 traced, and the store's ``dynamo_frames`` counts.
 
-    python _frames_job.py MODEL_DIR --model net|broken --variant base|global|flag|builtin|shape|dtype|
-        attribute|submodule|torch-config|regional
+    python _frames_job.py MODEL_DIR --model net|broken|stack|callee --variant base|global|flag|builtin|shape|dtype|
+        attribute|submodule|torch-config|threads|taken
+
+``threads`` (with ``stack``): another thread compiles a second instance of the model while this one
+holds Dynamo's compile lock, as a thread tracing a frame would; the JSON says whether installing the
+stored frames waited for it. ``taken`` (with ``broken``): ``Twin`` is compiled and run first, so its
+resume function holds the name the producer gave Broken's; both must still compute what they should.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import copy
 import json
 import sys
+import threading
 
 import torch
 from torch import nn
@@ -28,7 +34,8 @@ def main() -> None:
     import frames_model
 
     torch.manual_seed(0)
-    model = {"net": frames_model.Net, "broken": frames_model.Broken, "stack": frames_model.Stack}[args.model]()
+    model = {"net": frames_model.Net, "broken": frames_model.Broken, "stack": frames_model.Stack,
+             "callee": frames_model.Callee}[args.model]()
     x = torch.randn(12 if args.variant == "shape" else 8, 16)
     variant = args.variant
     if variant == "global":
@@ -45,6 +52,15 @@ def main() -> None:
         model.act = nn.GELU()
     elif variant == "torch-config":
         torch._inductor.config.max_fusion_size = 7
+    extra: dict = {}
+    others = []  # (compiled, eager) of other modules this variant runs
+    if variant == "threads":
+        extra["install_waited"] = _install_waits_for_dynamo(frames_model, x, others)
+    elif variant == "taken":
+        twin = frames_model.Twin()
+        twin_eager = copy.deepcopy(twin)
+        others.append((torch.compile(twin), twin_eager))
+        _same(*others[-1], x)  # traced here: its frames now call this process's resume function
     eager = copy.deepcopy(model)
     if args.model == "stack":
         for layer in model.layers:  # regional: each layer compiled on its own
@@ -53,16 +69,11 @@ def main() -> None:
     else:
         compiled = torch.compile(model)
     out = compiled(x)
-    out.pow(2).mean().backward()
-    expected = eager(x)
-    expected.pow(2).mean().backward()
-    same = torch.allclose(out, expected, atol=1e-5, rtol=1e-5) and all(
-        torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5)
-        for a, b in zip(model.parameters(), eager.parameters()))
+    same = _same(compiled, eager, x, out) and all(_same(c, e, x) for c, e in others)
     from torch._dynamo.utils import counters
 
     result = {"same": bool(same), "loss": float(out.detach().double().pow(2).sum()), "traced": counters["stats"].get("unique_graphs", 0), "frames_hits": 0,
-              "frames_misses": 0, "frames_writes": 0, "frames_rejected": 0}
+              "frames_misses": 0, "frames_writes": 0, "frames_rejected": 0, **extra}
     from warmstart.compile_cache import get_store
 
     store = get_store()
@@ -75,6 +86,39 @@ def main() -> None:
             result["frames_writes"] += kind.get("writes", 0)
             result["frames_rejected"] += kind.get("rejected", 0)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _same(compiled, eager: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """Whether the compiled module's output and gradients equal eager PyTorch's on ``x``."""
+    out = compiled(x) if out is None else out
+    out.pow(2).mean().backward()
+    expected = eager(x)
+    expected.pow(2).mean().backward()
+    model = compiled._orig_mod if hasattr(compiled, "_orig_mod") else compiled
+    return torch.allclose(out, expected, atol=1e-5, rtol=1e-5) and all(
+        torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5) for a, b in zip(model.parameters(), eager.parameters()))
+
+
+def _install_waits_for_dynamo(frames_model, x: torch.Tensor, others: list) -> bool:
+    """Whether another thread's ``layer.compile()`` (which installs the stored frames) waits while
+    this thread holds Dynamo's compile lock."""
+    from torch._dynamo import convert_frame
+
+    other = frames_model.Stack()  # the same layers: the same keys
+    others.append((other, copy.deepcopy(other)))
+    done = threading.Event()
+
+    def compile_other():
+        for layer in other.layers:
+            layer.compile()
+        done.set()
+
+    worker = threading.Thread(target=compile_other)
+    with convert_frame.compile_lock:
+        worker.start()
+        waited = not done.wait(3.0)
+    worker.join()
+    return waited
 
 
 if __name__ == "__main__":

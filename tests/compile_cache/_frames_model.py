@@ -74,3 +74,33 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x.sum(1, keepdim=True)
+
+
+class Twin(nn.Module):
+    """Broken's layout with another ending: traced first, its resume function gets the name the
+    producer gave Broken's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(scaled(y)) * 2.0
+
+
+STEP = lambda x: (torch._dynamo.graph_break(), torch.cos(x))[1]  # noqa: E731  (no name leads to it)
+
+
+class Callee(nn.Module):
+    """Calls a function that graph-breaks and that no qualified name leads to: Dynamo compiles that
+    function's frame on its own, and torch cannot record where to find it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.lin(STEP(x * 2.0))

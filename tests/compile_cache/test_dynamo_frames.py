@@ -1,5 +1,5 @@
 """Dynamo's output shared through the signed store, with real ``torch.compile`` jobs on brand-new
-"machines": a producer compiles three models and signs its entries into a real redis-server; every
+"machines": a producer compiles four models and signs its entries into a real redis-server; every
 other machine only verifies (public key), so what one variant compiles never reaches another.
 
 A warm machine must skip Dynamo for frames that qualify and give the producer's results; any change
@@ -23,6 +23,9 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "_frames_job.py"
 #: Hang guard for a few small compiles on 2 cores: not a speed check.
 HANG_GUARD_S = 600
+#: What the producer compiles: a whole model, one with a graph break, one compiled layer by layer, one
+#: calling a function Dynamo compiles on its own but cannot name.
+MODELS = ("net", "broken", "stack", "callee")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(HANG_GUARD_S)]
 
@@ -57,7 +60,7 @@ def _job(machine: Path, model_dir: Path, model: str, variant: str = "base", **en
 
 @pytest.fixture(scope="module")
 def shared_cache(tmp_path_factory):
-    """A redis-server holding the producer's entries for the three models; reader settings."""
+    """A redis-server holding the producer's entries for the models; reader settings."""
     from _redis import RedisNode
 
     from warmstart.compile_cache.signing import generate_key_pair
@@ -68,8 +71,7 @@ def shared_cache(tmp_path_factory):
     models = _model_dir(root, "models")
     producer = {"WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(root / "signing.key")}
     with ThreadPoolExecutor(max_workers=2) as pool:  # one machine, two jobs at a time: the cold compiles dominate
-        cold = dict(zip(("net", "broken", "stack"), pool.map(
-            lambda model: _job(root / "producer", models, model, **producer), ("net", "broken", "stack"))))
+        cold = dict(zip(MODELS, pool.map(lambda model: _job(root / "producer", models, model, **producer), MODELS)))
     yield {"root": root, "models": models, "cold": cold,
            "reader": {"WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(root / "verify.pub")}}
     node.stop()
@@ -92,6 +94,15 @@ def test_the_producer_compiles_and_stores_frames(shared_cache):
     for model, result in shared_cache["cold"].items():
         assert result["same"], model
         assert result["traced"] >= 1 and result["frames_writes"] >= 1, (model, result)
+
+
+def test_a_called_function_without_a_name_is_traced_not_an_error(shared_cache):
+    """torch's package raises in the middle of the compile for a frame it cannot name: the producer
+    compiled it (above), and a new machine traces that frame again with the producer's results."""
+    result = _machines(shared_cache, {"callee": (shared_cache["models"], "callee", "base")})["callee"]
+    assert result["same"] and result["traced"] >= 1, result
+    assert result["loss"] == shared_cache["cold"]["callee"]["loss"]
+    assert not [line for line in result["log"] if "not used" in line], result["log"]
 
 
 def test_a_new_machine_skips_dynamo_and_gives_the_same_results(shared_cache):
@@ -195,3 +206,80 @@ def test_an_entry_torch_cannot_load_costs_one_warning_and_a_trace(shared_cache, 
     assert result["same"] and result["traced"] == 1 and result["frames_hits"] == 1
     refused = [line for line in result["log"] if "compiled frames of" in line]
     assert len(refused) == 1 and "Net.forward" in refused[0], result["log"]
+
+
+def test_installing_waits_for_a_frame_compile_in_another_thread(shared_cache):
+    """``layer.compile()`` installs the stored frames. In a job that builds its model in one thread
+    while another traces (a compile warm-up), installing must wait for Dynamo's compile lock: torch's
+    guard builders are not thread-safe (two of them at once failed a load midway, and its clean-up then
+    removed globals the other thread had just installed)."""
+    result = _machines(shared_cache, {"threads": (shared_cache["models"], "stack", "threads")})["threads"]
+    assert result["install_waited"], result
+    assert result["same"] and result["traced"] == 0 and result["frames_hits"] >= 1, result
+    assert not [line for line in result["log"] if "not used" in line], result["log"]
+
+
+def test_a_resume_function_name_taken_in_this_process_is_not_overwritten(shared_cache):
+    """A function traced first in this process named its resume function as the producer named
+    Broken's: installing Broken's entry would make the first one resume in Broken's code."""
+    result = _machines(shared_cache, {"taken": (shared_cache["models"], "broken", "taken")})["taken"]
+    assert result["same"], result
+    refused = [line for line in result["log"] if "compiled frames of" in line]
+    assert len(refused) == 1 and "__resume_at_" in refused[0] and "another function" in refused[0], result["log"]
+
+
+def test_a_load_that_fails_midway_leaves_no_entry_behind(shared_cache, tmp_path):
+    """The regional model's entry with its last guard state damaged: the layers' first entries are
+    installed before the load fails, and must be removed again (one warning, then Dynamo traces)."""
+    import pickle
+
+    import redis
+
+    from warmstart.compile_cache import open_store
+    from warmstart.config import Settings
+
+    url = shared_cache["reader"]["WARMSTART_CACHE_URL"]
+    writer = open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_CACHE_DIR":
+                                           str(tmp_path / "writer"), "WARMSTART_KEY_FILE":
+                                           str(shared_cache["root"] / "signing.key")}), persist_stats=False)
+    client = redis.Redis.from_url(url)
+    originals = {}
+    for name in client.scan_iter("ws:*:p:dynamo_frames:*"):
+        key = name.decode().rsplit(":", 1)[1]
+        stored = pickle.loads(writer.get("dynamo_frames", key).value)
+        codes = stored["entry"].dynamo.codes
+        if stored["entry"].dynamo.fn_name == "Layer.forward":
+            guarded = [g for code in codes for g in code.guarded_codes]
+            assert len(guarded) >= 2, codes  # the first layer's input does not require grad, the next ones' does
+            originals[key] = pickle.dumps(stored, protocol=pickle.HIGHEST_PROTOCOL)
+            guarded[-1].guards_state = b"damaged"
+            writer.put("dynamo_frames", key, pickle.dumps(stored, protocol=pickle.HIGHEST_PROTOCOL), sync=True)
+    assert originals
+    try:
+        result = _job(shared_cache["root"] / "machine-midway", shared_cache["models"], "stack", **shared_cache["reader"])
+    finally:
+        for key, value in originals.items():
+            writer.put("dynamo_frames", key, value, sync=True)
+        writer.close()
+    assert result["same"] and result["traced"] >= 1, result
+    assert result["loss"] == shared_cache["cold"]["stack"]["loss"]
+    refused = [line for line in result["log"] if "compiled frames of" in line]
+    assert len(refused) == 1 and "Layer.forward" in refused[0], result["log"]
+
+
+def test_a_job_read_from_standard_input_compiles_twice(tmp_path):
+    """torch's package reads the source of every function a frame inlines, and code read from
+    standard input has none: that frame is not packaged, and neither the job that compiles it nor
+    the next one on the same machine fails."""
+    source = ("import torch\n"
+              "def helper(x):\n    return x.cos() + 1\n"
+              "def f(x):\n    return helper(x) * 2\n"
+              "x = torch.arange(4.0)\n"
+              "print('RESULT', bool(torch.equal(torch.compile(f)(x), f(x))))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
+    env.update(WARMSTART="1", WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               WARMSTART_RUN_DIR=str(tmp_path / "runs"), TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1")
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, "-"], input=source, env=env, capture_output=True, text=True,
+                              timeout=HANG_GUARD_S, cwd=tmp_path)
+        assert proc.returncode == 0 and "RESULT True" in proc.stdout, (attempt, proc.stderr[-3000:])

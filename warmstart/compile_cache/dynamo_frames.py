@@ -82,6 +82,7 @@ _lock = threading.RLock()
 _compiling = threading.local()  # .state: the _Package of the frame this thread compiles
 _enabled: bool | None = None
 _installed: set[str] = set()  # keys whose frames this process installed
+_refused: set[str] = set()  # keys whose stored frames this process could not use (warned once)
 _stored: dict[str, bytes] = {}  # key -> fingerprint of the frames this process last read or wrote
 
 
@@ -178,6 +179,52 @@ def hook_guards(guards: types.ModuleType) -> None:
 
     serialize_guards.__wrapped__ = original  # type: ignore[attr-defined]
     manager.serialize_guards = serialize_guards
+
+
+def hook_package(package_module: types.ModuleType) -> None:
+    """Where torch's package raises in the middle of a compile, a warmstart package records the frame
+    as not packaged instead (traced on new machines):
+
+    * a function the compiled one calls, which Dynamo compiles as a frame of its own, but that no
+      name in its module leads to (a lambda in a dict, a function made by ``exec``);
+    * an inlined function whose source cannot be read (code read from standard input).
+    """
+    package_class = package_module.CompilePackage
+
+    def record_unnamed(package, code):
+        import inspect
+
+        module = inspect.getmodule(code)
+        package._add_function(code, module.__name__ if module is not None else package._innermost_fn.__module__)
+        package._codes[code].bypassed = True
+
+    # torch records the source lines of every function a frame inlined, to check them at load
+    for name, what, instead in (("_add_user_function", "a frame %s calls", record_unnamed),
+                                ("add_inlined_source", "a frame of %s", lambda package, _: package.bypass_current_entry())):
+        setattr(package_class, name, _not_packaged_on_error(getattr(package_class, name), what, instead))
+
+
+def _not_packaged_on_error(original: Any, what: str, instead: Any) -> Any:
+    """``original(package, arg)``, or, where it raises for a warmstart package, ``instead(package, arg)``."""
+
+    def wrapper(self, arg):
+        try:
+            return original(self, arg)
+        except Exception as exc:
+            state = _packages.get(self)
+            if state is None:  # torch's own precompile: its behaviour
+                raise
+            log.debug("warmstart: %s is not packaged (traced on new machines): %s", what % state.label, exc)
+        return instead(self, arg)
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _unresolved(code: Any) -> bool:
+    """Whether a package's entry for a code object is one :func:`hook_package` recorded: no new
+    machine could find that code, so it is not stored."""
+    return code.bypassed and code.code_source is None and not code.install_to_global and not code.function_names
 
 
 def hook_precompile_context(precompile_context: types.ModuleType) -> None:
@@ -299,6 +346,8 @@ def _load(package: Any, state: _Package, fn_key: Any) -> bool:
     from warmstart.compile_cache import get_store
 
     store = get_store()
+    if state.key in _refused:  # another instance of the module: said once, traced as well
+        return False
     try:
         data = store.get(KIND, state.key).value if store is not None else None
     except Exception as exc:
@@ -306,33 +355,77 @@ def _load(package: Any, state: _Package, fn_key: Any) -> bool:
         return False
     if data is None:
         return False
-    try:
-        stored = pickle.loads(data)  # the store verified the entry's signature
-        if not isinstance(stored, dict) or stored.get("format") != _FORMAT:
-            raise ValueError("an entry of another format")
-        entry, identities = stored["entry"], stored["identities"]
-        changed = _changed_global(identities, entry)
-        if changed is not None:
-            log.warning("warmstart: compiled frames of %s not used: %s; Dynamo traces them", state.label, changed)
-            return False
-        package.initialize(fn_key, entry.dynamo, ignore_inlined_sources=False)
-        if state.key not in _installed:  # another instance of the module installed the same frames
-            from torch._dynamo.precompile_context import PrecompileContext
+    # Installing builds guards and sets Dynamo's state (entries on code objects, module globals, its
+    # name counter), which only Dynamo's compile lock makes safe: ``torch.compile(fn)`` may be called
+    # in one thread while another traces (a compile warm-up beside model building), and torch's guard
+    # builders share a dict of helpers that each of them changes for a moment.
+    with _dynamo_compile_lock():
+        try:
+            stored = pickle.loads(data)  # the store verified the entry's signature
+            if not isinstance(stored, dict) or stored.get("format") != _FORMAT:
+                raise ValueError("an entry of another format")
+            entry, identities = stored["entry"], stored["identities"]
+            unusable = _changed_global(identities, entry)
+            if unusable is None and state.key not in _installed:
+                unusable = _taken_name(entry.dynamo)
+            if unusable is not None:
+                log.warning("warmstart: compiled frames of %s not used: %s; Dynamo traces them", state.label, unusable)
+                _refused.add(state.key)
+                return False
+            package.initialize(fn_key, entry.dynamo, ignore_inlined_sources=False)
+            if state.key not in _installed:  # another instance of the module installed the same frames
+                from torch._dynamo.precompile_context import PrecompileContext
 
-            for artifact in entry.backends.values():  # so that a later save of this key has them
-                PrecompileContext.record_artifact(artifact)
-            with _keep_other_packages():
-                package.install(entry.backends)
-            _skip_installed_names(entry)
-            _installed.add(state.key)
-        _stored[state.key] = _fingerprint(entry.dynamo.codes)
-        state.identities = dict(identities)
-        return True
-    except Exception as exc:
-        log.warning("warmstart: compiled frames of %s not used (%s: %s); Dynamo traces them", state.label,
-                 type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
-        _reset(package)
-        return False
+                for artifact in entry.backends.values():  # so that a later save of this key has them
+                    PrecompileContext.record_artifact(artifact)
+                with _keep_other_packages():
+                    package.install(entry.backends)
+                _skip_installed_names({code.python_module for code in entry.dynamo.codes})
+                _installed.add(state.key)
+            _stored[state.key] = _fingerprint(entry.dynamo.codes)
+            state.identities = dict(identities)
+            return True
+        except Exception as exc:
+            log.warning("warmstart: compiled frames of %s not used (%s: %s); Dynamo traces them", state.label,
+                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            _refused.add(state.key)
+            _reset(package)
+            return False
+
+
+def _taken_name(entry: Any) -> str | None:
+    """A global the entry would install that its module holds already as something else, as a phrase.
+
+    Resume functions are named by the producer's counter (``__resume_at_30_1``): a function traced
+    in this process, or installed from another producer's entry, may hold the same name in the same
+    module, and installing over it would make that function's frames resume in the wrong code.
+    """
+    from torch._dynamo.package import SerializedCode
+
+    for code in entry.codes:
+        if not code.install_to_global:
+            continue
+        scope = vars(sys.modules[code.python_module])
+        taken = [name for name in code.function_names if name in scope]
+        python_code = SerializedCode.to_code_object(code.python_code) if taken else None
+        for name in taken:
+            if not _same_function(scope[name], python_code):
+                return f"{name} in {code.python_module} is another function"
+    return None
+
+
+def _same_function(found: Any, code: types.CodeType) -> bool:
+    # torch installs a resume function with free variables as a factory holding its code
+    if isinstance(found, types.FunctionType):
+        return found.__code__ == code or code in (found.__defaults__ or ())
+    return False
+
+
+def _dynamo_compile_lock() -> Any:
+    """Dynamo's own lock around frame compiles (reentrant: taken again inside a compile)."""
+    from torch._dynamo import convert_frame
+
+    return convert_frame.compile_lock
 
 
 def _reset(package: Any) -> None:
@@ -342,16 +435,19 @@ def _reset(package: Any) -> None:
     Not ``package.uninstall()``: it removes the globals the package installed (compiled graphs,
     resume functions) but clears the entries of the function's own code only, so an entry installed
     on another code object (a resume function, a helper) could be left calling a global that is
-    gone. Globals left behind are unused names; entries of other packages on the same code go too
-    (those frames are traced).
+    gone. Globals left behind are unused names, and Dynamo's name counter moves past them; entries
+    of other packages on the same code go too (those frames are traced).
     """
     from torch._C._dynamo.eval_frame import _reset_precompile_entries
     from torch._dynamo.package import CompilePackage, _lookup_code
 
-    for code, entry in list(getattr(package, "_codes", {}).items()):
+    codes = list(getattr(package, "_codes", {}).items())
+    for code, entry in codes:
         for target in {code, _lookup_or(code, entry, _lookup_code)}:
             with contextlib.suppress(Exception):
                 _reset_precompile_entries(target)
+    with contextlib.suppress(Exception):
+        _skip_installed_names({entry.python_module for _, entry in codes})
     CompilePackage.__init__(package, None)
 
 
@@ -377,14 +473,14 @@ def _keep_other_packages():
         c_eval_frame._reset_precompile_entries = original
 
 
-def _skip_installed_names(entry: Any) -> None:
+def _skip_installed_names(module_names: set[str]) -> None:
     # Installing puts globals named by the producer's counter (``__builtins_dict___0``) into the
     # frames' modules. Dynamo names the globals of a frame it traces later with this process's
     # counter, starting at 0, and fails on a name that exists: move the counter past them.
     from torch._dynamo import bytecode_transformation
 
     highest = -1
-    for module_name in {code.python_module for code in entry.dynamo.codes}:
+    for module_name in module_names:
         for name in vars(sys.modules.get(module_name, types.ModuleType("_"))):
             found = _NUMBERED_GLOBAL.match(name)
             if found:
@@ -401,7 +497,8 @@ def _save_ready() -> None:
         keys = {s.key for p, s in list(_packages.items()) if s.dirty and s.key is not None}
     for key in keys:
         try:
-            _save(key)
+            with _dynamo_compile_lock():  # a backward's graphs are recorded outside any frame compile
+                _save(key)
         except Exception as exc:
             for state in list(_packages.values()):
                 if state.key == key:
@@ -435,8 +532,9 @@ def _save(key: str) -> None:
         entry = package.cache_entry()
         if any(backend not in artifacts for code in entry.codes if not code.bypassed for backend in code.backend_ids):
             continue  # the backward is compiled at the first backward: saved then
-        for code in entry.codes:
-            _merge(merged, code, seen)
+        for index, code in enumerate(entry.codes):
+            if index == 0 or not _unresolved(code):  # the first is the compiled function's own
+                _merge(merged, code, seen)
         inlined |= entry.source_info.inlined_sources
         device_type = entry.device_type
         identities.update(state.identities)
