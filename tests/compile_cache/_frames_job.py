@@ -4,12 +4,14 @@ print one JSON line: whether outputs and gradients equal eager PyTorch's, how ma
 traced, and the store's ``dynamo_frames`` counts.
 
     python _frames_job.py MODEL_DIR --model net|broken|stack|callee --variant base|global|flag|builtin|shape|dtype|
-        attribute|submodule|torch-config|threads|taken
+        attribute|submodule|torch-config|threads|taken|backends
 
 ``threads`` (with ``stack``): another thread compiles a second instance of the model while this one
 holds Dynamo's compile lock, as a thread tracing a frame would; the JSON says whether installing the
 stored frames waited for it. ``taken`` (with ``broken``): ``Twin`` is compiled and run first, so its
 resume function holds the name the producer gave Broken's; both must still compute what they should.
+``backends``: after the usual compile and run, the model is compiled again with a backend of the
+test's own, which must be the one that runs.
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ def main() -> None:
         compiled = torch.compile(model)
     out = compiled(x)
     same = _same(compiled, eager, x, out) and all(_same(c, e, x) for c, e in others)
+    if variant == "backends":
+        calls = []
+
+        def counting(gm, example_inputs):
+            calls.append(1)
+            return gm.forward
+
+        again = copy.deepcopy(eager)
+        same = same and _same(torch.compile(model, backend=counting), again, x) and _same(compiled, eager, x)
+        extra["other_backend_calls"] = len(calls)
     from torch._dynamo.utils import counters
 
     result = {"same": bool(same), "loss": float(out.detach().double().pow(2).sum()), "traced": counters["stats"].get("unique_graphs", 0), "frames_hits": 0,
@@ -89,12 +101,15 @@ def main() -> None:
 
 
 def _same(compiled, eager: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-    """Whether the compiled module's output and gradients equal eager PyTorch's on ``x``."""
+    """Whether the compiled module's output and gradients equal eager PyTorch's on ``x`` (gradients
+    of this call alone: a module may be run more than once)."""
+    model = compiled._orig_mod if hasattr(compiled, "_orig_mod") else compiled
+    for parameter in [*model.parameters(), *eager.parameters()]:
+        parameter.grad = None
     out = compiled(x) if out is None else out
     out.pow(2).mean().backward()
     expected = eager(x)
     expected.pow(2).mean().backward()
-    model = compiled._orig_mod if hasattr(compiled, "_orig_mod") else compiled
     return torch.allclose(out, expected, atol=1e-5, rtol=1e-5) and all(
         torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5) for a, b in zip(model.parameters(), eager.parameters()))
 

@@ -228,6 +228,14 @@ def test_a_resume_function_name_taken_in_this_process_is_not_overwritten(shared_
     assert len(refused) == 1 and "__resume_at_" in refused[0] and "another function" in refused[0], result["log"]
 
 
+def test_compiling_with_another_backend_runs_that_backend(shared_cache):
+    """Dynamo runs a code object's installed entries whatever backend is active: once the process
+    compiles the model with a backend of its own too, that backend must run, not the stored frames."""
+    result = _machines(shared_cache, {"backends": (shared_cache["models"], "net", "backends")})["backends"]
+    assert result["frames_hits"] >= 1, result  # the frames were installed first
+    assert result["other_backend_calls"] >= 1 and result["same"], result
+
+
 def test_a_load_that_fails_midway_leaves_no_entry_behind(shared_cache, tmp_path):
     """The regional model's entry with its last guard state damaged: the layers' first entries are
     installed before the load fails, and must be removed again (one warning, then Dynamo traces)."""

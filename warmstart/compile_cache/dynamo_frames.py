@@ -83,6 +83,9 @@ _compiling = threading.local()  # .state: the _Package of the frame this thread 
 _enabled: bool | None = None
 _installed: set[str] = set()  # keys whose frames this process installed
 _refused: set[str] = set()  # keys whose stored frames this process could not use (warned once)
+_installed_codes: list = []  # code objects this process put precompiled entries on
+_flavors: set[str] = set()  # how this process's torch.compile calls compile (see _note_flavor)
+_mixed: str | None = None  # why this process installs no frames (two flavors), once there are two
 _stored: dict[str, bytes] = {}  # key -> fingerprint of the frames this process last read or wrote
 
 
@@ -122,8 +125,10 @@ def hook_eval_frame(eval_frame: types.ModuleType) -> None:
         context = original_optimize(rebuild_ctx, backend, *args, **kwargs)
         try:
             backend_id = _backend_id(backend, kwargs)
-            if backend_id is not None and isinstance(context, eval_frame._TorchDynamoContext):
-                context._warmstart_rebuild = (original_optimize, rebuild_ctx, backend, args, kwargs, backend_id)
+            if isinstance(context, eval_frame._TorchDynamoContext):
+                context._warmstart_flavor = _flavor(backend_id, kwargs) if backend_id is not None else None
+                if backend_id is not None:
+                    context._warmstart_rebuild = (original_optimize, rebuild_ctx, backend, args, kwargs, backend_id)
         except Exception as exc:
             _fail_open("Dynamo frames", exc)
         return context
@@ -132,6 +137,11 @@ def hook_eval_frame(eval_frame: types.ModuleType) -> None:
         # The package is made here, where the function is known: one that does not qualify (or whose
         # package cannot be made) is compiled by the context torch made, without any.
         rebuild = vars(self).pop("_warmstart_rebuild", None)
+        if self.callback not in (None, False):  # not torch._dynamo.disable() / run()
+            try:
+                _note_flavor(vars(self).get("_warmstart_flavor") or f"{_describe(self)}, not packaged")
+            except Exception as exc:
+                _fail_open("Dynamo frames", exc)
         if rebuild is not None:
             try:
                 packaged = _packaged_context(rebuild, fn)
@@ -146,6 +156,47 @@ def hook_eval_frame(eval_frame: types.ModuleType) -> None:
     __call__.__wrapped__ = original_call  # type: ignore[attr-defined]
     eval_frame._optimize = _optimize
     eval_frame._TorchDynamoContext.__call__ = __call__
+
+
+def _flavor(backend_id: str, kwargs: dict) -> str:
+    """How a packaged context compiles: the part of the key that is not the function."""
+    return f"{backend_id} dynamic={kwargs.get('dynamic')} fullgraph={bool(kwargs.get('nopython'))}"
+
+
+def _describe(context: Any) -> str:
+    callback = getattr(context, "callback", None)
+    backend = getattr(callback, "_torchdynamo_orig_backend", callback)
+    return getattr(backend, "__name__", None) or type(backend).__name__
+
+
+def _note_flavor(flavor: str) -> None:
+    """Record how one more ``torch.compile`` call compiles; at the second way, install no more frames.
+
+    Dynamo runs a code object's precompiled entries before it looks at which backend is active, so an
+    entry installed for one way of compiling would also run under any other: a function compiled with
+    ``backend="eager"`` (or other options, or by ``torch._dynamo.export``) would run Inductor's code
+    for every frame it reaches that has an entry. A process that compiles in two ways traces instead.
+    """
+    global _mixed
+    with _lock:
+        if flavor in _flavors:
+            return
+        _flavors.add(flavor)
+        if len(_flavors) < 2:
+            return
+        if _mixed is None:
+            _mixed = " and ".join(sorted(_flavors)[:2])
+        installed = list(_installed_codes)
+        _installed_codes.clear()
+    if installed:
+        from torch._C._dynamo.eval_frame import _reset_precompile_entries
+
+        with _dynamo_compile_lock():
+            for code in installed:
+                with contextlib.suppress(Exception):
+                    _reset_precompile_entries(code)
+    log.info("warmstart: this process compiles in two ways (%s): compiled frames are not installed; "
+             "Dynamo traces them", _mixed)
 
 
 def hook_guards(guards: types.ModuleType) -> None:
@@ -325,7 +376,9 @@ def _packaged_context(rebuild: tuple, fn: Any) -> Any:
         package.initialize(fn_key, None, ignore_inlined_sources=False)
     with _lock:
         _packages[package] = state
-    return original_optimize(rebuild_ctx, backend, *args, **dict(kwargs, package=package))
+    context = original_optimize(rebuild_ctx, backend, *args, **dict(kwargs, package=package))
+    context._warmstart_flavor = _flavor(backend_id, kwargs)  # a module's wrapper calls the context again
+    return context
 
 
 def _compiled_function(fn: Any) -> tuple[Any, Any]:
@@ -346,7 +399,7 @@ def _load(package: Any, state: _Package, fn_key: Any) -> bool:
     from warmstart.compile_cache import get_store
 
     store = get_store()
-    if state.key in _refused:  # another instance of the module: said once, traced as well
+    if state.key in _refused or _mixed is not None:  # said once; traced as well
         return False
     try:
         data = store.get(KIND, state.key).value if store is not None else None
@@ -360,6 +413,8 @@ def _load(package: Any, state: _Package, fn_key: Any) -> bool:
     # in one thread while another traces (a compile warm-up beside model building), and torch's guard
     # builders share a dict of helpers that each of them changes for a moment.
     with _dynamo_compile_lock():
+        if _mixed is not None:  # a context of another flavor came while the entry was read
+            return False
         try:
             stored = pickle.loads(data)  # the store verified the entry's signature
             if not isinstance(stored, dict) or stored.get("format") != _FORMAT:
@@ -380,6 +435,8 @@ def _load(package: Any, state: _Package, fn_key: Any) -> bool:
                     PrecompileContext.record_artifact(artifact)
                 with _keep_other_packages():
                     package.install(entry.backends)
+                with _lock:
+                    _installed_codes.extend(_package_codes(package))
                 _skip_installed_names({code.python_module for code in entry.dynamo.codes})
                 _installed.add(state.key)
             _stored[state.key] = _fingerprint(entry.dynamo.codes)
@@ -439,16 +496,24 @@ def _reset(package: Any) -> None:
     of other packages on the same code go too (those frames are traced).
     """
     from torch._C._dynamo.eval_frame import _reset_precompile_entries
-    from torch._dynamo.package import CompilePackage, _lookup_code
+    from torch._dynamo.package import CompilePackage
 
-    codes = list(getattr(package, "_codes", {}).items())
-    for code, entry in codes:
-        for target in {code, _lookup_or(code, entry, _lookup_code)}:
-            with contextlib.suppress(Exception):
-                _reset_precompile_entries(target)
+    for target in _package_codes(package):
+        with contextlib.suppress(Exception):
+            _reset_precompile_entries(target)
     with contextlib.suppress(Exception):
-        _skip_installed_names({entry.python_module for _, entry in codes})
+        _skip_installed_names({entry.python_module for entry in getattr(package, "_codes", {}).values()})
     CompilePackage.__init__(package, None)
+
+
+def _package_codes(package: Any) -> list:
+    """The code objects a package installs entries on (a helper's: the one its module holds)."""
+    from torch._dynamo.package import _lookup_code
+
+    targets = []
+    for code, entry in list(getattr(package, "_codes", {}).items()):
+        targets.extend({code, _lookup_or(code, entry, _lookup_code)})
+    return targets
 
 
 def _lookup_or(code: Any, entry: Any, lookup: Any) -> Any:
