@@ -159,8 +159,9 @@ def hook_eval_frame(eval_frame: types.ModuleType) -> None:
 
 
 def _flavor(backend_id: str, kwargs: dict) -> str:
-    """How a packaged context compiles: the part of the key that is not the function."""
-    return f"{backend_id} dynamic={kwargs.get('dynamic')} fullgraph={bool(kwargs.get('nopython'))}"
+    """How a packaged context compiles: the backend's options (``dynamic`` among them, for
+    ``torch.compile``) and ``fullgraph``."""
+    return f"{backend_id} fullgraph={bool(kwargs.get('nopython'))}"
 
 
 def _describe(context: Any) -> str:
@@ -195,8 +196,9 @@ def _note_flavor(flavor: str) -> None:
             for code in installed:
                 with contextlib.suppress(Exception):
                     _reset_precompile_entries(code)
-    log.info("warmstart: this process compiles in two ways (%s): compiled frames are not installed; "
-             "Dynamo traces them", _mixed)
+    if installed or enabled():  # said only where compiled frames are on
+            log.info("warmstart: this process compiles in two ways (%s): compiled frames are not installed; "
+                 "Dynamo traces them", _mixed)
 
 
 def hook_guards(guards: types.ModuleType) -> None:
@@ -512,15 +514,11 @@ def _package_codes(package: Any) -> list:
 
     targets = []
     for code, entry in list(getattr(package, "_codes", {}).items()):
-        targets.extend({code, _lookup_or(code, entry, _lookup_code)})
+        targets.append(code)
+        if entry.code_source:
+            with contextlib.suppress(Exception):  # not found: nothing was installed on it
+                targets.append(_lookup_code(entry))
     return targets
-
-
-def _lookup_or(code: Any, entry: Any, lookup: Any) -> Any:
-    try:
-        return lookup(entry) if entry.code_source else code
-    except Exception:
-        return code
 
 
 @contextlib.contextmanager
