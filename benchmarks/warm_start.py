@@ -3,12 +3,13 @@ configuration, each on a brand-new "machine" unless said otherwise:
 
 * ``cold``: nothing cached, no warmstart;
 * ``torch local-warm``: the cold machine again (torch's own local caches warm);
-* ``warmstart, frames off``: warmstart with ``WARMSTART_DYNAMO=0`` (Dynamo's output not stored or
-  loaded), the shared cache filled by a producer machine;
-* ``warmstart``: warmstart with its default settings, the same shared cache.
+* ``warmstart``: warmstart with its default settings (compiled frames off: Dynamo traces, every
+  compiled artifact comes from the cache), the shared cache filled by a producer machine;
+* ``warmstart, frames on``: warmstart with ``WARMSTART_DYNAMO=1`` (Dynamo's output stored and
+  installed instead of tracing), the same shared cache.
 
 Two producers (new machines) fill the shared cache once per model, one with default settings and
-one with frames off: with frames on, AOTAutograd bundles the compiled graphs into its own entries
+one with frames on: with frames on, AOTAutograd bundles the compiled graphs into its own entries
 (torch's ``bundled_autograd_cache``, part of its cache keys), so each configuration finds what a
 fleet of its own setting would have stored.
 Phases come from torch's ``dynamo_timed`` timers (see ``torch_phases`` in ``compile_job.py``): Dynamo
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _new_machine import JOB, MACHINE, finish, job_result, machine_env  # noqa: E402
 
-CONFIGS = ("cold", "torch local-warm", "warmstart, frames off", "warmstart")
+CONFIGS = ("cold", "torch local-warm", "warmstart", "warmstart, frames on")
 WARM = CONFIGS[1:]
 PHASES = (("dynamo_tracing", "Dynamo tracing"), ("guards", "guards"), ("backend", "backend load/lookups"),
           ("precompile_load", "precompile load"), ("first_run_and_rest", "first run/rest"))
@@ -49,18 +50,18 @@ def run(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> 
 
 
 def bench_model(model: str, work: Path, ws: dict[str, str], job_args: list[str], progress, repeats: int) -> dict:
-    frames_off = {**ws, "WARMSTART_DYNAMO": "0"}
+    frames_on = {**ws, "WARMSTART_DYNAMO": "1"}
     results: dict = {}
     progress(f"{model}: cold")
     results["cold"] = [run(work / f"{model}-cold", model, {}, job_args)]
     progress(f"{model}: producer fills the shared cache (another new machine)")
     results["producer"] = [run(work / f"{model}-producer", model, ws, job_args)]
-    progress(f"{model}: producer with frames off (another new machine)")
-    results["producer, frames off"] = [run(work / f"{model}-producer-frames-off", model, frames_off, job_args)]
+    progress(f"{model}: producer with frames on (another new machine)")
+    results["producer, frames on"] = [run(work / f"{model}-producer-frames-on", model, frames_on, job_args)]
     warm = {
         "torch local-warm": lambda r: run(work / f"{model}-cold", model, {}, job_args),
-        "warmstart, frames off": lambda r: run(work / f"{model}-frames-off{r}", model, frames_off, job_args),
         "warmstart": lambda r: run(work / f"{model}-ws{r}", model, ws, job_args),
+        "warmstart, frames on": lambda r: run(work / f"{model}-frames-on{r}", model, frames_on, job_args),
     }
     # Interleaved, so that a slow spell on this shared machine does not fall on one configuration.
     for r in range(repeats):
@@ -134,16 +135,16 @@ def main() -> None:
 
     summary = Table(title=f"summary: compile + first step, seconds, median of {args.repeats}; shared cache filled by "
                           "producers with frames on and off", title_justify="left")
-    for column in ("model", "local-warm s", "ws frames off s", "ws s", "frames off / local-warm", "ws / local-warm"):
+    for column in ("model", "local-warm s", "ws s", "ws frames on s", "ws / local-warm", "frames on / local-warm"):
         summary.add_column(column, justify="left" if column == "model" else "right")
     summary.add_column("same loss", justify="center")
     for model, r in out["models"].items():
         t = {name: statistics.median(x["compile_s"] for x in r[name]) for name in WARM}
         same = all(x["losses"] == r["cold"][0]["losses"] for name in WARM for x in r[name])
-        r["summary"] = {"seconds": t, "frames_off_over_local_warm": t["warmstart, frames off"] / t["torch local-warm"],
-                        "ws_over_local_warm": t["warmstart"] / t["torch local-warm"], "same_loss": same}
+        r["summary"] = {"seconds": t, "ws_over_local_warm": t["warmstart"] / t["torch local-warm"],
+                        "frames_on_over_local_warm": t["warmstart, frames on"] / t["torch local-warm"], "same_loss": same}
         summary.add_row(model, *[f"{t[n]:.2f}" for n in WARM],
-                        f"{r['summary']['frames_off_over_local_warm']:.2f}x", f"{r['summary']['ws_over_local_warm']:.2f}x",
+                        f"{r['summary']['ws_over_local_warm']:.2f}x", f"{r['summary']['frames_on_over_local_warm']:.2f}x",
                         "yes" if same else "NO")
     tables.append(summary)
     finish(console, tables, out, args.json)

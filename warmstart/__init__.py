@@ -29,7 +29,7 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     it. It wins over ``secret``/``secret_file`` (the HMAC secret of older setups) when both are given.
     ``compile_wait_s`` (``WARMSTART_COMPILE_WAIT_S``) bounds how long a process waits for another
     one compiling the entry it missed; 0 turns single-flight compiles off. ``dynamo``
-    (``WARMSTART_DYNAMO``, on by default) shares Dynamo's output, so new machines skip tracing the
+    (``WARMSTART_DYNAMO``, off by default) shares Dynamo's output, so new machines skip tracing the
     frames another one compiled.
 
     Raises:

@@ -403,9 +403,9 @@ class Settings:
     compile_wait_s: float = _defaults.COMPILE_WAIT_S
     """``WARMSTART_COMPILE_WAIT_S``: the longest a process waits for another process that is compiling
     the entry it missed (then it compiles it itself); 0 turns single-flight compiles off."""
-    dynamo_frames: bool = True
-    """``WARMSTART_DYNAMO``: share Dynamo's output (each compiled frame's bytecode and guards), so a
-    new machine does not trace frames another one compiled; ``0`` turns it off."""
+    dynamo_frames: bool = False
+    """``WARMSTART_DYNAMO``: ``1`` shares Dynamo's output (each compiled frame's bytecode and guards),
+    so a new machine does not trace frames another one compiled; off by default."""
     job: JobIdentity = dataclasses.field(default_factory=lambda: JobIdentity(False, "", None, 0, 0, False))
     """Which job, rank and attempt this process belongs to (see :func:`job_identity`)."""
 
@@ -452,16 +452,16 @@ class Settings:
 
 
 def dynamo_frames_setting(env: Mapping[str, str]) -> bool:
-    """``WARMSTART_DYNAMO``: whether Dynamo's output is shared (the default), read on its own for the
-    hook that needs only it (``Settings.from_env`` also checks the key file and the URL).
+    """``WARMSTART_DYNAMO``: whether Dynamo's output is shared (``1``; off by default), read on its own
+    for the hook that needs only it (``Settings.from_env`` also checks the key file and the URL).
 
     Raises:
         ConfigError: a value other than ``1``, ``0`` or empty.
     """
     raw = env.get("WARMSTART_DYNAMO", "").strip()
     if raw not in ("", "0", "1"):
-        raise ConfigError("WARMSTART_DYNAMO", env["WARMSTART_DYNAMO"], "1 or unset (on), 0 (off)")
-    return raw != "0"
+        raise ConfigError("WARMSTART_DYNAMO", env["WARMSTART_DYNAMO"], "1 (on), 0 or unset (off)")
+    return raw == "1"
 
 
 def _read_secret(env: Mapping[str, str]) -> bytes | None:

@@ -6,7 +6,7 @@ traced, and the store's ``dynamo_frames`` counts.
     python _frames_job.py MODEL_DIR --model net|broken|stack|callee --variant base|global|flag|builtin|shape|dtype|
         attribute|submodule|torch-config|threads|taken|backends
 
-``threads`` (with ``stack``): another thread compiles a second instance of the model while this one
+``threads`` (with ``stack``): another thread compiles and runs a second instance of the model while this one
 holds Dynamo's compile lock, as a thread tracing a frame would; the JSON says whether installing the
 stored frames waited for it. ``taken`` (with ``broken``): ``Twin`` is compiled and run first, so its
 resume function holds the name the producer gave Broken's; both must still compute what they should.
@@ -115,8 +115,8 @@ def _same(compiled, eager: nn.Module, x: torch.Tensor, out: torch.Tensor | None 
 
 
 def _install_waits_for_dynamo(frames_model, x: torch.Tensor, others: list) -> bool:
-    """Whether another thread's ``layer.compile()`` (which installs the stored frames) waits while
-    this thread holds Dynamo's compile lock."""
+    """Whether another thread's first call of its compiled layers (which installs the stored frames)
+    waits while this thread holds Dynamo's compile lock."""
     from torch._dynamo import convert_frame
 
     other = frames_model.Stack()  # the same layers: the same keys
@@ -126,6 +126,7 @@ def _install_waits_for_dynamo(frames_model, x: torch.Tensor, others: list) -> bo
     def compile_other():
         for layer in other.layers:
             layer.compile()
+        other(x)  # the first call installs the stored frames
         done.set()
 
     worker = threading.Thread(target=compile_other)

@@ -127,7 +127,7 @@ def test_enable_environment_sets_the_variables_of_given_arguments(tmp_path):
     assert base == {"HOME": "/home/u", "WARMSTART_NAMESPACE": "from-env", "WARMSTART_CACHE_MODE": "ro"}
 
 
-@pytest.mark.parametrize("raw,on", [("", True), ("1", True), ("0", False), (" 0 ", False)])
+@pytest.mark.parametrize("raw,on", [("", False), ("1", True), (" 1 ", True), ("0", False), (" 0 ", False)])
 def test_dynamo_frames_switch(raw, on):
     assert Settings.from_env({"WARMSTART_DYNAMO": raw}).dynamo_frames is on
     assert enable_environment({}, dynamo=int(on))["WARMSTART_DYNAMO"] == str(int(on))

@@ -47,7 +47,8 @@ def _job(machine: Path, model_dir: Path, model: str, variant: str = "base", **en
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
     env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
                WARMSTART_CACHE_DIR=str(machine / "warmstart"), WARMSTART_RUN_DIR=str(machine / "runs"),
-               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", WARMSTART="1", **env_extra)
+               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", WARMSTART="1", WARMSTART_DYNAMO="1")
+    env.update(env_extra)
     # Each machine works in a directory of its own (torch's configs hold paths such as the working
     # directory's: they must not be part of the key).
     proc = subprocess.run([sys.executable, str(JOB), str(model_dir), "--model", model, "--variant", variant], env=env,
@@ -151,11 +152,13 @@ def test_no_stale_frame_when_a_line_of_code_changed(shared_cache):
         assert len(refused) == 1 and function in refused[0], results[name]["log"]
 
 
-def test_warmstart_dynamo_0_turns_it_off(shared_cache):
+@pytest.mark.parametrize("setting", ["0", ""])
+def test_compiled_frames_are_off_unless_warmstart_dynamo_is_1(shared_cache, setting):
     root = shared_cache["root"]
-    result = _job(root / "machine-off", shared_cache["models"], "net", WARMSTART_DYNAMO="0", **shared_cache["reader"])
+    result = _job(root / f"machine-off{setting}", shared_cache["models"], "net", WARMSTART_DYNAMO=setting,
+                  **shared_cache["reader"])
     assert result["same"]
-    assert result["frames_hits"] == 0 and result["traced"] == 1
+    assert result["frames_hits"] == 0 and result["frames_misses"] == 0 and result["traced"] == 1
 
 
 def test_a_flipped_byte_is_rejected_and_the_frames_traced(shared_cache):
@@ -209,8 +212,8 @@ def test_an_entry_torch_cannot_load_costs_one_warning_and_a_trace(shared_cache, 
 
 
 def test_installing_waits_for_a_frame_compile_in_another_thread(shared_cache):
-    """``layer.compile()`` installs the stored frames. In a job that builds its model in one thread
-    while another traces (a compile warm-up), installing must wait for Dynamo's compile lock: torch's
+    """The first call of a compiled layer installs the stored frames. In a job that runs its model in
+    one thread while another traces (a compile warm-up), installing must wait for Dynamo's compile lock: torch's
     guard builders are not thread-safe (two of them at once failed a load midway, and its clean-up then
     removed globals the other thread had just installed)."""
     result = _machines(shared_cache, {"threads": (shared_cache["models"], "stack", "threads")})["threads"]

@@ -2,9 +2,9 @@
 directories), sharing a real redis-server. Compiled models are shared: one producer fills the cache
 and the consumers reuse it.
 
-These jobs run with ``WARMSTART_DYNAMO=0``: they check the artifacts torch stores itself (FX graphs,
+These jobs run with ``WARMSTART_DYNAMO=0`` (the default): they check the artifacts torch stores itself (FX graphs,
 AOTAutograd entries, C++ objects) one by one, which a job with Dynamo frames on never looks up when
-the frames load. ``test_dynamo_frames.py`` covers the default."""
+the frames load. ``test_dynamo_frames.py`` covers compiled frames."""
 
 from __future__ import annotations
 
@@ -250,12 +250,13 @@ print("RESULT " + json.dumps({"ok": outs, "calls": calls}))
 def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
     """Defence in depth: if warmstart's store raises inside torch's path (Dynamo frames, remote-cache
     get/put, the C++ build, the vector-ISA probe, the recompile counter), torch does what it does
-    without warmstart. Dynamo frames on (the default), unlike the other tests here."""
+    without warmstart. Dynamo frames on (``WARMSTART_DYNAMO=1``), unlike the other tests here."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
     for name in ("home", "tmp"):
         (tmp_path / name).mkdir()
     env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
-               WARMSTART="1", WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"), TORCHINDUCTOR_COMPILE_THREADS="1",
+               WARMSTART="1", WARMSTART_DYNAMO="1", WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"),
+               TORCHINDUCTOR_COMPILE_THREADS="1",
                OMP_NUM_THREADS="1", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
     proc = subprocess.run([sys.executable, "-c", _BROKEN_STORE_JOB], env=env, capture_output=True, text=True,
                           timeout=900)

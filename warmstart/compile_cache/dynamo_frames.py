@@ -1,16 +1,16 @@
 """Dynamo's output through the store: a frame compiled on one machine is neither traced nor guarded
-again on the next.
+again on the next. Off unless ``WARMSTART_DYNAMO=1``.
 
 A warm start that finds every compiled graph in the cache still runs Dynamo: it traces each frame's
 bytecode again and rebuilds its guards, which on a model of many small layers is most of the start.
 torch 2.13 can package what Dynamo produced for a compiled function (``torch._dynamo.package``:
 each frame's transformed bytecode, its serialized guards, and the compiled graphs it calls, bundled
 by AOTAutograd). warmstart stores that package as one entry (kind ``dynamo_frames``), signed and
-verified like every other, and installs it when the function is compiled again.
+verified like every other, and installs it at the compiled function's first call.
 
 torch's own switch for this (``TORCH_CACHING_PRECOMPILE=1``) drops the guards it cannot serialize
 (identity checks on modules, functions and closures) from the live process as well, and keys entries
-by a function's name and first line. warmstart never drops a guard:
+by a function's name and first line. warmstart never drops a guard, and checks what a guard cannot:
 
 * A guard torch cannot serialize is kept only when it checks the identity of a *global* object that
   has the same name in every process: a module, a class, a builtin, or a function reachable from its
@@ -18,28 +18,32 @@ by a function's name and first line. warmstart never drops a guard:
   process installs the entry only if every such global resolves to the same name (and code) there.
   A frame with any other such guard (the identity of a local object, a dict's version, a weak
   reference) is not packaged: a new machine traces it, as without warmstart.
-* Entries are keyed by the function (module, qualified name, code), the module's structure
-  (``repr``) when a module is compiled, the backend's options, ``dynamic`` and ``fullgraph``, and
-  torch's Dynamo, AOTAutograd and Inductor configs. torch, Python and the CPU are the store's
-  namespace; torch itself checks at load that the source lines of every function it inlined are
-  unchanged. Guards on shapes, dtypes, globals and attributes are evaluated on every call, as usual.
+* What the frames read is recorded while Dynamo traces and checked before installing
+  (``frame_reads``): the value behind every guard (which torch would otherwise rebuild from the new
+  machine's objects), the calls Dynamo folds into constants without a guard (a rank, a world size:
+  their results also pick the stored variant a machine reads), and the hook dictionaries Dynamo found
+  empty (checked on every call once installed).
+* Entries are keyed, at the first call, by the function (module, qualified name, code), the module's
+  structure (``repr``) when a module is compiled, the backend's options, ``dynamic`` and
+  ``fullgraph``, and torch's Dynamo, AOTAutograd and Inductor configs. torch, Python and the CPU are
+  the store's namespace; torch itself checks at load that the source lines of every function it
+  inlined are unchanged. Guards on shapes, dtypes, globals and attributes are evaluated on every
+  call, as usual.
 * Anything that cannot be loaded is traced, with one log line.
 
 Only ``torch.compile`` with the Inductor backend (the default) is packaged, and not with a
 ``guard_filter_fn`` (which drops guards on purpose) or CUDA graphs from ``mode="reduce-overhead"``
-(torch would load the graphs without them). ``WARMSTART_DYNAMO=0`` turns this off. With it
-on, AOTAutograd bundles the compiled graphs into its own entries (torch's
-``bundled_autograd_cache``), which packages need: the cache then holds AOTAutograd entries and no
-separate FX graph entries.
+(torch would load the graphs without them). With it on, AOTAutograd bundles the compiled graphs
+into its own entries (torch's ``bundled_autograd_cache``), which packages need: the cache then holds
+AOTAutograd entries and no separate FX graph entries.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import dataclasses
+import functools
 import hashlib
-import importlib
 import itertools
 import logging
 import os
@@ -52,17 +56,18 @@ import types
 import weakref
 from typing import Any
 
+from warmstart.compile_cache import frame_reads
+from warmstart.compile_cache.dynamo_identity import changed_global, code_digest, global_identity, stable_repr
+
 log = logging.getLogger("warmstart.cache")
 
 KIND = "dynamo_frames"
-_FORMAT = 1
+_FORMAT = 2
 
 #: Guards torch does not serialize that check an object's identity: kept for globals with a name.
 _IDENTITY_GUARDS = frozenset({"ID_MATCH", "MODULE_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "CLOSURE_MATCH"})
 
-_SOURCE_ROOT = re.compile(r"G\['([^']+)'\]")
 _NUMBERED_GLOBAL = re.compile(r"__\w*?_(\d+)$")
-_SOURCE_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']+)'\]")
 
 
 @dataclasses.dataclass
@@ -73,8 +78,16 @@ class _Package:
     label: str = "?"
     #: (module of the frame, guard source) -> the global's name in every process.
     identities: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    #: digest of a frame's serialized guards -> what its value guards saw (``frame_reads.guard_values``).
+    values: dict[bytes, list] = dataclasses.field(default_factory=dict)
+    #: calls Dynamo folded into constants without a guard while compiling these frames.
+    folds: frame_reads.Folds = dataclasses.field(default_factory=frame_reads.Folds)
+    #: why the frame being compiled cannot be packaged, found while tracing it.
+    unpackaged: str | None = None
     dirty: bool = False
     compile_s: float = 0.0
+    #: what the first call needs to find and install the stored frames (``None`` once it ran).
+    pending: tuple | None = None
 
 
 _packages: "weakref.WeakKeyDictionary[Any, _Package]" = weakref.WeakKeyDictionary()
@@ -149,8 +162,14 @@ def hook_eval_frame(eval_frame: types.ModuleType) -> None:
                 _fail_open("Dynamo frames", exc)
                 packaged = None
             if packaged is not None:
-                return original_call(packaged, fn)
-        return original_call(self, fn)
+                return __call__(packaged, fn)
+        compiled = original_call(self, fn)
+        state = vars(self).get("_warmstart_state")
+        if state is not None and isinstance(compiled, types.FunctionType):
+            # A module's wrapper (torch.compile(module)) calls the context again with the module's
+            # __call__: that function is the one its calls go through.
+            return _installing_at_first_call(compiled, state)
+        return compiled
 
     _optimize.__wrapped__ = original_optimize  # type: ignore[attr-defined]
     __call__.__wrapped__ = original_call  # type: ignore[attr-defined]
@@ -214,6 +233,8 @@ def hook_guards(guards: types.ModuleType) -> None:
         if package is None:  # torch bypassed this frame already (a graph holding parameters)
             return b""
         try:
+            if state.unpackaged is not None:
+                raise _NotPackaged(state.unpackaged)
             found = _global_identities(manager, sorted_guards, builder, package)
             with _lock:
                 kept = manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
@@ -223,8 +244,10 @@ def hook_guards(guards: types.ModuleType) -> None:
                 finally:
                     manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES = kept
             state.identities.update(found)
+            state.values[hashlib.sha256(data).digest()] = frame_reads.guard_values(builder, sorted_guards)
             return data
         except Exception as exc:  # a guard that cannot be kept, or that torch cannot pickle
+            state.unpackaged = None
             log.debug("warmstart: a frame of %s is not packaged (traced on new machines): %s", state.label, exc)
         # Not packaged. torch only checks that a guard state exists; a bypassed entry stores none.
         package.bypass_current_entry()
@@ -255,6 +278,63 @@ def hook_package(package_module: types.ModuleType) -> None:
     for name, what, instead in (("_add_user_function", "a frame %s calls", record_unnamed),
                                 ("add_inlined_source", "a frame of %s", lambda package, _: package.bypass_current_entry())):
         setattr(package_class, name, _not_packaged_on_error(getattr(package_class, name), what, instead))
+    _hook_guard_loading(package_module)
+
+
+class _ReadChanged(Exception):
+    """Something a stored frame read is not what it was on the machine that compiled it."""
+
+
+_loading = threading.local()  # .values: the entry's recorded guard values while this thread installs it
+
+
+def _hook_guard_loading(package_module: types.ModuleType) -> None:
+    """While warmstart installs an entry, check each frame's guard values against the producer's before
+    torch builds its guards (``frame_reads``)."""
+    original = package_module.load_guards_state
+
+    def load_guards_state(guards_state: bytes):
+        state = original(guards_state)
+        values = getattr(_loading, "values", None)
+        if values is not None:
+            expected = values.get(hashlib.sha256(guards_state).digest())
+            if expected is None:  # not what warmstart stored: damaged, or written by other code
+                raise ValueError("a frame's guards have no recorded values")
+            changed = frame_reads.changed_value(expected, state)
+            if changed is not None:
+                raise _ReadChanged(changed)
+        return state
+
+    load_guards_state.__wrapped__ = original  # type: ignore[attr-defined]
+    package_module.load_guards_state = load_guards_state
+
+
+def hook_constant_folds(torch_variables: types.ModuleType) -> None:
+    """Record each call Dynamo folds into a constant without a guard (``torch.distributed.get_rank()``
+    and the like) in the package whose frame is being compiled."""
+    variable = torch_variables.TorchInGraphFunctionVariable
+    original = variable.call_function
+    needs_guards = torch_variables.constant_fold_functions_need_guards
+
+    def call_function(self, tx, args, kwargs):
+        state = getattr(_compiling, "state", None)
+        if state is not None and self.value not in needs_guards:
+            try:
+                from torch._dynamo.utils import check_unspec_or_constant_args
+
+                if self.can_constant_fold_through() and check_unspec_or_constant_args(args, kwargs) \
+                        and getattr(self.value, "__module__", None) != "math":
+                    consts = [a.as_python_constant() for a in args]
+                    named = {k: v.as_python_constant() for k, v in kwargs.items()}
+                    state.folds.record(self.value, tuple(consts), named, self.value(*consts, **named))
+            except frame_reads.UnrecordedFold as exc:
+                state.unpackaged = f"a call folded into a constant: {exc}"
+            except Exception:
+                pass  # torch raises the same inside the call below
+        return original(self, tx, args, kwargs)
+
+    call_function.__wrapped__ = original  # type: ignore[attr-defined]
+    variable.call_function = call_function
 
 
 def _not_packaged_on_error(original: Any, what: str, instead: Any) -> Any:
@@ -354,14 +434,15 @@ def _backend_id(backend: Any, kwargs: dict) -> str | None:
         config = getattr(backend, "config", {})
         if config.get("triton.cudagraphs"):
             return None  # torch loads a packaged graph with the global CUDA-graphs flag, not the mode's
-        options = sorted((str(k), _stable_repr(v)) for k, v in config.items())
+        options = sorted((str(k), stable_repr(v)) for k, v in config.items())
         return f"inductor {options} dynamic={getattr(backend, 'dynamic', None)}"
     return None
 
 
 def _packaged_context(rebuild: tuple, fn: Any) -> Any:
-    """A context like the one torch made, compiling ``fn`` with a package (installed from the store
-    when it holds a usable one); ``None`` when ``fn`` is not a function with code of its own."""
+    """A context like the one torch made, compiling ``fn`` with a package; ``None`` when ``fn`` is not
+    a function with code of its own. The stored frames are looked up and installed at the first call
+    (:func:`_installing_at_first_call`)."""
     from torch._dynamo.eval_frame import innermost_fn
     from torch._dynamo.package import CompilePackage
 
@@ -372,15 +453,49 @@ def _packaged_context(rebuild: tuple, fn: Any) -> Any:
     if not isinstance(function, types.FunctionType):
         return None
     state = _Package(label=function.__qualname__)
-    state.key = _key(function, module, backend_id, kwargs.get("dynamic"), bool(kwargs.get("nopython")))
     package = CompilePackage(fn=None, dynamo=None, ignore_inlined_sources=False)
-    if not _load(package, state, fn_key):
-        package.initialize(fn_key, None, ignore_inlined_sources=False)
+    package.initialize(fn_key, None, ignore_inlined_sources=False)
+    state.pending = (package, fn_key, function, weakref.ref(module) if module is not None else None, backend_id,
+                     kwargs.get("dynamic"), bool(kwargs.get("nopython")))
     with _lock:
         _packages[package] = state
     context = original_optimize(rebuild_ctx, backend, *args, **dict(kwargs, package=package))
     context._warmstart_flavor = _flavor(backend_id, kwargs)  # a module's wrapper calls the context again
+    context._warmstart_state = state
     return context
+
+
+def _installing_at_first_call(compiled: Any, state: _Package) -> Any:
+    """``compiled``, which first installs the stored frames of ``state``'s function.
+
+    Plain torch traces at the first call, and reads then what the frames depend on: torch's configs,
+    hooks, process groups and attributes set after ``torch.compile()``. The key and every check of the
+    stored frames are made at that moment too.
+    """
+
+    @functools.wraps(compiled)
+    def first_call_installs(*args, **kwargs):
+        if state.pending is not None:
+            _first_call(state)
+        return compiled(*args, **kwargs)
+
+    first_call_installs._torchdynamo_wrapper_id = id(first_call_installs)  # type: ignore[attr-defined]
+    first_call_installs._torchdynamo_orig_callable = compiled  # type: ignore[attr-defined]
+    return first_call_installs
+
+
+def _first_call(state: _Package) -> None:
+    with _lock:
+        pending, state.pending = state.pending, None
+    if pending is None:
+        return
+    package, fn_key, function, module_ref, backend_id, dynamic, fullgraph = pending
+    try:
+        module = module_ref() if module_ref is not None else None
+        state.key = _key(function, module, backend_id, dynamic, fullgraph)
+        _load(package, state, fn_key)
+    except Exception as exc:
+        _fail_open("Dynamo frames read", exc)
 
 
 def _compiled_function(fn: Any) -> tuple[Any, Any]:
@@ -396,60 +511,119 @@ def _compiled_function(fn: Any) -> tuple[Any, Any]:
 
 
 def _load(package: Any, state: _Package, fn_key: Any) -> bool:
-    """Install the stored package of ``state.key`` into ``package``; ``False`` (one log line where
-    an entry was found but not used) when there is none or it cannot be used."""
-    from warmstart.compile_cache import get_store
+    """Install the stored frames of ``state.key`` into ``package`` (initialized fresh, and fresh again
+    when this fails); ``False`` (one log line where an entry was found but not used) when there is
+    none or it cannot be used."""
+    from torch._dynamo.package import CompilePackage
 
-    store = get_store()
     if state.key in _refused or _mixed is not None:  # said once; traced as well
         return False
     try:
-        data = store.get(KIND, state.key).value if store is not None else None
+        found = _read(state.key)
+    except _Unusable as exc:
+        log.warning("warmstart: compiled frames of %s not used (%s); Dynamo traces them", state.label, exc)
+        _refused.add(state.key)
+        return False
     except Exception as exc:
         _fail_open("Dynamo frames read", exc)
         return False
-    if data is None:
+    if found is None:
         return False
+    store_key, stored = found
     # Installing builds guards and sets Dynamo's state (entries on code objects, module globals, its
-    # name counter), which only Dynamo's compile lock makes safe: ``torch.compile(fn)`` may be called
-    # in one thread while another traces (a compile warm-up beside model building), and torch's guard
+    # name counter), which only Dynamo's compile lock makes safe: the first call may come in one
+    # thread while another traces (a compile warm-up beside model building), and torch's guard
     # builders share a dict of helpers that each of them changes for a moment.
     with _dynamo_compile_lock():
         if _mixed is not None:  # a context of another flavor came while the entry was read
             return False
         try:
-            stored = pickle.loads(data)  # the store verified the entry's signature
-            if not isinstance(stored, dict) or stored.get("format") != _FORMAT:
-                raise ValueError("an entry of another format")
             entry, identities = stored["entry"], stored["identities"]
-            unusable = _changed_global(identities, entry)
-            if unusable is None and state.key not in _installed:
+            unusable = changed_global(identities, entry)
+            if unusable is None:
+                unusable = frame_reads.changed_fold(stored["folds"])
+                if unusable is not None:
+                    raise _ReadChanged(unusable)
+            if unusable is None and store_key not in _installed:
                 unusable = _taken_name(entry.dynamo)
             if unusable is not None:
                 log.warning("warmstart: compiled frames of %s not used: %s; Dynamo traces them", state.label, unusable)
                 _refused.add(state.key)
                 return False
+            CompilePackage.__init__(package, None)
             package.initialize(fn_key, entry.dynamo, ignore_inlined_sources=False)
-            if state.key not in _installed:  # another instance of the module installed the same frames
+            if store_key not in _installed:  # another instance of the module installed the same frames
                 from torch._dynamo.precompile_context import PrecompileContext
 
                 for artifact in entry.backends.values():  # so that a later save of this key has them
                     PrecompileContext.record_artifact(artifact)
-                with _keep_other_packages():
-                    package.install(entry.backends)
+                _loading.values = stored["values"]
+                try:
+                    with _keep_other_packages(), frame_reads.real_hook_guards():
+                        package.install(entry.backends)
+                finally:
+                    _loading.values = None
                 with _lock:
                     _installed_codes.extend(_package_codes(package))
                 _skip_installed_names({code.python_module for code in entry.dynamo.codes})
-                _installed.add(state.key)
-            _stored[state.key] = _fingerprint(entry.dynamo.codes)
+                _installed.add(store_key)
+            _stored[store_key] = _fingerprint(entry.dynamo.codes)
             state.identities = dict(identities)
+            state.values = dict(stored["values"])
+            state.folds.update(stored["folds"])
             return True
+        except _ReadChanged as exc:
+            log.info("warmstart: compiled frames of %s not used: %s on the machine that compiled them; "
+                     "Dynamo traces them", state.label, exc)
         except Exception as exc:
             log.warning("warmstart: compiled frames of %s not used (%s: %s); Dynamo traces them", state.label,
                         type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
-            _refused.add(state.key)
-            _reset(package)
-            return False
+        _refused.add(state.key)
+        _reset(package)
+        package.initialize(fn_key, None, ignore_inlined_sources=False)
+        return False
+
+
+class _Unusable(Exception):
+    """A stored entry this code cannot read (another format, damaged)."""
+
+
+def _decoded(data: bytes) -> dict:
+    try:
+        stored = pickle.loads(data)  # the store verified the entry's signature
+    except Exception as exc:
+        raise _Unusable(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+    if not isinstance(stored, dict) or stored.get("format") != _FORMAT:
+        raise _Unusable("ValueError: an entry of another format")
+    return stored
+
+
+def _read(key: str) -> tuple[str, dict] | None:
+    """The stored frames for ``key`` and the key they are stored under: ``key`` itself, or, for frames
+    that depend on calls Dynamo folded into constants (a rank, a world size), the variant those calls
+    give in this process."""
+    from warmstart.compile_cache import get_store
+
+    store = get_store()
+    data = store.get(KIND, key).value if store is not None else None
+    if data is None:
+        return None
+    stored = _decoded(data)
+    if "variants_by" not in stored:
+        return key, stored
+    calls = stored["variants_by"]
+    key = _variant_key(key, frame_reads.variant(calls, frame_reads.fold_results(calls)))
+    data = store.get(KIND, key).value
+    if data is None:
+        return None
+    stored = _decoded(data)
+    if "entry" not in stored:
+        raise _Unusable("ValueError: an entry of another format")
+    return key, stored
+
+
+def _variant_key(key: str, variant: str) -> str:
+    return hashlib.sha256(f"{key}\0{variant}".encode()).hexdigest()
 
 
 def _taken_name(entry: Any) -> str | None:
@@ -585,6 +759,8 @@ def _save(key: str) -> None:
     merged: dict[tuple, Any] = {}
     seen: set[bytes] = set()
     identities: dict[tuple[str, str], str] = {}
+    values: dict[bytes, list] = {}
+    folds: dict[tuple[str, bytes], str] = {}
     inlined: set = set()
     compile_s, saved, device_type = 0.0, [], "cpu"
     with _lock:
@@ -601,6 +777,8 @@ def _save(key: str) -> None:
         inlined |= entry.source_info.inlined_sources
         device_type = entry.device_type
         identities.update(state.identities)
+        values.update(state.values)
+        folds.update(state.folds.calls)
         compile_s += state.compile_s
         saved.append(state)
     for state in saved:
@@ -611,18 +789,26 @@ def _save(key: str) -> None:
              for code in merged.values()]
     if not saved or not any(not code.bypassed for code in codes):
         return
+    store_key = key
+    if folds:  # one entry per result of those calls, found through a record of which calls they are
+        calls = sorted(folds)
+        store_key = _variant_key(key, frame_reads.variant(calls, [folds[c] for c in calls]))
     fingerprint = _fingerprint(codes)
-    if _stored.get(key) == fingerprint:
+    if _stored.get(store_key) == fingerprint:
         return  # the store holds these frames already
     entry = _DynamoCacheEntry(codes=codes, source_info=SourceInfo(inlined_sources=inlined), device_type=device_type,
                               fn_name=codes[0].python_code.co_qualname,
                               fn_first_lineno=codes[0].python_code.co_firstlineno)
     full = PrecompileCacheEntry.from_cache_entry(entry, artifacts)
-    data = pickle.dumps({"format": _FORMAT, "entry": full, "identities": identities}, protocol=pickle.HIGHEST_PROTOCOL)
-    _stored[key] = fingerprint
+    data = pickle.dumps({"format": _FORMAT, "entry": full, "identities": identities, "values": values,
+                         "folds": folds}, protocol=pickle.HIGHEST_PROTOCOL)
+    _stored[store_key] = fingerprint
     store = get_store()
     if store is not None:
-        store.put(KIND, key, data, cost_s=compile_s)
+        if folds:
+            index = pickle.dumps({"format": _FORMAT, "variants_by": sorted(folds)}, protocol=pickle.HIGHEST_PROTOCOL)
+            store.put(KIND, key, index, cost_s=compile_s)
+        store.put(KIND, store_key, data, cost_s=compile_s)
 
 
 def _fingerprint(codes: list) -> bytes:
@@ -688,31 +874,8 @@ def _key(function: types.FunctionType, module: Any, backend_id: str, dynamic: An
         # machine's and change nothing Dynamo or Inductor produce.
         settings = sorted((k, v) for k, v in config.save_config_portable().items()
                           if not (isinstance(v, str) and os.path.isabs(v)))
-        h.update(_stable_repr(settings).encode() + b"\0")
+        h.update(stable_repr(settings).encode() + b"\0")
     return h.hexdigest()
-
-
-def code_digest(code: types.CodeType) -> str:
-    """A digest of what a code object does, the same in every process (its file's path left out)."""
-    h = hashlib.sha256()
-    for value in (code.co_qualname, code.co_firstlineno, code.co_argcount, code.co_kwonlyargcount,
-                  code.co_flags, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars):
-        h.update(repr(value).encode() + b"\0")
-    h.update(code.co_code)
-    for const in code.co_consts:
-        h.update((code_digest(const) if isinstance(const, types.CodeType) else _stable_repr(const)).encode() + b"\0")
-    return h.hexdigest()
-
-
-def _stable_repr(value: Any) -> str:
-    # Sets of strings print in hash order, which differs between processes.
-    if isinstance(value, (set, frozenset)):
-        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
-    if isinstance(value, (list, tuple)):
-        return "(" + ", ".join(_stable_repr(v) for v in value) + ")"
-    if isinstance(value, dict):
-        return "{" + ", ".join(sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())) + "}"
-    return repr(value)
 
 
 # -- identities of globals -------------------------------------------------------------------------
@@ -747,93 +910,6 @@ def _global_identities(manager: Any, sorted_guards: list, builder: Any, package:
             raise _NotPackaged(f"{kind} guard on {guard.name}, which has no name in other processes")
         found[(module_name, guard.name)] = identity
     return found
-
-
-def global_identity(obj: Any) -> str | None:
-    """What ``obj`` is called in every process: ``module NAME``, ``class M:Q``, ``builtin M:Q`` or
-    ``function M:Q:<code digest>``; ``None`` when it has no such name (a local or nested function,
-    a closure, an instance, an object its name does not lead back to)."""
-    if isinstance(obj, types.ModuleType):
-        return f"module {obj.__name__}" if sys.modules.get(obj.__name__) is obj else None
-    if isinstance(obj, type):
-        kind = "class"
-    elif isinstance(obj, types.FunctionType):
-        if obj.__closure__:
-            return None
-        kind = "function"
-    elif isinstance(obj, types.BuiltinFunctionType):
-        kind = "builtin"
-    else:
-        return None
-    module_name, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not isinstance(module_name, str) or not isinstance(qualname, str) or "<" in qualname:
-        return None
-    try:
-        found: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except Exception:
-        return None
-    if found is not obj:
-        return None
-    if kind == "function":
-        return f"function {module_name}:{qualname}:{code_digest(obj.__code__)}"
-    return f"{kind} {module_name}:{qualname}"
-
-
-def _changed_global(identities: dict[tuple[str, str], str], entry: Any) -> str | None:
-    """The first recorded global that is not what it was when the entry was made, as a phrase."""
-    aliases = {alias: name for code in entry.dynamo.codes for alias, name in code.import_sources.items()}
-    for (module_name, source), expected in identities.items():
-        module = sys.modules.get(module_name)
-        if module is None:
-            return f"module {module_name} is not imported"
-        try:
-            if source.startswith("G["):
-                found = global_identity(_resolve(source, vars(module), aliases))
-            else:
-                found = global_identity(_named(expected))
-        except Exception:
-            found = None
-        if found != expected:
-            return f"{source} in {module_name} is {found or 'something else'}, was {expected}"
-    return None
-
-
-def _named(identity: str) -> Any:
-    """The object an identity (see :func:`global_identity`) names in this process."""
-    kind, _, rest = identity.partition(" ")
-    if kind == "module":
-        return importlib.import_module(rest)
-    module_name, qualname = rest.split(":")[:2]
-    found: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    return found
-
-
-def _resolve(source: str, scope: dict, aliases: dict[str, str]) -> Any:
-    """The object a guard's global source (``G['torch'].nn.functional``) names in ``scope``."""
-    root = _SOURCE_ROOT.match(source)
-    if root is None:
-        raise ValueError(f"not a global source: {source}")
-    name = root.group(1)
-    if name in scope:
-        obj = scope[name]
-    elif name in aliases:  # Dynamo's import aliases, installed with the package
-        obj = importlib.import_module(aliases[name])
-    elif name.startswith("__builtins_dict__"):
-        obj = builtins.__dict__
-    else:
-        raise KeyError(name)
-    rest = source[root.end():]
-    while rest:
-        step = _SOURCE_STEP.match(rest)
-        if step is None:
-            raise ValueError(f"cannot follow {rest!r}")
-        obj = getattr(obj, step.group(1)) if step.group(1) else obj[step.group(2)]
-        rest = rest[step.end():]
-    return obj
 
 
 def _fail_open(where: str, exc: BaseException) -> None:

@@ -575,6 +575,7 @@ _FRAME_HOOKS = {
     "torch._dynamo.eval_frame": "hook_eval_frame",
     "torch._dynamo.guards": "hook_guards",
     "torch._dynamo.package": "hook_package",
+    "torch._dynamo.variables.torch": "hook_constant_folds",
     "torch._dynamo.precompile_context": "hook_precompile_context",
     "torch._functorch._aot_autograd.autograd_cache": "hook_autograd_cache",
 }

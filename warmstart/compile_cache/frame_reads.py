@@ -1,0 +1,215 @@
+"""What a compiled frame read while Dynamo traced it, recorded in its entry and checked on the machine
+that installs it.
+
+Dynamo turns what a frame reads into constants of its graph and, for most reads, a guard that checks
+the value on every call. Within one process that is enough. Across processes it is not, in three ways,
+and each is closed here from what Dynamo itself recorded, not from a list of cases:
+
+* **Guard values rebuilt on the new machine.** torch serializes a guard with the objects it reads
+  from, and stores modules, classes and functions by name. On the new machine the guard's expected
+  value is read again from that machine's objects: a class attribute, a function's ``__defaults__``, a
+  constant of another module, ``sys.argv`` or a ``torch.backends`` flag then "matches" whatever it is
+  there. The producer records a description of the value behind every guard (:func:`guard_values`);
+  the new machine compares it with the value its own guard is about to expect (:func:`changed_value`)
+  and installs nothing on a difference.
+* **Calls Dynamo folds into constants without a guard** (``torch.distributed.get_rank()``,
+  ``get_world_size()``, ``is_initialized()``, ``torch.get_default_dtype()``...): each fold is recorded
+  with its arguments and result (:class:`Folds`) and called again on the new machine before installing.
+  Their results also pick which of several stored variants a machine reads (each rank its own, for
+  rank-dependent frames), see ``dynamo_frames``.
+* **Hooks**: Dynamo does not guard module hooks (``skip_nnmodule_hook_guards``) but records which
+  hook dictionaries it found empty. Installed frames get those guards for real
+  (:func:`real_hook_guards`), so a hook registered on the new machine makes Dynamo trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import hashlib
+import pickle
+import types
+from typing import Any
+
+from warmstart.compile_cache.dynamo_identity import global_identity, named
+
+#: Guards that are not about a value a source names (checked by torch itself on every call).
+_NOT_VALUES = frozenset({"GLOBAL_STATE", "TORCH_FUNCTION_STATE", "SHAPE_ENV", "DEFAULT_DEVICE", "GRAD_MODE",
+                         "DETERMINISTIC_ALGORITHMS", "BACKEND_MATCH", "EMPTY_NN_MODULE_HOOKS_DICT"})
+_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, slice, range, enum.Enum)
+_MAX_ITEMS = 32
+_MAX_REPR = 400
+#: Guards that compare a value with ``==``: an object of a user's type is described by its ``repr``.
+_BY_VALUE = frozenset({"EQUALS_MATCH", "CONSTANT_MATCH"})
+
+
+def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
+    """What a guard can see of ``value``, the same in every process: constants by value, tensors by
+    their metadata, containers by their length (and keys, in order, or items where those are
+    constants), objects with a name (modules, classes, functions) by that name, and anything else by
+    its type, or, for a guard that compares values (``by_value``), by its own ``repr``."""
+    import numpy
+    import torch
+
+    if isinstance(value, numpy.generic):
+        return f"{type(value).__qualname__} {value!r}"
+    if isinstance(value, numpy.ndarray):
+        return f"ndarray {value.dtype} {value.shape}"
+    if isinstance(value, _CONSTANTS) or isinstance(value, (torch.dtype, torch.device, torch.layout,
+                                                           torch.memory_format)):
+        return f"{type(value).__qualname__} {value!r}"
+    if isinstance(value, torch.Tensor):
+        return (f"tensor {value.dtype} {value.device.type} {tuple(value.shape)} {tuple(value.stride())} "
+                f"requires_grad={value.requires_grad}")
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(value, (tuple, list)):
+        if depth >= 2 or len(value) > _MAX_ITEMS:
+            return f"{kind} len {len(value)}"
+        return f"{kind} [" + ", ".join(describe(v, depth + 1) for v in value) + "]"
+    if isinstance(value, dict):
+        keys = list(value)
+        if len(keys) <= _MAX_ITEMS and all(isinstance(k, str) for k in keys):
+            return f"{kind} keys {keys}"  # in order: Dynamo's loops over a dict follow it
+        return f"{kind} len {len(keys)}"
+    if isinstance(value, (set, frozenset)):
+        if len(value) <= _MAX_ITEMS and all(isinstance(v, _CONSTANTS) for v in value):
+            return f"{kind} {sorted(repr(v) for v in value)}"
+        return f"{kind} len {len(value)}"
+    if isinstance(value, types.ModuleType):
+        return f"module {value.__name__}"
+    identity = global_identity(value)
+    if identity is not None:
+        return identity
+    if by_value and type(value).__repr__ is not object.__repr__:
+        with contextlib.suppress(Exception):
+            return f"object {kind} {repr(value)[:_MAX_REPR]}"
+    return f"object {kind}"
+
+
+def _checked(guard: Any) -> bool:
+    name = guard.name
+    return guard.create_fn_name() not in _NOT_VALUES and ("L[" in name or "G[" in name)
+
+
+def guard_values(builder: Any, guards: list) -> list[tuple[str, str]]:
+    """``(guard, description of the value behind it)`` for the value guards of a frame, as the
+    producer's Dynamo saw them (``builder`` is the one that built the guards)."""
+    found = []
+    for guard in guards:
+        if not _checked(guard):
+            continue
+        try:
+            kind = guard.create_fn_name()
+            found.append((f"{kind} {guard.name}", describe(builder.get(guard), by_value=kind in _BY_VALUE)))
+        except Exception:
+            continue  # nothing to compare: torch's own guard is all there is
+    return found
+
+
+def changed_value(expected: list[tuple[str, str]], guards_state: Any) -> str | None:
+    """The first guard whose value, as this machine's guards would expect it, is not what the producer
+    saw, as a phrase; ``None`` when all are the same."""
+    import builtins
+
+    from torch._dynamo.guards import _get_closure_vars
+
+    output_graph = guards_state.output_graph
+    scope = {"L": output_graph.local_scope, "G": output_graph.global_scope, "__builtins__": builtins.__dict__.copy()}
+    by_name = {f"{g.create_fn_name()} {g.name}": g for g in output_graph.guards}
+    cache: dict = {}
+    for name, was in expected:
+        guard = by_name.get(name)
+        if guard is None:
+            return f"{name.partition(' ')[2]} is not guarded here"
+        try:
+            now = describe(guard.originating_source.get_value(scope, _get_closure_vars(), cache),
+                           by_value=guard.create_fn_name() in _BY_VALUE)
+        except Exception as exc:
+            now = f"unreadable ({type(exc).__name__})"
+        if now != was:
+            return f"{guard.name} is {now}, was {was}"
+    return None
+
+
+class Folds:
+    """Calls Dynamo folded into constants without a guard, while compiling one package's frames."""
+
+    def __init__(self) -> None:
+        #: (function's name, pickled arguments) -> description of the result
+        self.calls: dict[tuple[str, bytes], str] = {}
+
+    def record(self, function: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        name = global_identity(function)
+        try:
+            arguments = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            arguments = None
+        if name is None or arguments is None:
+            raise UnrecordedFold(f"{getattr(function, '__qualname__', function)!s}(...)")
+        self.calls[(name, arguments)] = describe(result)
+
+    def update(self, calls: dict[tuple[str, bytes], str]) -> None:
+        self.calls.update(calls)
+
+
+class UnrecordedFold(Exception):
+    """Dynamo folded a call whose function or arguments cannot be named in another process."""
+
+
+def fold_results(calls: list[tuple[str, bytes]]) -> list[str]:
+    """The result of each recorded call, made again in this process."""
+    results = []
+    for name, arguments in calls:
+        try:
+            args, kwargs = pickle.loads(arguments)
+            results.append(describe(named(name)(*args, **kwargs)))
+        except Exception as exc:
+            results.append(f"raises {type(exc).__name__}")
+    return results
+
+
+def changed_fold(calls: dict[tuple[str, bytes], str]) -> str | None:
+    """The first folded call whose result here is not the producer's, as a phrase."""
+    ordered = sorted(calls)
+    for (name, _), now in zip(ordered, fold_results(ordered)):
+        was = calls[(name, _)]
+        if now != was:
+            return f"{_call_text(name)} is {now} here, was {was}"
+    return None
+
+
+def variant(calls: list[tuple[str, bytes]], results: list[str]) -> str:
+    """A digest of what the folded calls give: the variant of an entry a machine reads."""
+    h = hashlib.sha256()
+    for (name, arguments), result in zip(calls, results):
+        h.update(name.encode() + b"\0" + arguments + b"\0" + result.encode() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def _call_text(name: str) -> str:
+    kind, _, rest = name.partition(" ")
+    return rest.split(":")[1] + "()" if ":" in rest else name
+
+
+@contextlib.contextmanager
+def real_hook_guards():
+    """While installing frames, the hook guards Dynamo recorded check for real that each hooks
+    dictionary it found empty is still empty, on every call (Dynamo itself skips them by default)."""
+    from torch._dynamo.guards import GuardBuilder, get_verbose_code_parts
+
+    original = GuardBuilder.__dict__["EMPTY_NN_MODULE_HOOKS_DICT"]
+
+    @functools.wraps(original)
+    def EMPTY_NN_MODULE_HOOKS_DICT(self, guard):  # noqa: N802 (torch's name: guards are pickled by it)
+        # The stored module holds no hooks dictionaries to measure: the expected length is 0.
+        code = [f"not {self.arg_ref(guard)}"]
+        self._set_guard_export_info(guard, code)
+        self.get_guard_manager(guard).add_dict_length_check_guard(0, get_verbose_code_parts(code, guard),
+                                                                  guard.user_stack)
+
+    GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT = EMPTY_NN_MODULE_HOOKS_DICT
+    try:
+        yield
+    finally:
+        GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT = original
