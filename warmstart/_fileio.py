@@ -7,22 +7,25 @@ Neutral ground: both ``warmstart.server`` (passwords, URLs, ACL) and ``warmstart
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
 def write_file(path: Path, data: str | bytes, mode: int) -> None:
     """Write ``data`` to ``path`` with permissions ``mode``, replacing it atomically.
 
-    The bytes are never readable under a wider mode, not even for an instant: the temporary file
-    is created with ``mode`` (narrowed by the umask, then set exactly) before anything is written.
+    The bytes are never readable under a wider mode, not even for an instant: the temporary file is
+    created 0600, exclusively and under a random name, and gets ``mode`` exactly once written.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode & 0o600)
+    # A new file of an unpredictable name, created exclusively (O_EXCL, O_NOFOLLOW: never a file or
+    # link another user put there), mode 0600 until its mode is set.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(tmp, mode)  # the umask or an existing file may have left it otherwise
+            os.fchmod(handle.fileno(), mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -68,6 +68,9 @@ def validate_cache_url(url: str, variable: str = "WARMSTART_CACHE_URL") -> str:
         raise ConfigError(variable, redact_url(url), accepted) from None
     if parts.scheme not in URL_SCHEMES or not parts.netloc:
         raise ConfigError(variable, redact_url(url), accepted)
+    if "@" in parts.query or "@" in parts.fragment:  # the password holds a '?' or '#': never echo a part of it
+        raise ConfigError(variable, redact_url(url), accepted + ", with a '?' or '#' in the password "
+                          "percent-encoded (%3F, %23)")
     hosts = parts.netloc.rsplit("@", 1)[-1]
     for hostport in hosts.split(","):
         host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "6379")

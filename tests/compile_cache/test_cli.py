@@ -115,3 +115,27 @@ def test_doctor_warns_when_tmpdir_is_too_long_for_dataloader_sockets(tmp_path):
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "TMPDIR" in line)
     assert line.lstrip().startswith("ok") and "too long" not in result.output
+
+
+def test_clear_remote_with_a_verify_only_key_deletes_nothing(redis_node, tmp_path):
+    """A job holding only the public key can never write: not by clearing either, whatever the URL."""
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    generate_key_pair(tmp_path / "signing.key", tmp_path / "verify.pub")
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_KEY_FILE": str(tmp_path / "signing.key"),
+           "WARMSTART_CACHE_DIR": str(tmp_path / "cache"), "WARMSTART_NAMESPACE": "cli"}
+    writer = open_store(Settings.from_env(env))
+    writer.put("fx_graph", "k", b"graph", sync=True)
+    writer.close()
+    keys_before = sorted(redis.Redis.from_url(redis_node.url).scan_iter("ws:*"))
+    assert keys_before
+
+    refused = _invoke(["cache", "clear", "--local", "--remote"], dict(env, WARMSTART_KEY_FILE=str(tmp_path / "verify.pub")))
+    assert refused.exit_code == 2, refused.output
+    assert "is a public key, which can only read and verify" in refused.output
+    assert sorted(redis.Redis.from_url(redis_node.url).scan_iter("ws:*")) == keys_before
+    assert "local: removed" not in refused.output  # a refused command removes nothing, locally neither
+
+    cleared = _invoke(["cache", "clear", "--remote"], env)
+    assert cleared.exit_code == 0 and "remote: removed" in cleared.output, cleared.output
+    assert list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*:p:*")) == []

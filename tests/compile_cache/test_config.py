@@ -235,3 +235,11 @@ def test_bad_metrics_settings_are_one_line(env, variable):
         metrics_settings(env)
     message = str(info.value)
     assert message.startswith(f"{variable}={env[variable]!r}") and "expected" in message and "\n" not in message
+
+
+def test_a_question_mark_in_the_password_is_never_echoed():
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({"WARMSTART_CACHE_URL": "redis://user:6379?s3cret=1@host/0"})
+    message = str(raised.value)
+    assert "s3cret" not in message and "6379?" not in message
+    assert "percent-encoded (%3F, %23)" in message

@@ -88,3 +88,26 @@ def test_a_refused_directory_still_leaves_the_remote_tier(redis_node, tmp_path):
     assert store.get("fx_graph", "k").value == b"remote"
     store.close()
     assert not (cache_dir / "stats.json").exists()
+
+
+def test_namespaces_sharing_a_directory_never_read_each_others_entries(tmp_path):
+    """An NFS home shared by machines of other CPUs, or jobs of another WARMSTART_NAMESPACE: one local
+    directory, and each namespace sees its own entries only."""
+    from warmstart.compile_cache import open_store
+    from warmstart.config import Settings
+
+    def store(namespace: str):
+        return open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
+                                             "WARMSTART_NAMESPACE": namespace}), persist_stats=False)
+
+    team_a, team_b = store("team-a"), store("team-b")
+    try:
+        team_a.put("fx_graph", "same-key", b"team a's graph", sync=True)
+        assert team_b.get("fx_graph", "same-key").value is None
+        assert team_a.get("fx_graph", "same-key").value == b"team a's graph"
+        team_b.put("fx_graph", "same-key", b"team b's graph", sync=True)
+        assert team_a.get("fx_graph", "same-key").value == b"team a's graph"
+        assert team_b.get("fx_graph", "same-key").value == b"team b's graph"
+    finally:
+        team_a.close()
+        team_b.close()

@@ -235,3 +235,28 @@ def test_rotate_writer_password_and_secret_on_a_running_server(server_dir):
 def test_rotate_needs_something_to_rotate(server_dir):
     result = _run("rotate", "--dir", str(server_dir))
     assert result.exit_code == 2 and "nothing to rotate" in result.stderr
+
+
+def test_a_dir_others_can_write_is_made_private_with_one_warning(server_dir, caplog):
+    server_dir.mkdir(mode=0o777)
+    os.chmod(server_dir, 0o777)
+    result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(free_port_block(1)),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert os.stat(server_dir).st_mode & 0o777 == 0o700
+    warned = [r.getMessage() for r in caplog.records if "made private (0700)" in r.getMessage()]
+    assert len(warned) == 1 and "mode 777" in warned[0], warned
+
+
+def test_a_dir_holding_a_key_another_user_planted_is_refused(server_dir):
+    """In a directory others could write, another user replaced the signing key: adopting it would
+    let that user sign entries every job accepts."""
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    server_dir.mkdir(mode=0o700)
+    generate_key_pair(server_dir / "signing.key", server_dir / "verify.pub")
+    os.chown(server_dir / "signing.key", 65534, 65534)  # nobody
+    result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(free_port_block(1))])
+    assert result.exit_code == 2, result.output
+    assert "holds signing.key, which another user owns or can write" in result.output
+    assert not (server_dir / "state.json").exists()  # nothing was started

@@ -107,6 +107,18 @@ def clear(local_: bool, remote: bool) -> None:
     settings = Settings.from_env()
     if not remote:
         local_ = True
+    keys = None
+    if remote:
+        # Checked before anything is removed: a command that fails removes nothing.
+        if not settings.cache_url:
+            raise click.UsageError("--remote needs WARMSTART_CACHE_URL")
+        from warmstart.compile_cache.signing import keys_for
+
+        keys = keys_for(settings.key_file, settings.secret)
+        if keys is not None and not keys.can_sign:
+            raise click.UsageError(f"--remote: WARMSTART_KEY_FILE {settings.key_file} is a public key, which can only "
+                                   "read and verify: a job holding it never writes or deletes remote entries (use the "
+                                   "signing key, signing.key, with the writer URL)")
     if local_:
         tier = LocalTier(settings.cache_dir, settings.cache_size)
         removed = tier.clear()
@@ -114,12 +126,15 @@ def clear(local_: bool, remote: bool) -> None:
         stats_path(settings).unlink(missing_ok=True)
         click.echo(f"local: removed {removed} entries from {settings.cache_dir}")
     if remote:
-        if not settings.cache_url:
-            raise click.UsageError("--remote needs WARMSTART_CACHE_URL")
+        import redis
+
         ns = namespace(settings.namespace)
-        tier = RemoteTier(settings.cache_url, secret=settings.secret or b"-", namespace=ns)
+        tier = RemoteTier(settings.cache_url, keys=keys, secret=None if keys is not None else b"-", namespace=ns)
         try:
             removed = tier.clear()
+        except redis.exceptions.NoPermissionError:
+            raise click.ClickException(f"remote: could not clear namespace {ns}: the URL's user may not delete entries "
+                                       "(a reader's URL can only read): use the writer URL (writer.url)") from None
         except Exception as exc:
             raise click.ClickException(f"remote: could not clear namespace {ns}: {exc}") from None
         click.echo(f"remote: removed {removed} keys of namespace {ns}")

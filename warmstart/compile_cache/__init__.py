@@ -7,6 +7,8 @@ the ``.pth`` start-up hook does that in every process when ``WARMSTART=1``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
 
@@ -105,13 +107,20 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     if settings.mode == "off":
         return None
     stats = Stats()
-    local = _open_local(settings, stats)
-    remote = None
+    keys = None
     if settings.cache_url:
         try:
             from warmstart.compile_cache import signing
 
             keys = signing.keys_for(settings.key_file, settings.secret)
+        except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
+            warn_once(f"remote-open:{type(exc).__name__}", "warmstart: remote cache tier off: cannot use %s (%s: %s)",
+                      redact_url(settings.cache_url), type(exc).__name__, _scrub(str(exc), settings.cache_url))
+            settings = dataclasses.replace(settings, cache_url=None)
+    local = _open_local(settings, stats, keys.key_id if keys is not None else "")
+    remote = None
+    if settings.cache_url:
+        try:
             if keys is not None:
                 remote = RemoteTier(settings.cache_url, keys=keys, namespace=namespace(settings.namespace),
                                     components=components(settings.namespace), stats=stats)
@@ -148,14 +157,16 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
                        stats_file=stats_path(settings) if persist_stats and local is not None else None)
 
 
-def _open_local(settings: Settings, stats: "Stats") -> "LocalTier | None":
+def _open_local(settings: Settings, stats: "Stats", key_id: str) -> "LocalTier | None":
     """The local tier, or ``None`` (one warning) when its directory is unsafe or unusable."""
     from warmstart.compile_cache.local import LocalTier, UnsafeCacheDir, check_private
+    from warmstart.compile_cache.namespace import namespace
 
     try:
         if not settings.cache_dir_shared:
             check_private(settings.cache_dir)
-        return LocalTier(settings.cache_dir, settings.cache_size, stats)
+        return LocalTier(settings.cache_dir, settings.cache_size, stats, namespace=namespace(settings.namespace),
+                         key_id=key_id)
     except UnsafeCacheDir as exc:
         warn_once("local-unsafe", "warmstart: local cache tier off: %s, so others could run code in this job; "
                   "make it yours and private (chmod 700), or set WARMSTART_CACHE_DIR_SHARED=1 if it is shared on "

@@ -49,13 +49,20 @@ def _corrupt(exc: BaseException) -> bool:
 
 
 class LocalTier:
-    """Artifacts in ``directory`` (diskcache), at most ``size_limit`` bytes."""
+    """Artifacts in ``directory`` (diskcache), at most ``size_limit`` bytes.
+
+    Keys hold the store's ``namespace`` and signing ``key_id``, as the remote tier's do: processes
+    of other namespaces (another torch or CPU, another ``WARMSTART_NAMESPACE``) or keys that share a
+    directory (a home directory on NFS, say) never read each other's entries.
+    """
 
     name = "local"
 
-    def __init__(self, directory: Path | str, size_limit: int, stats: Stats | None = None) -> None:
+    def __init__(self, directory: Path | str, size_limit: int, stats: Stats | None = None, *,
+                 namespace: str = "", key_id: str = "") -> None:
         self.directory = Path(directory)
         self.size_limit = size_limit
+        self._prefix = f"{namespace}:{key_id}:"
         self.stats = stats or Stats()
         self._off = False
         # Private from the start (diskcache would make them 0755). Path.mkdir applies ``mode`` to
@@ -75,7 +82,7 @@ class LocalTier:
             return Miss(SKIPPED, self.name, "local tier off (damaged)")
         start = time.perf_counter()
         try:
-            item = self._cache.get(f"{kind}:{key}", default=None, tag=True)
+            item = self._cache.get(f"{self._prefix}{kind}:{key}", default=None, tag=True)
         except Exception as exc:  # diskcache.Timeout, sqlite errors, a full disk
             self.stats.add(self.name, kind, errors=1, misses=1)
             self._failed("get", exc)
@@ -95,7 +102,7 @@ class LocalTier:
             return False
         try:
             # The producer's cost rides along as the entry's tag for the "seconds saved" estimate.
-            self._cache.set(f"{kind}:{key}", value, tag=round(cost_s, 4))
+            self._cache.set(f"{self._prefix}{kind}:{key}", value, tag=round(cost_s, 4))
         except Exception as exc:
             self.stats.add(self.name, kind, errors=1)
             self._failed("put", exc)
@@ -114,7 +121,7 @@ class LocalTier:
 
     def delete(self, kind: str, key: str) -> bool:
         """Remove one entry; True if it was there."""
-        return bool(self._cache.delete(f"{kind}:{key}"))
+        return bool(self._cache.delete(f"{self._prefix}{kind}:{key}"))
 
     def volume(self) -> int:
         """Bytes on disk."""

@@ -11,6 +11,7 @@ accepted. It launches nothing.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import socket
@@ -21,6 +22,8 @@ from warmstart.config import server_settings
 from warmstart.errors import ConfigError
 from warmstart.server.config import CLUSTER_BUS_OFFSET, OptionError, ServerOptions, is_loopback
 from warmstart.server.state import ServerState
+
+log = logging.getLogger("warmstart.server")
 
 
 def redis_binary(name: str = "redis-server", environ: Mapping[str, str] | None = None) -> str:
@@ -52,13 +55,19 @@ def redis_binary(name: str = "redis-server", environ: Mapping[str, str] | None =
 
 
 def check_dir(directory: Path) -> None:
-    """Create ``directory`` (mode 0700) if needed and check that files can be written in it.
+    """Create ``directory`` (mode 0700) if needed and check that files can be written in it, and that
+    no one else can: the signing key and the passwords live there.
+
+    A directory of this user's that others could write is made private again (0700, one warning).
+    One that another user owns, or that holds a file another user owns or can write (a key planted
+    while the directory was open), is refused.
 
     Raises:
-        ConfigError: it cannot be created or written.
+        ConfigError: it cannot be created or written, or others own it or files in it.
     """
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _check_private(directory)
         probe = directory / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -67,6 +76,28 @@ def check_dir(directory: Path) -> None:
         raise OptionError("--dir", str(directory), "a writable directory",
                              f"--dir={str(directory)!r} is not writable ({reason}): expected a directory "
                              "this user can create files in") from None
+
+
+def _check_private(directory: Path) -> None:
+    uid = os.geteuid()
+    st = directory.stat()
+    if st.st_uid != uid:
+        raise OptionError("--dir", str(directory), "a directory of this user's",
+                          f"--dir={str(directory)!r} belongs to uid {st.st_uid}, not to this user (uid {uid}): "
+                          "its keys and passwords would not be this user's alone; use a directory of your own")
+    for path in directory.iterdir():
+        if path.is_symlink():
+            found = path.lstat()
+        else:
+            found = path.stat()
+        if found.st_uid != uid or (not path.is_dir() and found.st_mode & 0o022):
+            raise OptionError("--dir", str(directory), "a directory whose files are this user's alone",
+                              f"--dir={str(directory)!r} holds {path.name}, which another user owns or can write: "
+                              "it may have been replaced; check it, remove it, and start again")
+    if st.st_mode & 0o077:
+        log.warning("warmstart: --dir %s was open to others (mode %o): made private (0700)", directory,
+                    st.st_mode & 0o7777)
+        os.chmod(directory, 0o700)
 
 
 def check_not_running(directory: Path) -> None:
