@@ -17,8 +17,8 @@ __all__ = ["enable", "__version__"]
 def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None = None,
            cache_size: str | None = None, mode: str | None = None, secret: str | None = None,
            secret_file: str | os.PathLike | None = None, key_file: str | os.PathLike | None = None,
-           namespace: str | None = None, compile_wait_s: float | None = None, dynamo: bool | None = None,
-           run_dir: str | os.PathLike | None = None, job_id: str | None = None) -> None:
+           namespace: str | None = None, compile_wait_s: float | None = None, max_wait_s: float | None = None,
+           dynamo: bool | None = None, run_dir: str | os.PathLike | None = None, job_id: str | None = None) -> None:
     """Turn warmstart on in this process and the processes it starts.
 
     Arguments beat environment variables, which beat defaults. They are exported to the
@@ -28,7 +28,8 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     for jobs that write the shared cache, the public key (``verify.pub``) for jobs that only read
     it. It wins over ``secret``/``secret_file`` (the HMAC secret of older setups) when both are given.
     ``compile_wait_s`` (``WARMSTART_COMPILE_WAIT_S``) bounds how long a process waits for another
-    one compiling the entry it missed; 0 turns single-flight compiles off. ``dynamo``
+    one compiling the entry it missed; 0 turns single-flight compiles off. ``max_wait_s``
+    (``WARMSTART_MAX_WAIT_S``, 60 s) bounds the time it spends waiting on the cache in total. ``dynamo``
     (``WARMSTART_DYNAMO``, off by default) shares Dynamo's output, so new machines skip tracing the
     frames another one compiled.
 
@@ -40,7 +41,7 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     env = enable_environment(  # checks everything before changing anything
         os.environ, cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode, secret=secret,
         secret_file=secret_file, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s,
-        dynamo=None if dynamo is None else int(bool(dynamo)), run_dir=run_dir, job_id=job_id)
+        max_wait_s=max_wait_s, dynamo=None if dynamo is None else int(bool(dynamo)), run_dir=run_dir, job_id=job_id)
     os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
     identity = job_identity(os.environ)
     # The PGO state is named before an id is generated: a generated id is new on every run, and

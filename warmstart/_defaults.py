@@ -14,7 +14,13 @@ BREAKER_COOLDOWN_S = 30.0  # how long an open circuit breaker keeps the remote t
 # by REMOTE_CONNECT_TIMEOUT_S per node tried.
 REMOTE_OP_DEADLINE_S = 2.0  # seconds
 REMOTE_MIN_BYTES_PER_S = 16 * 1024**2  # 16 MiB/s: a 150 MB value may take 2 s + 9 s
+# Slow is a fault: REMOTE_SLOW_IN_A_ROW operations in a row that each take more than REMOTE_SLOW_SHARE of
+# their deadline (0.5 s of 2 s; a healthy server answers in milliseconds) open the circuit breaker, and
+# its probe passes only a PING that is fast.
+REMOTE_SLOW_SHARE = 0.25
+REMOTE_SLOW_IN_A_ROW = 3
 WRITE_QUEUE_BYTES = 256 * 1024**2  # background writes held in memory at most (256 MiB); more are dropped
+LOCAL_LOCK_TIMEOUT_S = 1.0  # the local tier's SQLite lock wait; past it the tier is off for the process
 EXIT_FLUSH_S = 5.0  # at exit, background writes get at most this many seconds, then are dropped
 
 CHUNK_BYTES = 8 * 1024**2  # remote values are split into chunks of at most this size
@@ -26,7 +32,14 @@ REMOTE_TTL_S = 30 * 24 * 3600  # remote entries expire after 30 days unless touc
 # compiling waits for it at most COMPILE_WAIT_S, looking at the lease every LEASE_POLL_S at most; a
 # Redis lease not renewed for LEASE_TTL_S (its holder died) lapses, and a waiter takes it over.
 COMPILE_WAIT_S = 300.0
+# The most time one process spends waiting on the cache in total (WARMSTART_MAX_WAIT_S), every wait
+# included: remote and local tier operations on the job's threads, peers' leases, the exit flush. A
+# healthy warm start of the reference job waits well under a second in all; its cold compile takes
+# 20-50 s here. 60 s lets a rank wait for a peer's compile of that size, and caps what any fault costs.
+MAX_WAIT_S = 60.0
 LEASE_TTL_S = 3.0
+#: The furthest ahead a lease record may claim to last: one that claims more is not honoured.
+LEASE_MAX_S = 600.0
 LEASE_POLL_S = 0.25
 
 FLUSH_INTERVAL_S = 1.0  # ETT event files are flushed at least this often

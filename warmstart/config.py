@@ -355,6 +355,7 @@ ENABLE_VARIABLES: dict[str, str] = {
     "key_file": "WARMSTART_KEY_FILE",
     "namespace": "WARMSTART_NAMESPACE",
     "compile_wait_s": "WARMSTART_COMPILE_WAIT_S",
+    "max_wait_s": "WARMSTART_MAX_WAIT_S",
     "dynamo": "WARMSTART_DYNAMO",
     "run_dir": "WARMSTART_RUN_DIR",
     "job_id": "WARMSTART_JOB_ID",
@@ -406,6 +407,9 @@ class Settings:
     compile_wait_s: float = _defaults.COMPILE_WAIT_S
     """``WARMSTART_COMPILE_WAIT_S``: the longest a process waits for another process that is compiling
     the entry it missed (then it compiles it itself); 0 turns single-flight compiles off."""
+    max_wait_s: float = _defaults.MAX_WAIT_S
+    """``WARMSTART_MAX_WAIT_S``: the most seconds this process spends waiting on the cache in total
+    (tiers, peers' leases, the exit flush); past it, it waits no more (see ``wait_budget.py``)."""
     dynamo_frames: bool = False
     """``WARMSTART_DYNAMO``: ``1`` shares Dynamo's output (each compiled frame's bytecode and guards),
     so a new machine does not trace frames another one compiled; off by default."""
@@ -442,12 +446,15 @@ class Settings:
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
         compile_wait_s = _env_seconds(env, "WARMSTART_COMPILE_WAIT_S", _defaults.COMPILE_WAIT_S, zero_ok=True,
                                       accepted="seconds, a number >= 0 (0 turns waiting off)")
+        max_wait_s = _env_seconds(env, "WARMSTART_MAX_WAIT_S", _defaults.MAX_WAIT_S, zero_ok=True,
+                                  accepted="seconds, a number >= 0 (0: never wait on the cache)")
         dynamo_frames = dynamo_frames_setting(env)
         job = job_identity(env)
         values: dict[str, object] = dict(
             enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",
             cache_size=cache_size,
             mode=mode, secret=secret, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s, job=job,
+            max_wait_s=max_wait_s,
             dynamo_frames=dynamo_frames,
         )
         values.update({k: v for k, v in overrides.items() if v is not None})

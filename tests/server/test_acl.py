@@ -47,7 +47,6 @@ def test_reader_reads_but_cannot_write(single_server):
     key = f"{KEY_PREFIX}reader-test"
     writer.set(key, b"payload")
     assert reader.get(key) == b"payload"
-    assert reader.mget([key, key]) == [b"payload", b"payload"]
     assert reader.exists(key) == 1
     assert reader.strlen(key) == 7 and reader.getrange(key, 0, 2) == b"pay"
     for command in (("SET", key, "evil"), ("SET", f"{KEY_PREFIX}new", "evil"), ("DEL", key), ("UNLINK", key),
@@ -78,7 +77,8 @@ def test_reader_reads_but_cannot_write(single_server):
     ("SETBIT", f"{KEY_PREFIX}a", "4000000000", "1"), ("SRANDMEMBER", f"{KEY_PREFIX}s", "-100000000"),
     ("HRANDFIELD", f"{KEY_PREFIX}h", "-100000000"), ("APPEND", f"{KEY_PREFIX}a", "x"), ("RENAME", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"),
     ("EXPIRE", f"{KEY_PREFIX}a", "1"), ("GETDEL", f"{KEY_PREFIX}a"), ("SORT", f"{KEY_PREFIX}l"), ("RANDOMKEY",),
-    ("DBSIZE",), ("TYPE", f"{KEY_PREFIX}a"), ("MULTI",), ("WATCH", f"{KEY_PREFIX}a"), ("SELECT", "0"),
+    ("DBSIZE",), ("TYPE", f"{KEY_PREFIX}a"), ("WATCH", "outside"), ("SELECT", "0"),
+    ("MGET", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"), ("CLIENT", "SETNAME", "n"),
     ("LPUSH", f"{KEY_PREFIX}l", "x"), ("SADD", f"{KEY_PREFIX}s", "x"), ("XADD", f"{KEY_PREFIX}x", "*", "f", "v"),
     ("OBJECT", "ENCODING", f"{KEY_PREFIX}a"), ("MEMORY", "USAGE", f"{KEY_PREFIX}a"), ("DUMP", f"{KEY_PREFIX}a"),
     ("CLIENT", "KILL", "USER", "reader"), ("CLIENT", "NO-EVICT", "on"), ("WAIT", "0", "0"), ("LATENCY", "RESET"),
@@ -157,13 +157,14 @@ def test_allow_lists_are_exactly_what_the_store_needs(single_server):
     reader gets none of the writer's extra ones."""
     admin = _client(single_server, "admin")
     k = f"{KEY_PREFIX}x"
-    samples = {"get": ("GET", k), "mget": ("MGET", k, k), "exists": ("EXISTS", k), "strlen": ("STRLEN", k),
+    samples = {"get": ("GET", k), "exists": ("EXISTS", k), "strlen": ("STRLEN", k),
                "getrange": ("GETRANGE", k, "0", "1"), "set": ("SET", k, "v", "NX", "EX", "10"),
                "hlen": ("HLEN", k), "hkeys": ("HKEYS", k), "hgetall": ("HGETALL", k),
                "hset": ("HSET", k, "f", "v"), "hdel": ("HDEL", k, "f"),
                "unlink": ("UNLINK", k), "del": ("DEL", k), "scan": ("SCAN", "0", "MATCH", f"{KEY_PREFIX}*"),
                "ping": ("PING",), "hello": ("HELLO", "2"), "auth": ("AUTH", "u", "p"),
-               "client|setname": ("CLIENT", "SETNAME", "n"), "readonly": ("READONLY",), "asking": ("ASKING",),
+               "watch": ("WATCH", k), "unwatch": ("UNWATCH",), "multi": ("MULTI",), "exec": ("EXEC",),
+               "discard": ("DISCARD",), "readonly": ("READONLY",), "asking": ("ASKING",),
                "command": ("COMMAND", "COUNT"), **{c: ("CLUSTER", c.split("|")[1].upper()) for c in CLUSTER_TOPOLOGY
                                                  if c.startswith("cluster|") and c != "cluster|keyslot"},
                "cluster|keyslot": ("CLUSTER", "KEYSLOT", k)}
@@ -219,3 +220,25 @@ def test_verify_only_key_never_writes_even_with_the_writer_password(single_serve
     assert tier.put("fx_graph", "big", b"y" * 300_000) is False
     assert tier.stats.to_dict()["remote"]["fx_graph"]["dropped"] == 2
     assert list(_client(single_server, "admin").scan_iter(f"{KEY_PREFIX}verify-only:*")) == []
+
+
+def test_writer_runs_compare_and_set_transactions_on_its_keys_only(single_server):
+    """Lease renewal and release are WATCH/MULTI/EXEC transactions: the writer may run them on
+    warmstart's keys; the reader, and keys outside the prefix, stay refused."""
+    writer = _client(single_server, "writer")
+    name = f"{KEY_PREFIX}cas-probe"
+    writer.set(name, b"mine")
+    with writer.pipeline(transaction=True) as pipe:
+        pipe.watch(name)
+        assert pipe.get(name) == b"mine"
+        pipe.multi()
+        pipe.set(name, b"renewed", xx=True, px=5000)
+        pipe.execute()
+    assert writer.get(name) == b"renewed"
+    with pytest.raises(redis.ResponseError, match="no permissions"):
+        writer.execute_command("WATCH", "outside")
+    reader = _client(single_server, "reader")
+    for command in (("MULTI",), ("WATCH", name), ("EXEC",)):
+        with pytest.raises(redis.ResponseError, match="no permissions"):
+            reader.execute_command(*command)
+    writer.delete(name)

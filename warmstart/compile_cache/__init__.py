@@ -106,7 +106,10 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     settings = settings or Settings.from_env()
     if settings.mode == "off":
         return None
+    from warmstart.compile_cache.wait_budget import WaitBudget
+
     stats = Stats()
+    budget = WaitBudget(settings.max_wait_s)
     keys = None
     if settings.cache_url:
         try:
@@ -151,9 +154,9 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     if settings.compile_wait_s > 0:
         single_flight = SingleFlight(local_dir=settings.cache_dir if local is not None else None,
                                      local_writable=local is not None and not isinstance(local, ReadOnly),
-                                     remote=remote, stats=stats, wait_s=settings.compile_wait_s)
+                                     remote=remote, stats=stats, wait_s=settings.compile_wait_s, budget=budget)
     # Counts go next to a usable local tier only: never into a directory that was refused.
-    return TieredStore(local, remote, stats=stats, observers=observers, single_flight=single_flight,
+    return TieredStore(local, remote, stats=stats, observers=observers, single_flight=single_flight, budget=budget,
                        stats_file=stats_path(settings) if persist_stats and local is not None else None)
 
 

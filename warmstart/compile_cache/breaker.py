@@ -4,6 +4,7 @@ until a background probe finds it healthy again. Calls on the job's path never w
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,13 +30,24 @@ class CircuitBreaker:
         self._open = False
         self._lock = threading.Lock()
         self._warned = False
+        self._pid = os.getpid()
 
     def allow(self) -> bool:
         """True if a call may go to the tier now."""
+        if self._open and self._pid != os.getpid():
+            self._adopt_after_fork()
         return not self._open
+
+    def _adopt_after_fork(self) -> None:
+        # Forked while open: the parent's probe thread does not exist here, and without one the tier
+        # would stay off for good in this process. Probe again from here.
+        self._lock, self._pid = threading.Lock(), os.getpid()
+        threading.Thread(target=self._probe_loop, name=f"warmstart-{self._name}-probe", daemon=True).start()
 
     def trip(self, reason: str) -> None:
         """Open the breaker after a failure and start probing in the background."""
+        if self._pid != os.getpid():
+            self._lock, self._pid, self._open = threading.Lock(), os.getpid(), False
         with self._lock:
             if self._open:
                 return

@@ -88,6 +88,9 @@ class _Package:
     compile_s: float = 0.0
     #: what the first call needs to find and install the stored frames (``None`` once it ran).
     pending: tuple | None = None
+    #: held by the first call while it installs: a second thread's call waits instead of tracing
+    #: into the package being installed.
+    first_call: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 _packages: "weakref.WeakKeyDictionary[Any, _Package]" = weakref.WeakKeyDictionary()
@@ -476,7 +479,8 @@ def _installing_at_first_call(compiled: Any, state: _Package) -> Any:
     @functools.wraps(compiled)
     def first_call_installs(*args, **kwargs):
         if state.pending is not None:
-            _first_call(state)
+            with state.first_call:
+                _first_call(state)
         return compiled(*args, **kwargs)
 
     first_call_installs._torchdynamo_wrapper_id = id(first_call_installs)  # type: ignore[attr-defined]
@@ -485,9 +489,9 @@ def _installing_at_first_call(compiled: Any, state: _Package) -> Any:
 
 
 def _first_call(state: _Package) -> None:
-    with _lock:
-        pending, state.pending = state.pending, None
-    if pending is None:
+    """Key and install ``state``'s stored frames; called with ``state.first_call`` held."""
+    pending = state.pending
+    if pending is None:  # another thread's first call came first
         return
     package, fn_key, function, module_ref, backend_id, dynamic, fullgraph = pending
     try:
@@ -496,6 +500,8 @@ def _first_call(state: _Package) -> None:
         _load(package, state, fn_key)
     except Exception as exc:
         _fail_open("Dynamo frames read", exc)
+    finally:
+        state.pending = None  # only now: a call that finds it None runs what was installed
 
 
 def _compiled_function(fn: Any) -> tuple[Any, Any]:

@@ -1,7 +1,8 @@
 """The local tier: a diskcache directory with a size limit, least recently used entries out first.
 
-diskcache is SQLite plus files, safe across processes. Its lock wait is kept short so a busy disk
-costs a miss, never a stall. Torch runs what this tier holds, so its directory is private: created
+diskcache is SQLite plus files, safe across processes. Its lock wait is kept short
+(``LOCAL_LOCK_TIMEOUT_S``) so a busy disk costs a miss, never a stall, and a database that stays locked
+past it (its holder stopped or stuck) turns the tier off for the process. Torch runs what this tier holds, so its directory is private: created
 with mode 0700, and refused by ``open_store`` (:func:`check_private`) when another user owns it or
 others can write it, unless it is shared on purpose (``WARMSTART_CACHE_DIR_SHARED=1``).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import diskcache
 
+from warmstart import _defaults
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import ABSENT, SKIPPED, Hit, Lookup, Miss, warn_once
 
@@ -40,6 +42,13 @@ def check_private(directory: Path | str) -> None:
             raise UnsafeCacheDir(f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})")
         if st.st_mode & 0o022:
             raise UnsafeCacheDir(f"{path} is writable by group or others (mode {st.st_mode & 0o7777:o})")
+
+
+def _locked(exc: BaseException) -> bool:
+    """SQLite's lock stayed taken past diskcache's timeout."""
+    if isinstance(exc, diskcache.Timeout):
+        return True
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
 
 
 def _corrupt(exc: BaseException) -> bool:
@@ -71,7 +80,7 @@ class LocalTier:
         (self.directory / "store").mkdir(mode=0o700, exist_ok=True)
         self._cache = diskcache.Cache(
             str(self.directory / "store"), size_limit=size_limit, eviction_policy="least-recently-used",
-            timeout=2.0, disk_min_file_size=64 * 1024,
+            timeout=_defaults.LOCAL_LOCK_TIMEOUT_S, disk_min_file_size=64 * 1024,
         )
 
     def get(self, kind: str, key: str) -> Lookup:
@@ -79,7 +88,7 @@ class LocalTier:
         (damaged) or the lookup failed (a lock held too long, an I/O error). Never raises."""
         if self._off:
             self.stats.add(self.name, kind, misses=1)
-            return Miss(SKIPPED, self.name, "local tier off (damaged)")
+            return Miss(SKIPPED, self.name, "local tier off (damaged, or locked by another process)")
         start = time.perf_counter()
         try:
             item = self._cache.get(f"{self._prefix}{kind}:{key}", default=None, tag=True)
@@ -111,6 +120,14 @@ class LocalTier:
         return True
 
     def _failed(self, op: str, exc: Exception) -> None:
+        if _locked(exc):
+            # Held past the lock timeout: by a process that is stopped (a scheduler's suspend, a
+            # debugger) or stuck. Every later call would wait as long again: off for this process.
+            self._off = True
+            warn_once(f"local-locked:{self.directory}", "warmstart: local cache tier off for this process: its "
+                      "database in %s stayed locked for %.1f s (another process holds it: a stopped or stuck job?)",
+                      self.directory / "store", _defaults.LOCAL_LOCK_TIMEOUT_S)
+            return
         if not _corrupt(exc):
             log.debug("local tier %s failed: %s", op, exc)
             return

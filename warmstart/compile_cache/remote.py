@@ -58,6 +58,8 @@ REGISTRY_KEY = KEY_PREFIX + "registry"
 """A hash: one field per namespace and signing key id that wrote to this server (``<namespace>/<key
 id>``), holding the namespace's components as JSON. ``warmstart cache explain`` reads it to name
 what differs between this machine and the entries the server holds, without scanning keys."""
+#: The most a signed pointer record holds besides its inline value: magic, signature, header.
+_POINTER_HEADER_MAX = 4096
 _REGISTRY_MAX_FIELDS = 1000  # a larger registry is not read: explaining must stay cheap for the server
 #: Failures that say the server (or cluster) cannot serve now: they open the circuit breaker.
 _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
@@ -93,12 +95,23 @@ def _extend_deadline(seconds: float) -> None:
 
 
 def _bounded(method: Callable[..., _T]) -> Callable[..., _T]:
-    """Run a :class:`RemoteTier` method under the tier's operation deadline."""
+    """Run a :class:`RemoteTier` method under the tier's operation deadline, and tell the tier how
+    much of its deadline it took (slow is a fault too: see :meth:`RemoteTier._took`)."""
 
     @functools.wraps(method)
     def bounded(self: "RemoteTier", *args, **kwargs) -> _T:
-        with _deadline(self.op_deadline_s):
-            return method(self, *args, **kwargs)
+        start = time.monotonic()
+        outer = getattr(_op, "deadline", None)
+        allowance = self.op_deadline_s
+        try:
+            with _deadline(self.op_deadline_s):
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    allowance = _op.deadline - start  # with what the value's size added
+        finally:
+            if outer is None:  # the outermost operation of this thread
+                self._took(time.monotonic() - start, allowance)
 
     return bounded
 
@@ -269,9 +282,33 @@ class RemoteTier:
         self._registered = False
         self._rejected_logged = False
         self._error_logged = False
-        self.breaker = CircuitBreaker(self.ping, name="remote")
+        self.breaker = CircuitBreaker(self._probe, name="remote")
+        self._slow_in_a_row = 0
         self._level = url_options(url).get("compress", _defaults.COMPRESS_LEVEL)
         self._codecs = threading.local()
+
+    def _took(self, elapsed_s: float, allowance_s: float) -> None:
+        """A server that answers every operation just inside its deadline would cost each lookup
+        most of that deadline, forever, without ever failing one: ``SLOW_IN_A_ROW`` operations in a
+        row that took more than ``SLOW_SHARE`` of their deadline open the breaker, as a failure does."""
+        if elapsed_s <= _defaults.REMOTE_SLOW_SHARE * allowance_s:
+            self._slow_in_a_row = 0
+            return
+        self._slow_in_a_row += 1
+        if self._slow_in_a_row >= _defaults.REMOTE_SLOW_IN_A_ROW:
+            self._slow_in_a_row = 0
+            self.stats.bump("slow_trips")
+            self.breaker.trip(f"{_defaults.REMOTE_SLOW_IN_A_ROW} operations in a row took over "
+                              f"{_defaults.REMOTE_SLOW_SHARE:.0%} of their deadline, the last {elapsed_s:.2f} s")
+
+    def _probe(self) -> None:
+        """The breaker's health check: a PING that answers, and fast (a slow server stays off)."""
+        start = time.monotonic()
+        with _deadline(self.op_deadline_s):
+            self.ping()
+        elapsed = time.monotonic() - start
+        if elapsed > _defaults.REMOTE_SLOW_SHARE * self.op_deadline_s:
+            raise TimeoutError(f"PING took {elapsed:.2f} s")
 
     # python-zstandard's compressors and decompressors must not be used by two threads at once (it
     # crashes the process): the job's threads and the background writer each get their own.
@@ -311,7 +348,7 @@ class RemoteTier:
             return Miss(SKIPPED, self.name, "breaker open (the server failed recently)")
         start = time.perf_counter()
         try:
-            record = self._client.get(self._pointer_key(kind, key))
+            record = self._read_pointer(self._pointer_key(kind, key))
             if record is None:
                 self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
                 return Miss(ABSENT, self.name)
@@ -376,6 +413,22 @@ class RemoteTier:
         if not self._registered:
             self.register()
         return True
+
+    def _read_pointer(self, pkey: str) -> bytes | None:
+        """A pointer record, or ``None`` when there is none. Never more than a pointer can be: one
+        GETRANGE of at most the inline size plus the header, so a planted oversize value costs its
+        first bytes, not its length.
+
+        Raises:
+            IntegrityError: the value under the pointer's name is larger than any pointer record.
+        """
+        cap = self._inline_bytes + _POINTER_HEADER_MAX
+        record = self._client.getrange(pkey, 0, cap)
+        if not record:
+            return None
+        if len(record) > cap:
+            raise IntegrityError(f"the value under a pointer's name is over {cap} bytes: no pointer record is")
+        return record
 
     def _compress(self, value: bytes) -> tuple[bytes, bool]:
         if self._zc is None or len(value) < _COMPRESS_MIN:
@@ -447,8 +500,8 @@ class RemoteTier:
         # First writer wins, unless the existing pointer is unusable (its blob was evicted or damaged,
         # or it does not verify: the key id in its name is our secret's, so it was damaged or
         # tampered with): then ours replaces it.
-        existing = self._client.get(pkey)
         try:
+            existing = self._read_pointer(pkey)
             old, _ = self.keys.verify(existing or b"", namespace=self.namespace, kind=kind, key=key)
             # Same blob as ours: its chunks were just written or checked. Else read it back.
             if old.chunks == 0 or old.digest == ours.digest or self._read_blob(old) is not None:
@@ -546,52 +599,101 @@ class RemoteTier:
 
     @_bounded
     def take_lease(self, kind: str, key: str, token: str, ttl_s: float) -> bool | None:
-        """Take the lease on an entry (``SET NX PX``): True when taken, False when another process
-        holds it, None when leases cannot be used now (breaker open, the server failed, credentials
-        that may not write). Never raises."""
+        """Take the lease on an entry (``SET NX PX`` of a signed lease record): True when taken, False
+        when another process holds a lease this job trusts, None when leases cannot be used now
+        (breaker open, the server failed, credentials that may not write, or a record under the
+        lease's name that is no lease this job trusts: it is ignored, and this job compiles). Never
+        raises."""
         if self._write_refused or not self.keys.can_sign or not self.breaker.allow():
             return None
+        ttl_ms = max(1, int(ttl_s * 1000))
+        name = self._lease_key(kind, key)
         try:
-            return bool(self._client.set(self._lease_key(kind, key), token, nx=True, px=max(1, int(ttl_s * 1000))))
+            record = self.keys.sign_lease(signing.LeaseRecord(self.namespace, kind, key, token, _now_ms() + ttl_ms))
+            if self._client.set(name, record, nx=True, px=ttl_ms):
+                return True
+            return False if self._trusted_lease(self._client.get(name), kind, key) is not None else None
         except Exception as exc:
             return self._lease_failed(exc)
 
     @_bounded
     def lease_held(self, kind: str, key: str) -> bool | None:
-        """Whether some process holds the lease on an entry; None when the server cannot say."""
+        """Whether some process holds a lease on an entry that this job trusts (signed by its key,
+        for this entry, not expired); None when the server cannot say."""
         if not self.breaker.allow():
             return None
         try:
-            return bool(self._client.exists(self._lease_key(kind, key)))
+            return self._trusted_lease(self._client.get(self._lease_key(kind, key)), kind, key) is not None
         except Exception as exc:
             return self._lease_failed(exc)
 
     @_bounded
-    def renew_leases(self, leases: list[tuple[str, str, str]], ttl_s: float) -> None:
-        """Extend the leases of ``(kind, key, token)`` that are still this process's by ``ttl_s``
-        (GET, then ``SET XX PX``: see the race bound in single_flight.py)."""
+    def renew_leases(self, leases: list[tuple[str, str, str]], ttl_s: float) -> list[tuple[str, str]]:
+        """Extend each lease of ``(kind, key, token)`` that is still this process's by ``ttl_s``, and
+        return the ``(kind, key)`` of those it no longer holds.
+
+        Each renewal is a compare-and-set (WATCH, GET, then MULTI/SET XX PX/EXEC): it never extends or
+        takes a lease another process took after this one's lapsed, even by a moment."""
         if not self.breaker.allow():
-            return
+            return []
         ttl_ms = max(1, int(ttl_s * 1000))
+        lost = []
         try:
             for kind, key, token in leases:
-                name = self._lease_key(kind, key)
-                if self._client.get(name) == token.encode():
-                    self._client.set(name, token, xx=True, px=ttl_ms)
+                record = self.keys.sign_lease(signing.LeaseRecord(self.namespace, kind, key, token,
+                                                                  _now_ms() + ttl_ms))
+                if not self._compare_and_set(kind, key, token, lambda pipe, name: pipe.set(name, record, xx=True,
+                                                                                         px=ttl_ms)):
+                    lost.append((kind, key))
         except Exception as exc:
             self._lease_failed(exc)
+        return lost
 
     @_bounded
     def drop_lease(self, kind: str, key: str, token: str) -> None:
-        """Release a lease if it is still this process's."""
+        """Release a lease if it is still this process's (compare-and-delete, as renewals)."""
         if not self.breaker.allow():
             return
-        name = self._lease_key(kind, key)
         try:
-            if self._client.get(name) == token.encode():
-                self._client.delete(name)
+            self._compare_and_set(kind, key, token, lambda pipe, name: pipe.delete(name))
         except Exception as exc:
             self._lease_failed(exc)
+
+    def _compare_and_set(self, kind: str, key: str, token: str, write) -> bool:
+        """Run ``write(pipe, name)`` on the lease's key in a transaction, only if the key holds this
+        process's lease (``token``) from the WATCH to the EXEC; whether it ran."""
+        name = self._lease_key(kind, key)
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.watch(name)
+            lease = self._trusted_lease(pipe.get(name), kind, key)
+            if lease is None or lease.token != token:
+                pipe.unwatch()
+                return False
+            pipe.multi()
+            write(pipe, name)
+            try:
+                pipe.execute()
+            except redis.exceptions.WatchError:  # changed between GET and EXEC: someone else's now
+                return False
+        return True
+
+    def _trusted_lease(self, record: bytes | None, kind: str, key: str) -> signing.LeaseRecord | None:
+        """The lease ``record`` holds if this job trusts it: signed by its key, for this entry, and
+        neither expired nor claiming more than ``LEASE_MAX_S`` ahead; ``None`` otherwise (anything
+        else under a lease's name is ignored, once counted and warned about)."""
+        if record is None:
+            return None
+        try:
+            lease = self.keys.verify_lease(record, namespace=self.namespace, kind=kind, key=key)
+        except IntegrityError as exc:
+            self.stats.bump("leases_ignored")
+            warn_once("lease-untrusted", "warmstart: ignoring a lease record that this job's key does not verify (%s): "
+                      "compiling instead of waiting for it", exc)
+            return None
+        now = _now_ms()
+        if not now < lease.expires_ms <= now + int(_defaults.LEASE_MAX_S * 1000):
+            return None
+        return lease
 
     def _lease_failed(self, exc: Exception) -> None:
         if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
@@ -657,3 +759,7 @@ class RemoteTier:
             self._client.close()
         except Exception:
             pass
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -63,6 +63,38 @@ class Pointer:
     """Seconds it took to produce the artifact (for the "seconds saved" estimate)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """What a signed lease says: which entry, whose (a random token per holder) and until when."""
+
+    namespace: str
+    kind: str
+    key: str
+    token: str
+    expires_ms: int
+    """Unix time in milliseconds after which nobody honours the lease, whatever Redis still holds."""
+
+
+_LEASE_TAG = "lease"
+
+
+def _lease_body(lease: LeaseRecord) -> bytes:
+    header = json.dumps([_LEASE_TAG, lease.namespace, lease.kind, lease.key, lease.token, int(lease.expires_ms)],
+                        separators=(",", ":")).encode()
+    return len(header).to_bytes(_LEN, "big") + header
+
+
+def _parse_lease(body: bytes, *, namespace: str, kind: str, key: str) -> LeaseRecord:
+    header_len = int.from_bytes(body[:_LEN], "big")
+    try:
+        tag, ns, k, key_, token, expires = json.loads(body[_LEN:_LEN + header_len])
+    except (ValueError, TypeError) as exc:
+        raise IntegrityError(f"not a lease record: {exc}") from None
+    if tag != _LEASE_TAG or (ns, k, key_) != (namespace, kind, key) or len(body) != _LEN + header_len:
+        raise IntegrityError("lease record was signed for another entry")
+    return LeaseRecord(ns, k, key_, str(token), int(expires))
+
+
 def key_id(secret: bytes) -> str:
     """A short public id of ``secret`` (8 hex digits of an HMAC; reveals nothing usable about it).
 
@@ -170,6 +202,29 @@ class Keys:
         """
         raise NotImplementedError
 
+    def sign_lease(self, lease: LeaseRecord) -> bytes:
+        """The signed record of ``lease``, sealed like a pointer record (another body: never taken for one).
+
+        Raises:
+            PermissionError: these keys can only verify.
+        """
+        return self._seal(_lease_body(lease))
+
+    def verify_lease(self, record: bytes, *, namespace: str, kind: str, key: str) -> LeaseRecord:
+        """The lease in ``record`` if its signature verifies under these keys and it is for
+        ``(namespace, kind, key)``.
+
+        Raises:
+            IntegrityError: anything else (unsigned, another key's, another entry's, a pointer record).
+        """
+        return _parse_lease(self._open(record), namespace=namespace, kind=kind, key=key)
+
+    def _seal(self, body: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _open(self, record: bytes) -> bytes:
+        raise NotImplementedError
+
     def __repr__(self) -> str:  # never shows key material
         return f"<{type(self).__name__} {self.scheme} key id {self.key_id}{'' if self.can_sign else ', verify only'}>"
 
@@ -191,6 +246,17 @@ class HmacKeys(Keys):
 
     def verify(self, record: bytes, *, namespace: str, kind: str, key: str) -> tuple[Pointer, bytes]:
         return verify(self._secret, record, namespace=namespace, kind=kind, key=key)
+
+    def _seal(self, body: bytes) -> bytes:
+        return MAGIC + hmac.new(self._secret, body, hashlib.sha256).digest() + body
+
+    def _open(self, record: bytes) -> bytes:
+        if len(record) < len(MAGIC) + _MAC_LEN + _LEN or not record.startswith(MAGIC):
+            raise IntegrityError("not an HMAC-signed warmstart record")
+        mac, body = record[len(MAGIC):len(MAGIC) + _MAC_LEN], record[len(MAGIC) + _MAC_LEN:]
+        if not hmac.compare_digest(mac, hmac.new(self._secret, body, hashlib.sha256).digest()):
+            raise IntegrityError("signature does not verify (wrong secret or tampered record)")
+        return body
 
 
 # DER of the two Ed25519 PEM forms OpenSSL and `cryptography` write (RFC 8410): a fixed prefix and
@@ -301,10 +367,23 @@ class Ed25519Keys(Keys):
         return Ed25519Keys(public_key=self._public)
 
     def sign(self, pointer: Pointer, inline: bytes = b"") -> bytes:
+        return self._seal(_body(pointer, inline))
+
+    def _seal(self, body: bytes) -> bytes:
         if self._private is None:
             raise PermissionError(f"Ed25519 key {self.key_id} is verify-only: this job cannot sign entries")
-        body = _body(pointer, inline)
         return ED25519_MAGIC + self._private.sign(ED25519_MAGIC + body) + body
+
+    def _open(self, record: bytes) -> bytes:
+        if len(record) < len(ED25519_MAGIC) + _SIG_LEN + _LEN or not record.startswith(ED25519_MAGIC):
+            raise IntegrityError("not an Ed25519-signed warmstart record")
+        signature = record[len(ED25519_MAGIC):len(ED25519_MAGIC) + _SIG_LEN]
+        body = record[len(ED25519_MAGIC) + _SIG_LEN:]
+        try:
+            self._public.verify(signature, ED25519_MAGIC + body)
+        except self._invalid:
+            raise IntegrityError("signature does not verify (another key or a tampered record)") from None
+        return body
 
     def verify(self, record: bytes, *, namespace: str, kind: str, key: str) -> tuple[Pointer, bytes]:
         if record.startswith(MAGIC):

@@ -10,18 +10,23 @@ A process that finds the lease taken waits, polling the lease, and then reads th
 waiting and compiles itself when:
 
 * the lease is gone and the entry is not there: its holder died (``flock`` is released by the kernel at
-  once; a Redis lease lapses ``ttl_s`` after its last renewal) or its compile raised. The waiter takes
-  the lease over and compiles;
-* it has waited ``wait_s`` (a holder alive but stuck): it compiles without a lease;
+  once; a Redis lease lapses ``ttl_s`` after its last renewal), stopped (a lock file its holder has not
+  touched for ``ttl_s``), or its compile raised. The waiter takes the lease over and compiles;
+* it has waited ``wait_s``, or what is left of the process's budget for waiting (``wait_budget.py``):
+  it compiles without a lease;
 * the server fails or its breaker is open: it compiles at once.
+
+Lock files exist only while held: the holder removes its file when it releases the lock.
 
 A read-only job (``WARMSTART_CACHE_MODE=ro``, a verify-only key, reader credentials) waits on leases
 it sees but never takes one. A lease is held at most ``wait_s``: past that nobody waits for it anyway.
 
-Renewal uses only commands of the writer's allow-list (GET, then ``SET XX PX``): a renewal that runs
-after its own lease already lapsed and another process took it (a holder stalled more than ``ttl_s``)
-can extend the new holder's lease once, by at most ``ttl_s``; both then compile, which is what happens
-without single-flight.
+A Redis lease is a record signed with the job's key (the entry, a random token, an expiry), and a
+waiter honours only one its own key verifies, for that entry, not expired: a key planted under a
+lease's name (with the writer's password alone, without the signing key) is ignored, counted in
+``leases_ignored``, and the job compiles. Renewal and release are compare-and-set transactions
+(WATCH, GET, MULTI, EXEC): a holder that stalled past its lease's lapse, while another process took
+it, finds the lease is not its own any more and neither extends nor deletes it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from pathlib import Path
 from warmstart import _defaults
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import Lookup, ReadOnly
+from warmstart.compile_cache.wait_budget import WaitBudget
 
 log = logging.getLogger("warmstart.cache")
 
@@ -74,6 +80,7 @@ class Lease:
     key: str
     token: str
     local_fd: int | None = None
+    local_path: Path | None = None
     remote: bool = False
     taken_at: float = field(default_factory=time.monotonic)
     pid: int = field(default_factory=os.getpid)
@@ -100,11 +107,13 @@ class SingleFlight:
         wait_s: the longest one wait lasts (and a lease is held); 0 turns single-flight off.
         ttl_s: a Redis lease's lifetime without renewal: how soon a dead holder's lease lapses.
         poll_s: the longest pause between two looks at a lease.
+        budget: the process's time for waiting on the cache: each wait is charged to it, and none
+            starts once it is spent (see ``wait_budget.py``).
     """
 
     def __init__(self, *, local_dir: Path | None, local_writable: bool, remote, stats: Stats,
                  wait_s: float = _defaults.COMPILE_WAIT_S, ttl_s: float = _defaults.LEASE_TTL_S,
-                 poll_s: float = _defaults.LEASE_POLL_S) -> None:
+                 poll_s: float = _defaults.LEASE_POLL_S, budget: WaitBudget | None = None) -> None:
         self.lock_dir = Path(local_dir) / "leases" if local_dir is not None else None
         self.local_writable = local_writable and self.lock_dir is not None
         self.remote = remote
@@ -113,6 +122,7 @@ class SingleFlight:
         self.wait_s = wait_s
         self.ttl_s = ttl_s
         self.poll_s = poll_s
+        self.budget = budget or WaitBudget(_defaults.MAX_WAIT_S)
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], Lease] = {}
         self._renewer: threading.Thread | None = None
@@ -127,13 +137,14 @@ class SingleFlight:
                 waiting: Callable[[], contextlib.AbstractContextManager[None]]) -> Lookup:
         """After ``miss``: take the lease and return ``miss`` (this process compiles), or wait for the
         process that holds it and return ``lookup()``'s answer once it is done. Never raises, and
-        returns within ``wait_s`` plus one server deadline."""
-        if self.wait_s <= 0 or not leased(kind, key):
+        returns within ``wait_s`` (and what is left of the budget) plus one server deadline."""
+        if self.wait_s <= 0 or not leased(kind, key) or self.budget.exhausted:
             return miss
         with self._lock:
             if (kind, key) in self._held:  # this process compiles it already (another thread)
                 return miss
-        state = self._take(kind, key)
+        with self.budget.waiting("a lease"):
+            state = self._take(kind, key)
         if isinstance(state, Lease):
             self._hold(state)
             return miss
@@ -146,10 +157,11 @@ class SingleFlight:
                 return self._wait(kind, key, miss, lookup, state, start)
         finally:
             self.stats.bump("wait_s", round(time.monotonic() - start, 3))
+            self.budget.charge(time.monotonic() - start, "another process's compile")
 
     def _wait(self, kind: str, key: str, miss: Lookup, lookup: Callable[[], Lookup], held: _Held,
               start: float) -> Lookup:
-        deadline = start + self.wait_s
+        deadline = start + min(self.wait_s, self.budget.remaining())
         pause = min(0.05, self.poll_s)
         partial = held.partial
         try:
@@ -163,7 +175,7 @@ class SingleFlight:
                         continue
                     self.stats.bump("wait_timeouts")
                     log.info("warmstart: waited %.0f s for another process's compile of a %s entry; "
-                             "compiling it here", self.wait_s, kind)
+                             "compiling it here", time.monotonic() - start, kind)
                     return miss
                 partial = None
                 # The lease is gone: its holder finished (the entry is readable now) or gave up.
@@ -248,6 +260,7 @@ class SingleFlight:
                 if fd is False:
                     return _Held(None)
                 lease.local_fd = fd if isinstance(fd, int) else None
+                lease.local_path = self._lock_path(kind, key) if lease.local_fd is not None else None
             elif self._local_held(kind, key):
                 return _Held(None)
         if self.remote is None:
@@ -270,6 +283,8 @@ class SingleFlight:
         stack = getattr(self._scopes, "stack", None)
         if stack:
             stack[-1].append(lease)
+        else:  # no compile scope will end it: it lasts as a deferred one would, not the whole wait
+            lease.release_at = time.monotonic() + 2 * DEFERRED_MIN_S
         if lease.remote or lease.local_fd is not None:
             self._ensure_renewer()
 
@@ -289,6 +304,11 @@ class SingleFlight:
         fd, lease.local_fd = lease.local_fd, None
         if fd is not None:
             try:
+                if lease.local_path is not None and _same_file(fd, lease.local_path):
+                    os.unlink(lease.local_path)  # while still locked: a new taker makes a new file
+            except OSError:
+                pass
+            try:
                 os.close(fd)  # releases the flock
             except OSError:
                 pass
@@ -299,21 +319,50 @@ class SingleFlight:
 
     def _lock_local(self, kind: str, key: str) -> int | bool | None:
         """An fd holding the entry's lock file; False when another process holds it; None when the
-        lock cannot be taken (the directory is unusable: no local single-flight then)."""
+        lock cannot be taken (the directory is unusable: no local single-flight then).
+
+        The holder's renewer touches the file every ``ttl_s / 3``. A lock whose file was not touched
+        for ``ttl_s`` belongs to a process that stopped (a scheduler's suspend, a debugger, a core
+        dump under way; ``flock`` has no lapse of its own): its file is removed and a new one taken,
+        as a Redis lease lapses. The holder removes the file when it releases the lock."""
         try:
             self.lock_dir.mkdir(mode=0o700, exist_ok=True)  # type: ignore[union-attr]
         except OSError:
             return None
-        return _try_flock(self._lock_path(kind, key), os.O_RDWR | os.O_CREAT, fcntl.LOCK_EX)
+        path = self._lock_path(kind, key)
+        for _ in range(3):
+            fd = _try_flock(path, os.O_RDWR | os.O_CREAT, fcntl.LOCK_EX)
+            if fd is False:
+                if not self._stale(path):
+                    return False
+                self.stats.bump("stale_locks")
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            if fd is None:
+                return None
+            if _same_file(fd, path):  # not removed by a releasing holder since we opened it
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+                return fd
+            os.close(fd)
+        return None
+
+    def _stale(self, path: Path) -> bool:
+        try:
+            return time.time() - path.stat().st_mtime > self.ttl_s
+        except OSError:
+            return False
 
     def _local_held(self, kind: str, key: str) -> bool:
         if self.lock_dir is None:
             return False
-        fd = _try_flock(self._lock_path(kind, key), os.O_RDONLY, fcntl.LOCK_SH)
+        path = self._lock_path(kind, key)
+        fd = _try_flock(path, os.O_RDONLY, fcntl.LOCK_SH)
         if isinstance(fd, int) and not isinstance(fd, bool):
             os.close(fd)
             return False
-        return fd is False
+        return fd is False and not self._stale(path)
 
     # -- renewal ---------------------------------------------------------------------------------
 
@@ -339,12 +388,20 @@ class SingleFlight:
             for lease in expired:  # nobody waits longer than wait_s: holding it longer only misleads
                 log.debug("lease on a %s entry held for %.0f s: released", lease.kind, now - lease.taken_at)
                 self._release(lease)
+            for lease in leases:  # this process is alive: its host locks must not look stale
+                if lease not in expired and lease.local_fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.utime(lease.local_fd)
             remote = [lease for lease in leases if lease.remote and lease not in expired]
             if remote and self.remote is not None:
                 try:
-                    self.remote.renew_leases([(l.kind, l.key, l.token) for l in remote], self.ttl_s)
+                    lost = set(self.remote.renew_leases([(l.kind, l.key, l.token) for l in remote], self.ttl_s) or ())
                 except Exception:  # the server failed: the leases lapse, waiters compile themselves
                     log.debug("could not renew leases", exc_info=True)
+                    lost = set()
+                for lease in remote:  # lapsed while this process stalled, and taken by another: not ours
+                    if (lease.kind, lease.key) in lost:
+                        lease.remote = False
 
     def _forget_after_fork(self) -> None:
         # A forked child holds none of its parent's leases; the parent's flock descriptors are
@@ -359,6 +416,15 @@ class SingleFlight:
         self._renewer = None
         self._renewer_pid = 0
         self._scopes = threading.local()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file ``fd`` has open."""
+    try:
+        found, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _try_flock(path: Path, open_flags: int, lock: int) -> int | bool | None:

@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import threading
+import weakref
 from collections import defaultdict
 from pathlib import Path
 
@@ -51,8 +52,16 @@ class Stats:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], Counts] = defaultdict(Counts)
         self.counters: dict[str, float] = defaultdict(int)
-        """Process-level events that are not per tier, e.g. ``recompiles``, and single-flight's
-        ``leases``, ``waits``, ``wait_s`` (seconds), ``takeovers`` and ``wait_timeouts``."""
+        """Process-level events that are not per tier, e.g. ``recompiles``, single-flight's
+        ``leases``, ``waits``, ``wait_s`` (seconds), ``takeovers`` and ``wait_timeouts``, untrusted
+        lease records ignored (``leases_ignored``), host locks of stopped holders taken over
+        (``stale_locks``) and slow-server trips (``slow_trips``)."""
+        _instances.add(self)
+
+    def _after_fork(self) -> None:
+        # A thread of the parent may have held the lock at the fork: the child's copy would never
+        # be released.
+        self._lock = threading.Lock()
 
     def bump(self, name: str, n: float = 1) -> None:
         with self._lock:
@@ -122,3 +131,14 @@ def load(path: Path) -> Stats:
         if isinstance(n, (int, float)):
             stats.bump(name, n)
     return stats
+
+
+_instances: "weakref.WeakSet[Stats]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for stats in list(_instances):
+        stats._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -31,6 +31,7 @@ from warmstart import _defaults
 from warmstart.compile_cache.single_flight import SingleFlight
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import ABSENT, SKIPPED, Lookup, Miss, ReadOnly, Storage, StoreObserver, warn_once
+from warmstart.compile_cache.wait_budget import WaitBudget
 
 log = logging.getLogger("warmstart.cache")
 
@@ -46,6 +47,9 @@ class TieredStore:
         queue_bytes: most bytes of values waiting for background writes; a write past it is dropped.
         observers: told of every lookup and every wait on the remote tier (see :meth:`add_observer`).
         single_flight: leases for misses, so that concurrent compiles of one entry happen once.
+        budget: the process's time for waiting on the cache (``wait_budget.py``): tier operations on
+            the caller's thread and the exit flush are charged to it; once it is spent the remote
+            tier is left out. A budget of its own (``MAX_WAIT_S``) when omitted.
     """
 
     name = "store"
@@ -55,8 +59,10 @@ class TieredStore:
 
     def __init__(self, local: Storage | None, remote: Storage | None, *, stats: Stats | None = None,
                  stats_file: Path | None = None, queue_bytes: int = _defaults.WRITE_QUEUE_BYTES,
-                 observers: Iterable[StoreObserver] = (), single_flight: SingleFlight | None = None) -> None:
+                 observers: Iterable[StoreObserver] = (), single_flight: SingleFlight | None = None,
+                 budget: WaitBudget | None = None) -> None:
         self.local = local
+        self.budget = budget or WaitBudget(_defaults.MAX_WAIT_S)
         self.remote = remote
         self.stats = stats or Stats()
         for tier in (local, remote):  # one set of counters for the whole store
@@ -101,12 +107,15 @@ class TieredStore:
     def _get(self, kind: str, key: str) -> Lookup:
         result: Lookup = Miss(ABSENT, self.name, "no tier")
         if self.local is not None:
-            result = self.local.get(kind, key)
+            with self.budget.waiting("the local tier"):
+                result = self.local.get(kind, key)
             if result:
                 return result
         if self.remote is None:
             return result
-        with self._observed("waiting", kind):
+        if self.budget.exhausted:
+            return Miss(SKIPPED, self.remote.name, "the process's time for waiting on the cache is spent")
+        with self._observed("waiting", kind), self.budget.waiting("the remote tier"):
             result = self.remote.get(kind, key)
         if result and self.local is not None and not isinstance(self.local, ReadOnly):
             self._enqueue(self.local, kind, key, result.value, result.cost_s)
@@ -145,7 +154,10 @@ class TieredStore:
             if self.remote is None:
                 return stored
             if sync or isinstance(self.remote, ReadOnly):
-                return self.remote.put(kind, key, value, cost_s=cost_s) or stored
+                if self.budget.exhausted:
+                    return stored
+                with self.budget.waiting("the remote tier"):
+                    return self.remote.put(kind, key, value, cost_s=cost_s) or stored
             queued_release = self.single_flight is not None
             if self._enqueue(self.remote, kind, key, value, cost_s, release=queued_release):
                 return True  # a lease on the entry goes once the background write is done
@@ -231,7 +243,9 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        if not self.flush(timeout=self.exit_flush_s):
+        with self.budget.waiting("writes at exit"):
+            flushed = self.flush(timeout=min(self.exit_flush_s, self.budget.remaining()))
+        if not flushed:
             log.warning("warmstart: gave up waiting for remote cache writes at exit; dropped %d",
                         self._drop_queued())
         if self.single_flight is not None:

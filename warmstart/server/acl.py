@@ -26,10 +26,10 @@ KEY_PATTERN = KEY_PREFIX + "*"
 USERS = ("admin", "writer", "reader")
 """Users with a generated password; ``default`` exists too but is switched off."""
 
-CONNECTION = ("auth", "hello", "ping", "client|setname", "readonly", "asking")
+CONNECTION = ("auth", "hello", "ping", "readonly", "asking")
 """Logging in and staying connected: AUTH/HELLO (redis-py authenticates with HELLO), PING (the
-store's health check), CLIENT SETNAME (a client that names its connections), READONLY (reads from
-Cluster replicas) and ASKING (a Cluster redirect while a slot migrates). Not CLIENT SETINFO: Redis
+store's health check), READONLY (reads from Cluster replicas) and ASKING (a Cluster redirect while a
+slot migrates). Not CLIENT SETNAME (the store never names its connections) nor CLIENT SETINFO: Redis
 7.0 does not know it (an ACL file naming it does not load), and redis-py ignores its refusal on
 7.2+."""
 
@@ -37,18 +37,21 @@ CLUSTER_TOPOLOGY = ("cluster|slots", "cluster|shards", "cluster|nodes", "cluster
                     "cluster|keyslot", "command")
 """What redis-py's RedisCluster sends to learn the topology (CLUSTER SLOTS) and where a command's
 keys are (COMMAND, and COMMAND GETKEYS for commands it cannot parse itself); all read-only
-introspection."""
+introspection. Redis's ACL cannot allow a bare COMMAND without its subcommands (COUNT, DOCS, INFO,
+LIST, GETKEYS...), which only describe commands."""
 
-READ = ("get", "mget", "exists", "strlen", "getrange", "hlen", "hkeys", "hgetall")
-"""The store's reads: a pointer (GET), a blob's chunks (MGET, one slot thanks to the hash tag),
-whether a blob is still there (EXISTS), a chunk's length or part (STRLEN, GETRANGE), and the
-namespace registry (HLEN, then HGETALL or HKEYS when it is small) that ``cache explain`` and
-``cache clear`` read."""
+READ = ("get", "exists", "strlen", "getrange", "hlen", "hkeys", "hgetall")
+"""The store's reads: a lease (GET), a pointer record (GETRANGE of at most its largest size),
+whether an entry is there (EXISTS, for ``cache explain``), a blob chunk's length and bytes (STRLEN,
+GETRANGE, pipelined), and the namespace registry (HLEN, then HGETALL or HKEYS when it is small) that
+``cache explain`` and ``cache clear`` read."""
 
-WRITE = ("set", "hset", "hdel", "unlink", "del", "scan")
+WRITE = ("set", "hset", "hdel", "unlink", "del", "scan", "watch", "unwatch", "multi", "exec", "discard")
 """The store's writes: SET (NX EX for entries; PX for leases), HSET/HDEL (a namespace's field of
 the namespace registry: set once per writing process, removed by ``cache clear``), UNLINK/DEL (``cache clear``,
-``doctor``'s probe, a lease's release) and SCAN (``cache clear`` and ``doctor``'s key-id count).
+``doctor``'s probe, a lease's release), SCAN (``cache clear`` and ``doctor``'s key-id count), and
+WATCH/UNWATCH/MULTI/EXEC/DISCARD, the compare-and-set transactions that renew and release a lease
+only while it is still the renewer's (the ACL refuses scripting, which would do the same).
 SCAN is the writer's only: its COUNT cannot be limited by an ACL, and a reader, the credential
 handed out widely, should not be able to walk (or stall) the whole key space; ``doctor`` with
 reader credentials skips its key-id check."""
@@ -61,7 +64,7 @@ RULES: Mapping[str, tuple[str, ...]] = {
                *(f"+{c}" for c in (*CONNECTION, *CLUSTER_TOPOLOGY, *READ))),
 }
 """ACL rules per user, applied left to right after ``reset``. Nothing but the listed commands:
-in particular no FLUSHALL/FLUSHDB, CONFIG, KEYS, INFO, MULTI/EXEC, scripting (EVAL, FUNCTION),
+in particular no FLUSHALL/FLUSHDB, CONFIG, KEYS, INFO, scripting (EVAL, FUNCTION),
 pub/sub, and none of the write commands the store does not use (SETRANGE, SETBIT, APPEND, RENAME,
 EXPIRE, ...) or reads that cost the server more than they give (LCS, SRANDMEMBER, HRANDFIELD)."""
 
