@@ -18,7 +18,7 @@ with their Triton kernels bundled), ``user-triton`` (a user ``@triton.jit`` kern
 inside a compiled function: Triton's kernel cache goes through warmstart's TRITON_CACHE_MANAGER),
 ``max-autotune`` (mode ``max-autotune-no-cudagraphs`` on matmuls: autotune results),
 ``cudagraphs`` (mode ``reduce-overhead``), ``dynamo-frames`` (12 small encoder layers: Dynamo's
-tracing is much of the compile), and ``matmul`` (one matmul: the cheapest, not run by default).
+tracing is much of the compile; run with ``WARMSTART_DYNAMO=1``), and ``matmul`` (one matmul: the cheapest, not run by default).
 
 Same result: each warm job's outputs and gradients are compared with the cold job's: ``exact`` when
 their bytes are identical (SHA-256), ``close`` when every summary figure (loss, and per tensor the
@@ -296,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with console.status("") as status:
             for model in to_run:
-                results, errors = check_model(model, args.device, work, ws_env,
+                # compiled frames are off by default: the model that checks them turns them on
+                env = dict(ws_env, WARMSTART_DYNAMO="1") if model == "dynamo-frames" else ws_env
+                results, errors = check_model(model, args.device, work, env,
                                               lambda msg: status.update(f"compiling {msg}"), args.timeout)
                 out["models"][model] = {"results": results, "errors": errors}
     finally:
