@@ -19,6 +19,8 @@ REMOTE_MIN_BYTES_PER_S = 16 * 1024**2  # 16 MiB/s: a 150 MB value may take 2 s +
 # its probe passes only a PING that is fast.
 REMOTE_SLOW_SHARE = 0.25
 REMOTE_SLOW_IN_A_ROW = 3
+LOCAL_BACKGROUND_BYTES = 8 * 1024**2  # local writes of values this large (a 155 MB precompiled header) go to the background writer
+WRITER_NICE = 10  # the background writer's niceness (Linux, per thread): below the compile, still moving
 WRITE_QUEUE_BYTES = 256 * 1024**2  # background writes held in memory at most (256 MiB); more are dropped
 LOCAL_LOCK_TIMEOUT_S = 1.0  # the local tier's SQLite lock wait; past it the tier is off for the process
 EXIT_FLUSH_S = 5.0  # at exit, background writes get at most this many seconds, then are dropped

@@ -314,3 +314,28 @@ def test_a_remote_read_never_starts_recording_in_a_process_that_records_nothing(
     store.close()
     assert existing_recorder() is None
     assert not (tmp_path / "run").exists()
+
+
+def test_a_large_value_is_written_locally_off_the_callers_path(tmp_path, monkeypatch):
+    """A precompiled header (150 MB) goes to the local tier from the background writer, which runs
+    below the compile in CPU priority; small values are written at once."""
+    import threading
+
+    from warmstart import _defaults
+
+    store = open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}),
+                       persist_stats=False)
+    callers = []
+    original = store.local.put
+    monkeypatch.setattr(store.local, "put", lambda *a, **k: callers.append(threading.current_thread().name)
+                        or original(*a, **k))
+    try:
+        value = os.urandom(_defaults.LOCAL_BACKGROUND_BYTES + 1)
+        assert store.put("cpp_object", "pch", value) and store.put("cpp_object", "small", b"x")
+        assert store.flush(timeout=60)
+        assert store.local.get("cpp_object", "pch").value == value
+        assert callers == ["warmstart-cache-writer", "MainThread"] or callers == ["MainThread", "warmstart-cache-writer"]
+        writer = next(t for t in threading.enumerate() if t.name == "warmstart-cache-writer")
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) >= _defaults.WRITER_NICE
+    finally:
+        store.close()

@@ -2,8 +2,9 @@
 
 Reads go local, then remote; a remote hit is copied into the local tier (in the background, so the
 job does not wait on the disk) so the next read on this machine is local. Writes go to the local
-tier at once and to the remote tier from a background thread, so compilation never waits on the
-network; ``flush`` (also run at exit, for at most ``EXIT_FLUSH_S``) drains them. Queued writes hold
+tier at once (values of ``LOCAL_BACKGROUND_BYTES`` and more from the background thread too) and to
+the remote tier from a background thread, at a lower CPU priority, so compilation never waits on
+the network; ``flush`` (also run at exit, for at most ``EXIT_FLUSH_S``) drains them. Queued writes hold
 at most ``WRITE_QUEUE_BYTES`` of values: past that a write is dropped (counted), so a slow server
 never makes the job's memory grow with the artifacts it compiles.
 Read-only tiers (:class:`~warmstart.compile_cache.storage.ReadOnly`: ``WARMSTART_CACHE_MODE=ro``, a
@@ -118,7 +119,7 @@ class TieredStore:
         with self._observed("waiting", kind), self.budget.waiting("the remote tier"):
             result = self.remote.get(kind, key)
         if result and self.local is not None and not isinstance(self.local, ReadOnly):
-            self._enqueue(self.local, kind, key, result.value, result.cost_s)
+            self._enqueue((self.local,), kind, key, result.value, result.cost_s)
         return result
 
     @contextlib.contextmanager
@@ -148,20 +149,28 @@ class TieredStore:
 
     def _put(self, kind: str, key: str, value: bytes, *, cost_s: float, sync: bool) -> bool:
         stored = queued_release = False
+        later: list[Storage] = []  # tiers written from the background thread
         try:
             if self.local is not None:  # a read-only tier refuses at once, and counts it
-                stored = self.local.put(kind, key, value, cost_s=cost_s)
-            if self.remote is None:
+                if not sync and len(value) >= _defaults.LOCAL_BACKGROUND_BYTES and not isinstance(self.local, ReadOnly):
+                    later.append(self.local)  # a large value (a precompiled header): not on the compile's path
+                else:
+                    stored = self.local.put(kind, key, value, cost_s=cost_s)
+            if self.remote is not None:
+                if sync or isinstance(self.remote, ReadOnly):
+                    if not self.budget.exhausted:
+                        with self.budget.waiting("the remote tier"):
+                            stored = self.remote.put(kind, key, value, cost_s=cost_s) or stored
+                else:
+                    later.append(self.remote)
+            if not later:
                 return stored
-            if sync or isinstance(self.remote, ReadOnly):
-                if self.budget.exhausted:
-                    return stored
-                with self.budget.waiting("the remote tier"):
-                    return self.remote.put(kind, key, value, cost_s=cost_s) or stored
             queued_release = self.single_flight is not None
-            if self._enqueue(self.remote, kind, key, value, cost_s, release=queued_release):
-                return True  # a lease on the entry goes once the background write is done
+            if self._enqueue(tuple(later), kind, key, value, cost_s, release=queued_release):
+                return True  # a lease on the entry goes once the background writes are done
             queued_release = False
+            if self.local in later:  # the queue is full: the local tier still takes it, now
+                stored = self.local.put(kind, key, value, cost_s=cost_s) or stored
             return stored
         finally:
             if self.single_flight is not None and not queued_release:
@@ -172,14 +181,17 @@ class TieredStore:
         """Whether any tier takes writes (``WARMSTART_CACHE_MODE=ro`` makes none)."""
         return any(t is not None and not isinstance(t, ReadOnly) for t in (self.local, self.remote))
 
-    def _enqueue(self, tier: Storage, kind: str, key: str, value: bytes, cost_s: float, release: bool = False) -> bool:
+    def _enqueue(self, tiers: tuple[Storage, ...], kind: str, key: str, value: bytes, cost_s: float,
+                 release: bool = False) -> bool:
         self._ensure_writer()
         with self._queued_lock:
             if self.queued_bytes + len(value) > self.queue_bytes:
-                self.stats.add(tier.name, kind, dropped=1)
+                for tier in tiers:
+                    if tier is not self.local:  # the caller writes the local tier itself then
+                        self.stats.add(tier.name, kind, dropped=1)
                 return False
             self.queued_bytes += len(value)
-        self._queue.put_nowait((tier, kind, key, value, cost_s, release))
+        self._queue.put_nowait((tiers, kind, key, value, cost_s, release))
         return True
 
     def _written(self, kind: str, key: str, release: bool) -> None:
@@ -209,11 +221,16 @@ class TieredStore:
         self._writer.start()
 
     def _write_loop(self) -> None:
+        # Below the compile in priority: compressing and uploading share the cores with g++ and the
+        # job's own threads, and nothing waits on them before the first step (Linux: per thread).
+        with contextlib.suppress(Exception):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _defaults.WRITER_NICE)
         q = self._queue
         while True:
-            tier, kind, key, value, cost_s, release = q.get()
+            tiers, kind, key, value, cost_s, release = q.get()
             try:
-                tier.put(kind, key, value, cost_s=cost_s)
+                for tier in tiers:
+                    tier.put(kind, key, value, cost_s=cost_s)
             except Exception:  # put never raises by contract; this guards the thread regardless
                 log.debug("background write failed", exc_info=True)
             finally:
@@ -228,11 +245,12 @@ class TieredStore:
         dropped = 0
         while True:
             try:
-                tier, kind, key, value, _, release = self._queue.get_nowait()
+                tiers, kind, key, value, _, release = self._queue.get_nowait()
             except queue.Empty:
                 return dropped
             self._written(kind, key, release)
-            self.stats.add(tier.name, kind, dropped=1)
+            for tier in tiers:
+                self.stats.add(tier.name, kind, dropped=1)
             with self._queued_lock:
                 self.queued_bytes -= len(value)
             self._queue.task_done()
