@@ -70,7 +70,9 @@ def test_small_values_are_inline_in_one_signed_record(redis_node):
     tier = _remote(redis_node.url)
     assert tier.put("pgo", "small", b"state" * 1000)
     client = redis.Redis.from_url(redis_node.url)
-    assert [k.decode() for k in client.scan_iter("ws:t:*")] == [f"ws:t:p:pgo:{tier.key_id}:small"]
+    pointer = f"ws:t:p:pgo:{tier.key_id}:small"
+    assert sorted(k.decode() for k in client.scan_iter("ws:t:*")) == ["ws:t:index", pointer]  # no blob
+    assert client.smembers("ws:t:index") == {pointer.encode()}  # what `cache clear` deletes
     assert _remote(redis_node.url).get("pgo", "small").value == b"state" * 1000
 
 

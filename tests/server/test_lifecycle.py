@@ -54,7 +54,8 @@ def test_start_status_stop(server_dir):
     status = json.loads(result.stdout)
     assert status["up"] is True and status["mode"] == "single"
     assert status["maxmemory"] == 16 * 1024**2
-    assert status["keys"] == 6  # values up to 64 KiB live inline in their signed pointer: one key each
+    # values up to 64 KiB live inline in their signed pointer: one key each, and each namespace's index
+    assert status["keys"] == 6 + 2
     assert 0 < status["used_memory"]
     assert status["keyspace_hits"] >= 2 and status["keyspace_misses"] >= 1
     assert 0 < status["hit_rate"] < 1
@@ -129,7 +130,7 @@ def test_metrics_endpoint_serves_prometheus_text(server_dir):
                if line and not line.startswith("#")}
     node = f'{{node="127.0.0.1:{port}"}}'
     assert samples["warmstart_server_up" + node] == 1
-    assert samples["warmstart_server_keys" + node] == 1  # small value: inline in its pointer
+    assert samples["warmstart_server_keys" + node] == 2  # small value: inline in its pointer; the index
     assert samples["warmstart_server_maxmemory_bytes" + node] == 1024**3
     assert samples["warmstart_server_keyspace_hits_total" + node] >= 1  # one round trip per read
     assert samples['warmstart_server_namespace_bytes{namespace="metrics-ns"}'] > 0

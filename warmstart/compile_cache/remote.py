@@ -334,6 +334,13 @@ class RemoteTier:
     def _pointer_key(self, kind: str, key: str) -> str:
         return f"{self._prefix}p:{kind}:{self.key_id}:{key}"
 
+    @property
+    def _index_key(self) -> str:
+        """A set of the names of every pointer and chunk this namespace's writers stored: what
+        ``cache clear`` and ``doctor`` walk, so that writers need no SCAN (which would show them the
+        names of every key on the server, in one call of any size)."""
+        return f"{self._prefix}index"
+
     def _chunk_keys(self, digest: str, chunks: int) -> list[str]:
         return [f"{self._prefix}b:{{{digest}}}:{i}" for i in range(chunks)]
 
@@ -400,7 +407,8 @@ class RemoteTier:
                 for ckey, chunk in zip(chunk_keys, chunks):
                     pipe.set(ckey, chunk, nx=True, ex=self._ttl_s)
                 pipe.set(pkey, record, nx=kind not in REPLACED_KINDS, ex=self._ttl_s)
-                results = pipe.execute()
+                pipe.sadd(self._index_key, pkey, *chunk_keys)  # what `cache clear` deletes, without SCAN
+                results = pipe.execute()[:-1]
                 existing = [(k, c) for k, c, done in zip(chunk_keys, chunks, results) if not done]
                 if existing:
                     self._check_chunks(existing)
@@ -707,7 +715,9 @@ class RemoteTier:
 
     def delete(self, kind: str, key: str) -> bool:
         """Remove one entry's pointer (its blob, shared by content, is left to LRU eviction)."""
-        return bool(self._client.unlink(self._pointer_key(kind, key)))
+        name = self._pointer_key(kind, key)
+        self._client.srem(self._index_key, name)
+        return bool(self._client.unlink(name))
 
     def key_ids(self, limit: int = 10_000) -> dict[str, int]:
         """Pointer records of this namespace per signing key id, over at most ``limit`` keys.
@@ -716,8 +726,7 @@ class RemoteTier:
         reads them (``warmstart cache doctor`` reports them).
         """
         counts: dict[str, int] = {}
-        pattern = f"{self._prefix}p:*"
-        for n, name in enumerate(self._client.scan_iter(match=pattern, count=1000)):
+        for n, name in enumerate(self._client.sscan_iter(self._index_key, match=f"{self._prefix}p:*", count=1000)):
             if n >= limit:
                 break
             parts = (name.decode() if isinstance(name, bytes) else name)[len(self._prefix):].split(":", 3)
@@ -726,16 +735,18 @@ class RemoteTier:
         return counts
 
     def clear(self) -> int:
-        """Delete every key of this namespace; returns how many were deleted."""
+        """Delete every entry of this namespace (the pointers and chunks its index names, then the
+        index); returns how many keys were deleted. Leases lapse by themselves."""
         deleted = 0
         batch: list[str] = []
-        for key in self._client.scan_iter(match=f"{self._prefix}*", count=1000):
+        for key in self._client.sscan_iter(self._index_key, count=1000):
             batch.append(key)
             if len(batch) >= 500:
                 deleted += self._delete(batch)
                 batch = []
         if batch:
             deleted += self._delete(batch)
+        self._client.unlink(self._index_key)
         self._unregister()
         return deleted
 

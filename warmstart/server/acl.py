@@ -46,15 +46,15 @@ whether an entry is there (EXISTS, for ``cache explain``), a blob chunk's length
 GETRANGE, pipelined), and the namespace registry (HLEN, then HGETALL or HKEYS when it is small) that
 ``cache explain`` and ``cache clear`` read."""
 
-WRITE = ("set", "hset", "hdel", "unlink", "del", "scan", "watch", "unwatch", "multi", "exec", "discard")
+WRITE = ("set", "hset", "hdel", "unlink", "del", "sadd", "srem", "sscan", "watch", "unwatch", "multi", "exec", "discard")
 """The store's writes: SET (NX EX for entries; PX for leases), HSET/HDEL (a namespace's field of
 the namespace registry: set once per writing process, removed by ``cache clear``), UNLINK/DEL (``cache clear``,
-``doctor``'s probe, a lease's release), SCAN (``cache clear`` and ``doctor``'s key-id count), and
+``doctor``'s probe, a lease's release), SADD/SREM/SSCAN (each namespace's index of the keys it stored,
+which ``cache clear`` and ``doctor``'s key-id count walk: no SCAN, which would show a writer the name of
+every key on the server and walk the whole key space in one call of any COUNT), and
 WATCH/UNWATCH/MULTI/EXEC/DISCARD, the compare-and-set transactions that renew and release a lease
 only while it is still the renewer's (the ACL refuses scripting, which would do the same).
-SCAN is the writer's only: its COUNT cannot be limited by an ACL, and a reader, the credential
-handed out widely, should not be able to walk (or stall) the whole key space; ``doctor`` with
-reader credentials skips its key-id check."""
+Neither user has SCAN; ``doctor`` with reader credentials skips its key-id check."""
 
 RULES: Mapping[str, tuple[str, ...]] = {
     "admin": ("~*", "&*", "+@all"),
