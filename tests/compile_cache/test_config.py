@@ -48,6 +48,8 @@ def test_sizes(text, expected):
     ({"WARMSTART_SECRET_FILE": "/nonexistent/secret"}, "WARMSTART_SECRET_FILE"),
     ({"WARMSTART_NAMESPACE": "a b"}, "WARMSTART_NAMESPACE"),
     ({"WARMSTART_DYNAMO": "off"}, "WARMSTART_DYNAMO"),
+    ({"WARMSTART_MAX_WAIT_S": "soon"}, "WARMSTART_MAX_WAIT_S"),
+    ({"WARMSTART_MAX_WAIT_S": "-1"}, "WARMSTART_MAX_WAIT_S"),
 ])
 def test_bad_values_name_variable_value_and_what_is_accepted(env, variable):
     with pytest.raises(ConfigError) as info:
@@ -243,3 +245,10 @@ def test_a_question_mark_in_the_password_is_never_echoed():
     message = str(raised.value)
     assert "s3cret" not in message and "6379?" not in message
     assert "percent-encoded (%3F, %23)" in message
+
+
+def test_the_wait_budget_is_a_setting_of_its_own():
+    assert Settings.from_env({}).max_wait_s == 60.0
+    assert Settings.from_env({"WARMSTART_MAX_WAIT_S": "2.5"}).max_wait_s == 2.5
+    assert Settings.from_env({"WARMSTART_MAX_WAIT_S": "0"}).max_wait_s == 0.0
+    assert enable_environment({}, max_wait_s=5)["WARMSTART_MAX_WAIT_S"] == "5"
