@@ -69,9 +69,9 @@ def _results(proc: subprocess.CompletedProcess) -> dict:
     return found
 
 
-def _single(cache: dict, name: str, condition: str, key: str) -> dict:
+def _single(cache: dict, name: str, condition: str, key: str, cases: list[str] = ()) -> dict:
     machine = cache["root"] / name
-    proc = subprocess.run([sys.executable, str(HERE / "_adversarial_job.py")], cwd=machine.parent, text=True,
+    proc = subprocess.run([sys.executable, str(HERE / "_adversarial_job.py"), *cases], cwd=machine.parent, text=True,
                           env=_environment(cache, machine, key, ADVERSARIAL_CONDITION=condition),
                           capture_output=True, timeout=HANG_GUARD_S)
     return _results(proc)[0]
@@ -107,7 +107,15 @@ def _table(title: str, new: dict, control: dict) -> str:
 
 
 def test_single_process_cases(cache):
-    producer = _single(cache, "producer", "x", "writer")
+    sys.path.insert(0, str(HERE))
+    from _adversarial_cases import CASES
+
+    names = list(CASES)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two producers on one machine, half the cases each
+        halves = pool.map(lambda args: _single(cache, *args), [("producer-a", "x", "writer", names[0::2]),
+                                                                ("producer-b", "x", "writer", names[1::2])])
+        producer = {name: result for half in halves for name, result in half.items()}
+    assert sorted(producer) == sorted(names)
     assert all(r["same"] and not r["error"] for r in producer.values()), producer
     with ThreadPoolExecutor(max_workers=2) as pool:
         new, control = pool.map(lambda args: _single(cache, *args), [("new", "y", "reader"), ("control", "x", "reader")])
