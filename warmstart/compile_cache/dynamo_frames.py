@@ -318,10 +318,11 @@ def hook_constant_folds(torch_variables: types.ModuleType) -> None:
     variable = torch_variables.TorchInGraphFunctionVariable
     original = variable.call_function
     needs_guards = torch_variables.constant_fold_functions_need_guards
+    pure = frame_reads.pure_folds()
 
     def call_function(self, tx, args, kwargs):
         state = getattr(_compiling, "state", None)
-        if state is not None and self.value not in needs_guards:
+        if state is not None and self.value not in needs_guards and self.value not in pure:
             try:
                 from torch._dynamo.utils import check_unspec_or_constant_args
 

@@ -132,6 +132,16 @@ def changed_value(expected: list[tuple[str, str]], guards_state: Any) -> str | N
     return None
 
 
+def pure_folds() -> frozenset:
+    """Functions Dynamo folds whose result depends on their arguments alone, the same in every
+    process: nothing to record (``math``'s functions are left out by module)."""
+    import torch
+    import torch.nn._reduction
+
+    return frozenset({torch.is_complex, torch.is_floating_point, torch.promote_types, torch._assert,
+                      torch.nn._reduction.get_enum})
+
+
 class Folds:
     """Calls Dynamo folded into constants without a guard, while compiling one package's frames."""
 
