@@ -317,6 +317,8 @@ def hook_constant_folds(torch_variables: types.ModuleType) -> None:
     and the like) in the package whose frame is being compiled."""
     variable = torch_variables.TorchInGraphFunctionVariable
     original = variable.call_function
+    from torch._dynamo.utils import check_unspec_or_constant_args
+
     needs_guards = torch_variables.constant_fold_functions_need_guards
     pure = frame_reads.pure_folds()
 
@@ -324,8 +326,6 @@ def hook_constant_folds(torch_variables: types.ModuleType) -> None:
         state = getattr(_compiling, "state", None)
         if state is not None and self.value not in needs_guards and self.value not in pure:
             try:
-                from torch._dynamo.utils import check_unspec_or_constant_args
-
                 if self.can_constant_fold_through() and check_unspec_or_constant_args(args, kwargs) \
                         and getattr(self.value, "__module__", None) != "math":
                     consts = [a.as_python_constant() for a in args]

@@ -182,8 +182,8 @@ def fold_results(calls: list[tuple[str, bytes]]) -> list[str]:
 def changed_fold(calls: dict[tuple[str, bytes], str]) -> str | None:
     """The first folded call whose result here is not the producer's, as a phrase."""
     ordered = sorted(calls)
-    for (name, _), now in zip(ordered, fold_results(ordered)):
-        was = calls[(name, _)]
+    for (name, arguments), now in zip(ordered, fold_results(ordered)):
+        was = calls[(name, arguments)]
         if now != was:
             return f"{_call_text(name)} is {now} here, was {was}"
     return None

@@ -166,7 +166,7 @@ class TieredStore:
             if not later:
                 return stored
             queued_release = self.single_flight is not None
-            if self._enqueue(tuple(later), kind, key, value, cost_s, release=queued_release):
+            if self._enqueue(tuple(later), kind, key, value, cost_s, release=queued_release, writes_local=True):
                 return True  # a lease on the entry goes once the background writes are done
             queued_release = False
             if self.local in later:  # the queue is full: the local tier still takes it, now
@@ -182,12 +182,14 @@ class TieredStore:
         return any(t is not None and not isinstance(t, ReadOnly) for t in (self.local, self.remote))
 
     def _enqueue(self, tiers: tuple[Storage, ...], kind: str, key: str, value: bytes, cost_s: float,
-                 release: bool = False) -> bool:
+                 release: bool = False, writes_local: bool = False) -> bool:
+        """Queue ``value`` for ``tiers``; False (each tier's write counted as dropped) when the queue
+        is full. ``writes_local``: the caller writes the local tier itself then, so it is not dropped."""
         self._ensure_writer()
         with self._queued_lock:
             if self.queued_bytes + len(value) > self.queue_bytes:
                 for tier in tiers:
-                    if tier is not self.local:  # the caller writes the local tier itself then
+                    if not (writes_local and tier is self.local):
                         self.stats.add(tier.name, kind, dropped=1)
                 return False
             self.queued_bytes += len(value)
