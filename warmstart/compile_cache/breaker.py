@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from warmstart import _defaults
+from warmstart._threads import start_daemon
 
 log = logging.getLogger("warmstart.cache")
 
@@ -42,7 +43,7 @@ class CircuitBreaker:
         # Forked while open: the parent's probe thread does not exist here, and without one the tier
         # would stay off for good in this process. Probe again from here.
         self._lock, self._pid = threading.Lock(), os.getpid()
-        threading.Thread(target=self._probe_loop, name=f"warmstart-{self._name}-probe", daemon=True).start()
+        start_daemon(self._probe_loop, f"warmstart-{self._name}-probe")
 
     def trip(self, reason: str) -> None:
         """Open the breaker after a failure and start probing in the background."""
@@ -55,7 +56,7 @@ class CircuitBreaker:
         if not self._warned:
             log.warning("warmstart: %s cache tier unavailable (%s); continuing without it", self._name, reason)
             self._warned = True
-        threading.Thread(target=self._probe_loop, name=f"warmstart-{self._name}-probe", daemon=True).start()
+        start_daemon(self._probe_loop, f"warmstart-{self._name}-probe")
 
     def _probe_loop(self) -> None:
         wait = self._cooldown_s

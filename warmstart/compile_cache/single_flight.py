@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from warmstart import _defaults
+from warmstart._threads import start_daemon
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import Lookup, ReadOnly
 from warmstart.compile_cache.wait_budget import WaitBudget
@@ -373,8 +374,7 @@ class SingleFlight:
             if self._renewer is not None and self._renewer_pid == os.getpid():
                 return
             self._renewer_pid = os.getpid()
-            self._renewer = threading.Thread(target=self._renew_loop, name="warmstart-lease-renewer", daemon=True)
-            self._renewer.start()
+            self._renewer = start_daemon(self._renew_loop, "warmstart-leases")
 
     def _renew_loop(self) -> None:
         while True:

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from warmstart import _defaults
+from warmstart._threads import start_daemon
 from warmstart.compile_cache.single_flight import SingleFlight
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import ABSENT, SKIPPED, Lookup, Miss, ReadOnly, Storage, StoreObserver, warn_once
@@ -219,8 +220,7 @@ class TieredStore:
         self.queued_bytes = 0  # the parent's queued values are not this process's to write
         self._queued_lock = threading.Lock()
         self._writer_pid = os.getpid()
-        self._writer = threading.Thread(target=self._write_loop, name="warmstart-cache-writer", daemon=True)
-        self._writer.start()
+        self._writer = start_daemon(self._write_loop, "warmstart-cache-writer")
 
     def _write_loop(self) -> None:
         # Below the compile in priority: compressing and uploading share the cores with g++ and the
