@@ -18,6 +18,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _redis import RedisCluster, RedisNode, in_ci  # noqa: E402
+
+# A preloader the developer runs must not run the suite's programs: tests of the preloader start
+# their own and say so in their processes' environment.
+os.environ["WARMSTART_PRELOAD"] = "0"
 from _prometheus import PrometheusServer  # noqa: E402
 
 

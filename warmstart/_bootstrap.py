@@ -10,7 +10,14 @@ import os
 import sys
 
 
-def _start() -> None:
+def start(hand_over: bool = True) -> None:
+    """Turn warmstart on in this process: first, unless ``hand_over`` is false, hand the process to
+    a preloader that serves it (see ``warmstart.preload``), then read the settings and install the
+    hooks."""
+    if os.environ.get("WARMSTART_PRELOAD_SERVE"):
+        _note_site_fingerprint()
+    elif hand_over:
+        _hand_over()
     try:
         from warmstart import _activate
         from warmstart.config import Settings
@@ -22,6 +29,26 @@ def _start() -> None:
             sys.stderr.write(f"warmstart: disabled in this process: {exc}\n")
             os.environ["WARMSTART_QUIET_ERRORS"] = "1"  # children: say it once per job, not per process
     _mark_ready()
+
+
+def _hand_over() -> None:
+    try:
+        from warmstart.preload.client import handover
+
+        handover()  # returns unless a preloader runs the program (this process then ends with it)
+    except Exception as exc:  # never break an interpreter because of the preloader
+        if not _quiet():
+            sys.stderr.write(f"warmstart: started without the preloader: {type(exc).__name__}: {exc}\n")
+
+
+def _note_site_fingerprint() -> None:
+    # In the preloader: what a process's start-up hook will see at this same point, to compare.
+    try:
+        from warmstart.preload import environment
+
+        environment.site_fingerprint = environment.fingerprint()
+    except Exception:
+        pass
 
 
 def _mark_ready() -> None:
@@ -44,4 +71,4 @@ def _quiet() -> bool:
         return False
 
 
-_start()
+start()

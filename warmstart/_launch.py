@@ -17,6 +17,20 @@ interpreter_ready_ts: float | None = None
 ``None`` when the hook did not run in this interpreter (``WARMSTART=1`` was not set when it started)."""
 
 
+forked_start_ts: float | None = None
+"""In a process the preloader forked: Unix time at which the OS started the process that handed
+itself over (its launch began there, not at the fork). ``None`` in a process started as usual."""
+
+
+def forked_at(start_ts: float | None) -> None:
+    """Note that this process is a preloader's child serving a process started at ``start_ts``: its
+    launch runs from then to now (the handover included) and the interpreter is ready now."""
+    global forked_start_ts, interpreter_ready_ts
+    forked_start_ts = start_ts if start_ts is not None else time.time()
+    interpreter_ready_ts = None
+    mark_interpreter_ready()
+
+
 def mark_interpreter_ready() -> None:
     """Note now as the moment the interpreter was ready (the start-up hook calls it once, as it ends)."""
     global interpreter_ready_ts
@@ -29,8 +43,11 @@ def process_start_ts() -> float | None:
 
     Read from ``/proc/self/stat`` (``starttime``, in clock ticks since boot) against the boot-time
     clock, not from ``/proc/stat``'s ``btime``, which is in whole seconds. ``None`` where there is no
-    ``/proc`` (not Linux) or it cannot be read.
+    ``/proc`` (not Linux) or it cannot be read. In a preloader's child: when the process that handed
+    itself over was started.
     """
+    if forked_start_ts is not None:
+        return forked_start_ts
     try:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read()

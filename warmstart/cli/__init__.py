@@ -53,7 +53,7 @@ def _register() -> None:
     # others down with it.
     import importlib
 
-    for noun in ("cache", "server", "ett", "bench"):
+    for noun in ("cache", "server", "preload", "ett", "bench"):
         try:
             module = importlib.import_module(f"warmstart.cli.{noun}")
         except ModuleNotFoundError as exc:

@@ -35,6 +35,12 @@ def install() -> None:
             _run(name, sys.modules[name])
 
 
+def forget(module_names) -> None:
+    """Let the hooks of ``module_names`` run again at the next :func:`install` (in a preloader's
+    child, whose settings may differ from those the hooks saw)."""
+    _applied.difference_update(module_names)
+
+
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Wraps the loader of a watched module so that its hook runs once the module has executed."""
 

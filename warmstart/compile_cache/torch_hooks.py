@@ -250,6 +250,20 @@ def _switch_off_flags() -> None:
         _set_default(config, attr, None)
 
 
+def forget_preloader_settings() -> None:
+    """In a preloader's child, before warmstart is turned on for its program: undo what the
+    preloader's own environment chose where the program's may choose otherwise (torch's PGO job id,
+    which warmstart derives from the entry point; AOTAutograd's bundling, which follows
+    ``WARMSTART_DYNAMO``), so that turning warmstart on decides them again."""
+    compiler_config = sys.modules.get("torch.compiler.config")
+    if compiler_config is not None:
+        compiler_config.job_id = None  # set again from the program's TORCH_COMPILE_JOB_ID (_set_job_id)
+    functorch_config = sys.modules.get("torch._functorch.config")
+    if functorch_config is not None and _bundle_autograd:
+        _set_default(functorch_config, "bundled_autograd_cache", False)
+    import_hooks.forget(("torch.compiler.config", "torch._functorch.config"))
+
+
 def _set_job_id(compiler_config: ModuleType) -> None:
     # torch reads TORCH_COMPILE_JOB_ID when torch.compiler.config is imported; when that happened
     # before warmstart.enable() exported it, set it here.

@@ -1,0 +1,316 @@
+"""The preloader against real processes: a real preloader (torch, TorchRec and the compiler
+imported), real programs handed over by the interpreter's start-up hook, real signals.
+
+Whether a program ran in a preloader's child is read from inside it (``warmstart._launch``), and
+every handed-over run is compared with the same program started as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+PY = sys.executable
+FORKED = "import warmstart._launch as _l; _forked = _l.forked_start_ts is not None"
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "PYTEST"))}
+    env.update(extra)
+    return env
+
+
+class Preloader:
+    """A preloader on its own socket, started and stopped with the commands a user runs."""
+
+    def __init__(self, directory: Path, **extra_env: str) -> None:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.socket = str(directory / "preload.sock")
+        self.env = _clean_env(WARMSTART_PRELOAD_SOCKET=self.socket, **extra_env)
+
+    def start(self) -> Preloader:
+        out = subprocess.run([PY, "-m", "warmstart", "preload", "start", "--json"], env=self.env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        self.info = json.loads(out.stdout)
+        assert self.info["fork_safe"], self.info
+        return self
+
+    def status(self) -> dict:
+        out = subprocess.run([PY, "-m", "warmstart", "preload", "status", "--json", "--socket", self.socket],
+                             env=self.env, capture_output=True, text=True, timeout=60)
+        found = json.loads(out.stdout)["preloaders"]
+        return found[0] if found else {}
+
+    def stop(self) -> None:
+        subprocess.run([PY, "-m", "warmstart", "preload", "stop", "--socket", self.socket], env=self.env,
+                       capture_output=True, timeout=60)
+
+    def client_env(self, **extra: str) -> dict[str, str]:
+        return {**self.env, "WARMSTART": "1", **extra}
+
+    def run(self, args: list[str], *, preload: bool = True, extra_env: dict | None = None, **kwargs):
+        env = self.client_env(**(extra_env or {}))
+        if not preload:
+            env["WARMSTART_PRELOAD"] = "0"
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("timeout", 120)
+        return subprocess.run([PY, *args], env=env, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def preloader(tmp_path_factory):
+    node = Preloader(tmp_path_factory.mktemp("preload"), TORCHINDUCTOR_COMPILE_THREADS="2").start()
+    yield node
+    node.stop()
+
+
+def _report(*names: str) -> str:
+    return FORKED + "; import json, os, sys; print(json.dumps({'forked': _forked, " + ", ".join(
+        f"{n!r}: {n}" for n in names) + "}))"
+
+
+def test_command_script_and_module_run_as_python_runs_them(preloader, tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    body = _report("sys.argv", "os.getcwd()", "sys.path[0]", "__name__", "__file__ if '__file__' in dir() else None",
+                   "__spec__.name if __spec__ else None")
+    (tmp_path / "pkg" / "mod.py").write_text(body + "\n")
+    (tmp_path / "script.py").write_text(body + "\n")
+    for args in (["-c", _report("sys.argv", "os.getcwd()", "sys.path[0]", "__name__"), "a", "b"],
+                 ["script.py", "x", "--y"], ["-m", "pkg.mod", "z"], ["-u", "script.py"]):
+        forked = preloader.run(args, cwd=tmp_path)
+        plain = preloader.run(args, cwd=tmp_path, preload=False)
+        assert forked.returncode == plain.returncode == 0, (forked.stderr, plain.stderr)
+        got, want = json.loads(forked.stdout), json.loads(plain.stdout)
+        assert got.pop("forked") and not want.pop("forked"), args
+        assert got == want, args
+
+
+def test_exit_status_and_tracebacks_are_the_programs(preloader, tmp_path):
+    (tmp_path / "fails.py").write_text("def f():\n    raise KeyError('boom')\nf()\n")
+    cases = [["-c", "import sys; sys.exit(7)"], ["-c", "raise SystemExit('a message')"], ["fails.py"],
+             ["-c", "import os; os._exit(3)"]]
+    for args in cases:
+        forked, plain = preloader.run(args, cwd=tmp_path), preloader.run(args, cwd=tmp_path, preload=False)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr), args
+    served = preloader.status()["served"]
+    assert served >= len(cases)
+
+
+def test_standard_streams_and_a_pipe_through_the_child(preloader):
+    code = FORKED + "; import sys; data = sys.stdin.read(); print(data.upper(), end=''); print('err', _forked, file=sys.stderr)"
+    out = preloader.run(["-c", code], input="line one\nline two\n")
+    assert out.returncode == 0
+    assert out.stdout == "LINE ONE\nLINE TWO\n"
+    assert out.stderr == "err True\n"
+    # A pipeline: the reader sees the end of its input when the child's program ends.
+    producer = subprocess.Popen([PY, "-c", "print('\\n'.join(map(str, range(1000))))"], env=preloader.client_env(),
+                                stdout=subprocess.PIPE)
+    consumer = subprocess.run([PY, "-c", "import sys; print(sum(int(x) for x in sys.stdin))"],
+                              env=preloader.client_env(), stdin=producer.stdout, capture_output=True, text=True,
+                              timeout=120)
+    producer.stdout.close()
+    assert producer.wait(timeout=60) == 0
+    assert consumer.stdout.strip() == str(sum(range(1000)))
+
+
+def test_sigterm_is_forwarded_and_a_signal_death_is_the_same(preloader):
+    code = FORKED + textwrap.dedent("""
+        import os, signal, sys, time
+        def on_term(*_):
+            print('terminated', _forked, flush=True)
+            sys.exit(42)
+        signal.signal(signal.SIGTERM, on_term)
+        os.write(1, b'ready\\n')  # not print(): the handler prints, and must not interrupt a print
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 42
+    assert proc.stdout.read() == "terminated True\n"
+    # Killed by a signal: the original process ends by the same signal.
+    died = preloader.run(["-c", "import os, signal; os.kill(os.getpid(), signal.SIGUSR2)"])
+    assert died.returncode == -signal.SIGUSR2
+
+
+def test_sigint_ends_the_program_as_keyboardinterrupt_does(preloader):
+    code = FORKED + "; import os, time; os.write(1, f'ready {_forked}\\n'.encode()); time.sleep(60)"
+    results = []
+    for preload in (True, False):
+        env = preloader.client_env(**({} if preload else {"WARMSTART_PRELOAD": "0"}))
+        proc = subprocess.Popen([PY, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # not under this shell's SIGINT disposition
+        assert proc.stdout.readline() == f"ready {preload}\n"
+        proc.send_signal(signal.SIGINT)
+        results.append((proc.wait(timeout=30), proc.stderr.read().splitlines()[-1]))
+    assert results[0] == results[1] == (-signal.SIGINT, "KeyboardInterrupt")
+
+
+def test_sigkill_of_the_original_ends_the_child(preloader):
+    code = FORKED + "; import os, time; print(os.getpid(), _forked, flush=True); time.sleep(120)"
+    proc = subprocess.Popen([PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, text=True)
+    child_pid, forked = proc.stdout.readline().split()
+    assert forked == "True" and int(child_pid) != proc.pid
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10  # a hang guard; the preloader kills it at once
+    while time.monotonic() < deadline and _alive(int(child_pid)):
+        time.sleep(0.02)
+    assert not _alive(int(child_pid))
+
+
+def test_faulthandler_dumps_on_sigusr1(preloader):
+    code = FORKED + textwrap.dedent("""
+        import faulthandler, signal, sys, time
+        faulthandler.register(signal.SIGUSR1)
+        print('ready', _forked, flush=True)
+        def waiting_here():
+            time.sleep(3)
+        waiting_here()
+    """)
+    proc = subprocess.Popen([PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready True\n"
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert "in waiting_here" in err
+
+
+def test_an_import_time_variable_that_differs_is_not_handed_over(preloader):
+    before = preloader.status()["refused"]
+    out = preloader.run(["-c", FORKED + "; print(_forked)"], extra_env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    assert out.returncode == 0 and out.stdout == "False\n"
+    refused = preloader.status()["refused"]
+    assert sum(refused.values()) == sum(before.values()) + 1
+    assert any("TORCHINDUCTOR_MAX_AUTOTUNE" in reason for reason in refused)
+    # Variables read after import are the program's own: handed over, and set in the child.
+    out = preloader.run(["-c", FORKED + "; import os; print(_forked, os.environ['MY_SETTING'])"],
+                        extra_env={"MY_SETTING": "v1"})
+    assert out.stdout == "True v1\n"
+
+
+def test_a_stale_socket_or_no_preloader_is_an_ordinary_start(tmp_path):
+    path = tmp_path / "stale.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.close()  # the file stays, nobody listens
+    env = _clean_env(WARMSTART="1", WARMSTART_PRELOAD_SOCKET=str(path))
+    for env_case in (env, {**env, "WARMSTART_PRELOAD_SOCKET": str(tmp_path / "absent.sock")}):
+        out = subprocess.run([PY, "-c", FORKED + "; print(_forked)"], env=env_case, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout == "False\n", out.stderr
+
+
+def test_a_stopped_or_killed_preloader_never_fails_a_program(tmp_path):
+    node = Preloader(tmp_path / "p").start()
+    try:
+        running = subprocess.Popen([PY, "-c", FORKED + "; import time; print(_forked, flush=True); time.sleep(60)"],
+                                   env=node.client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert running.stdout.readline() == "True\n"
+        os.kill(node.info["pid"], signal.SIGSTOP)  # a busy or suspended preloader: requests wait on it
+        started = time.monotonic()
+        waiting = subprocess.Popen([PY, "-c", FORKED + "; print(_forked)"], env=node.client_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        os.kill(node.info["pid"], signal.SIGKILL)  # ... and killed in the middle of that request
+        assert waiting.wait(timeout=60) == 0
+        assert waiting.stdout.read() == "False\n"
+        assert time.monotonic() - started < 30  # a hang guard: the request is bounded (2 s)
+        # The program it was running ends with it, and its process says why.
+        assert running.wait(timeout=30) == 1
+        assert "preloader" in running.stderr.read()
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.kill(node.info["pid"], signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+                    reason="needs root (to connect as another user) and a system python3 that user may run")
+def test_another_user_is_refused():
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="ws-preload-shared-", dir="/tmp"))  # not under pytest's 0700 tmp
+    directory = top / "shared"
+    node = Preloader(directory).start()
+    try:
+        os.chmod(top, 0o755)  # let the other user reach the socket: the peer check must refuse it
+        os.chmod(directory, 0o755)
+        os.chmod(node.socket, 0o666)
+        # The preloader reads nothing from a peer of another user: it closes the connection.
+        probe = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(30); "
+                 f"s.connect({node.socket!r}); print(repr(s.recv(16)))")
+        out = subprocess.run(["/usr/bin/python3", "-c", probe], capture_output=True, text=True, timeout=60,
+                             user=65534, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0 and out.stdout.strip() == "b''", out.stderr
+        assert node.status()["refused"].get("another user") == 1
+    finally:
+        node.stop()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_dataloader_and_inductor_compile_workers_in_a_forked_child(preloader):
+    code = FORKED + textwrap.dedent("""
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        data = DataLoader(TensorDataset(torch.arange(32.0)), batch_size=4, num_workers=2)
+        total = sum(float(batch[0].sum()) for batch in data)
+        f = torch.compile(lambda x: (x.sin() + 1).sum())
+        print(_forked, total, round(float(f(torch.ones(8))), 4))
+    """)
+    out = preloader.run(["-c", code], timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", str(float(sum(range(32)))), str(round(8 * (1 + float(torch_sin_1())), 4))]
+
+
+def test_two_rank_torchrun_restart_forks_both_attempts(preloader, tmp_path):
+    log = tmp_path / "attempts.jsonl"
+    script = tmp_path / "train.py"
+    # The first attempt fails before its process group exists: torch's own restarts with gloo can
+    # read the previous attempt's addresses from the agent's store (with or without a preloader).
+    script.write_text(FORKED + textwrap.dedent(f"""
+        import json, os, sys, time
+        restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        with open({str(log)!r}, "a") as f:
+            f.write(json.dumps({{"rank": int(os.environ["RANK"]), "restart": restart, "forked": _forked}}) + "\\n")
+        if restart == 0:
+            sys.exit(1) if os.environ["RANK"] == "0" else time.sleep(60)
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        dist.destroy_process_group()
+    """))
+    out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                          "--monitor-interval", "0.2", str(script)], env=preloader.client_env(OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    attempts = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted((a["restart"], a["rank"]) for a in attempts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(a["forked"] for a in attempts), attempts
+
+
+def torch_sin_1() -> float:
+    import math
+
+    return math.sin(1.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

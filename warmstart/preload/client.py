@@ -1,0 +1,309 @@
+"""Handing this process over to a preloader: the start-up hook's first step where ``WARMSTART=1``.
+
+When a preloader serves this user, interpreter and import-time environment, this process sends it
+everything a fresh interpreter would start from (its command line, working directory, environment,
+umask, resource limits, signal dispositions and open file descriptors) and the preloader forks a
+child that runs the program with torch and the compiler already imported. This process stays, with
+its pid: it forwards every signal it gets to the child and ends as the child ends (its exit status,
+or the same signal). If it is killed outright, the preloader kills the child.
+
+Anything that does not fit (no preloader, another environment, a busy or dead preloader, a program
+that is read from the terminal) leaves this process to start as usual. Built-in modules only, and
+nothing at all when no preloader listens: every ``WARMSTART=1`` interpreter runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: How long a preloader may take to answer a request (fork and set up the child) before this
+#: process gives up on it and starts as usual.
+HANDOVER_TIMEOUT_S = 2.0
+
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+_NOT_FORWARDED = ("SIGCHLD", "SIGTTIN", "SIGTTOU")  # about this process itself, not the program
+
+
+def handover() -> None:
+    """Run this program in a child of the preloader and exit as it does; return (and start as usual)
+    when no preloader takes it."""
+    if os.environ.get("WARMSTART_PRELOAD", "1") == "0" or os.environ.get("WARMSTART_PRELOAD_SERVE"):
+        return
+    from warmstart.preload.environment import default_socket
+
+    path = default_socket()
+    try:
+        os.stat(path)
+    except OSError:
+        return  # the common case, and the cheap one: no preloader here
+    reason = _handover(path)
+    if reason is not None:
+        _info(f"warmstart: started without the preloader ({reason})")
+
+
+def program_mode(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """``(mode, target, args)`` of an interpreter command line (``sys.orig_argv``): ``("script",
+    path, args)``, ``("module", name, args)`` or ``("command", code, args)``; ``None`` for what a
+    preloader does not run (the interactive prompt, a program read from stdin, ``-i``).
+
+    Interpreter options before the program are accepted when they are ones the preloader's own
+    interpreter has too (its flags are compared separately) or ``-u``.
+    """
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-c":
+            return ("command", argv[i + 1], argv[i + 2:]) if i + 1 < len(argv) else None
+        if arg == "-m":
+            return ("module", argv[i + 1], argv[i + 2:]) if i + 1 < len(argv) else None
+        if arg in ("-", "-i") or arg.startswith("--") and arg not in ("--check-hash-based-pycs",):
+            return None
+        if arg.startswith("-") and len(arg) > 1:
+            letters = arg[1:]
+            for j, letter in enumerate(letters):
+                if letter in "cm":  # -uc CODE, -um MOD
+                    rest = letters[j + 1:] or (argv[i + 1] if i + 1 < len(argv) else None)
+                    if rest is None:
+                        return None
+                    skip = 1 if letters[j + 1:] else 2
+                    return ("command" if letter == "c" else "module", rest, argv[i + skip:])
+                if letter in "WX" or letter == "-":  # -W arg, -X opt: the value is the rest or the next argument
+                    if not letters[j + 1:]:
+                        i += 1
+                    break
+                if letter == "i":
+                    return None
+            if arg == "--check-hash-based-pycs":
+                i += 1
+            i += 1
+            continue
+        return ("script", arg, argv[i + 1:])
+    return None
+
+
+def _handover(path: str) -> str | None:
+    import _signal
+    import _socket
+
+    argv = list(getattr(sys, "orig_argv", ()) or ())
+    if program_mode(argv) is None:
+        return "the program is interactive or read from stdin"
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return "the working directory is gone"
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    pending: list[int] = []
+    child: list[int] = []
+    previous: dict[int, object] = {}
+
+    def forward(signum, _frame):
+        if child:
+            _send_signal(_signal, child[0], signum)
+        else:
+            pending.append(signum)
+
+    taken: tuple[int, list[int]] | str | None = None
+    try:
+        taken = _request(sock, path, argv, cwd, forward, previous)
+    finally:
+        if not isinstance(taken, tuple):
+            _restore(_signal, previous, pending)
+            sock.close()
+    if not isinstance(taken, tuple):
+        return taken
+    pidfd, fds = taken
+    # From here the program is the child's: this process only waits.
+    child.append(pidfd)
+    for signum in pending:
+        _send_signal(_signal, child[0], signum)
+    _release_fds(fds)
+    sock.settimeout(None)
+    _wait(_signal, sock, child[0])
+    return None  # not reached
+
+
+def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict) -> tuple[int, list[int]] | str:
+    """Ask the preloader to run this program: ``(pidfd of the child, descriptors passed)``, or why not."""
+    import _signal
+
+    from warmstart.preload import wire
+    from warmstart.preload.environment import fingerprint
+
+    sock.settimeout(HANDOVER_TIMEOUT_S)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        return f"no preloader answers at {path}: {exc.strerror or exc}"
+    if wire.peer_uid(sock) != os.getuid():
+        return f"the process at {path} belongs to another user"
+    fds = _open_fds(sock.fileno())
+    if len(fds) > wire.MAX_FDS:
+        return f"{len(fds)} open file descriptors (at most {wire.MAX_FDS} are passed)"
+    # Signals that arrive from here on are the program's: held until the child exists.
+    for signum in _forwarded(_signal):
+        try:
+            previous[signum] = _signal.signal(signum, forward)
+        except (OSError, ValueError):
+            pass
+    request = {
+        "op": "run", "protocol": wire.PROTOCOL, "fingerprint": fingerprint(), "argv": argv, "cwd": cwd,
+        "environ": dict(os.environ), "umask": _umask(), "rlimits": _rlimits(), "cgroup": _read("/proc/self/cgroup"),
+        "start_ts": _start_ts(), "fds": fds, "pid": os.getpid(),
+        "ignored": [s for s, h in previous.items() if h == _signal.SIG_IGN],
+        "blocked": sorted(int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])),
+    }
+    try:
+        wire.send(sock, request, fds)
+        reply, reply_fds = wire.receive(sock)
+    except (OSError, EOFError, ValueError) as exc:  # a timeout too: the preloader is busy or stopped
+        return f"the preloader did not take it: {exc}"
+    if "running" in reply and reply_fds:
+        return reply_fds[0], fds
+    for fd in reply_fds:
+        os.close(fd)
+    return str(reply.get("declined", "the preloader's answer was not understood"))
+
+
+def _wait(_signal, sock, pidfd: int) -> None:
+    from warmstart.preload import wire
+
+    try:
+        while True:
+            message, extra = wire.receive(sock)
+            for fd in extra:
+                os.close(fd)
+            if "exit" in message:
+                _flush_and_exit(int(message["exit"]))
+            if "signal" in message:
+                _die_by(_signal, int(message["signal"]))
+    except OSError:
+        pass
+    _try(os.write, 2, b"warmstart: the preloader that ran this program ended while it ran; the program ended with it\n")
+    _flush_and_exit(1)
+
+
+def _die_by(_signal, signum: int) -> None:
+    try:
+        _signal.signal(signum, _signal.SIG_DFL)
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [signum])
+        os.kill(os.getpid(), signum)
+    except (OSError, ValueError):
+        pass
+    _flush_and_exit(128 + signum)  # a signal whose default is not to end the process
+
+
+def _flush_and_exit(code: int) -> None:
+    os._exit(code)  # this process printed nothing and owns nothing: no interpreter shutdown
+
+
+def _send_signal(_signal, pidfd: int, signum: int) -> None:
+    if signum == getattr(_signal, "SIGTSTP", None):
+        # Stop the program, then this process, as a terminal's ^Z stops both.
+        _try(_signal.pidfd_send_signal, pidfd, signum)
+        os.kill(os.getpid(), _signal.SIGSTOP)
+        return
+    _try(_signal.pidfd_send_signal, pidfd, signum)
+
+
+def _try(fn, *args) -> None:
+    try:
+        fn(*args)
+    except OSError:
+        pass
+
+
+def _forwarded(_signal) -> list[int]:
+    skip = {getattr(_signal, name, None) for name in _UNCATCHABLE + _NOT_FORWARDED}
+    return [s for s in range(1, _signal.NSIG) if s not in skip and _catchable(_signal, s)]
+
+
+def _catchable(_signal, signum: int) -> bool:
+    try:
+        _signal.getsignal(signum)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _restore(_signal, previous: dict, pending: list[int]) -> None:
+    for signum, handler in previous.items():
+        try:
+            _signal.signal(signum, handler)
+        except (OSError, ValueError, TypeError):
+            pass
+    for signum in pending:  # arrived during a handover that did not happen: this process's after all
+        _signal.raise_signal(signum)
+
+
+def _open_fds(skip: int) -> list[int]:
+    names = os.listdir("/proc/self/fd")  # the listing's own descriptor is closed again when it returns
+    fds = []
+    for name in names:
+        fd = int(name)
+        if fd == skip:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        fds.append(fd)
+    return sorted(fds)
+
+
+def _release_fds(fds: list[int]) -> None:
+    """Close this process's copies of what the child now holds, so that a pipe's reader sees its end
+    when the program closes it. Standard error stays, for this process's last words."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in fds:
+        if fd in (0, 1):
+            os.dup2(devnull, fd)
+        elif fd != 2:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    os.close(devnull)
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def _rlimits() -> dict[int, tuple[int, int]]:
+    try:
+        import resource
+    except ImportError:
+        return {}
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            number = getattr(resource, name)
+            try:
+                limits[number] = resource.getrlimit(number)
+            except (OSError, ValueError):
+                pass
+    return limits
+
+
+def _start_ts() -> float | None:
+    from warmstart import _launch
+
+    return _launch.process_start_ts()
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _info(line: str) -> None:
+    import logging
+
+    logging.getLogger("warmstart.preload").info(line)

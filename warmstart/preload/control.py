@@ -1,0 +1,212 @@
+"""Starting, asking and stopping preloaders: what ``warmstart preload start|status|stop`` does."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+from warmstart.errors import WarmstartError
+
+#: How long ``start`` waits for a new preloader to have imported everything and listen.
+START_TIMEOUT_S = 300.0
+
+_SERVER = "from warmstart.preload.server import main; main()"
+
+
+def start(modules: list[str] | None = None, socket_path: str | None = None, *, foreground: bool = False,
+          timeout_s: float = START_TIMEOUT_S) -> dict:
+    """Start a preloader for this user, interpreter and environment, and return its status once it
+    serves (``socket``, ``pid``, ``modules``, ``imports_s``...). When one already serves there, its
+    status (``already_running`` true). ``foreground`` replaces this process with the preloader.
+
+    Raises:
+        WarmstartError: it did not start (its log's last lines are in the message).
+    """
+    from warmstart.preload.environment import private_dir
+    from warmstart.preload.server import DEFAULT_MODULES
+
+    path = socket_path or this_environment_socket()
+    running = status(path)
+    if running is not None:
+        return {**running, "already_running": True}
+    wanted = [*DEFAULT_MODULES, *_split(os.environ.get("WARMSTART_PRELOAD_MODULES", "")), *(modules or [])]
+    env = {**os.environ, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
+    command = [sys.executable, "-c", _SERVER, path, ",".join(dict.fromkeys(wanted))]
+    if foreground:
+        os.execve(sys.executable, command, env)
+    _private_dir(private_dir())
+    log_path = os.path.splitext(path)[0] + ".log"
+    read_end, write_end = os.pipe()
+    env["WARMSTART_PRELOAD_READY_FD"] = str(write_end)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                   start_new_session=True, pass_fds=(write_end,), close_fds=True)
+    os.close(write_end)
+    try:
+        ready = _read_ready(read_end, process, timeout_s)
+    finally:
+        os.close(read_end)
+    if ready is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        raise WarmstartError(f"the preloader did not start; last lines of {log_path}:\n{_tail(log_path)}")
+    return {**ready, "already_running": False, "log": log_path}
+
+
+def status(socket_path: str | None = None) -> dict | None:
+    """The status of the preloader at ``socket_path`` (default: this environment's), ``None`` when
+    none answers there."""
+    from warmstart.preload import wire
+
+    path = socket_path or this_environment_socket()
+    try:
+        with _connect(path) as sock:
+            wire.send(sock, {"op": "status", "protocol": wire.PROTOCOL})
+            message, fds = wire.receive(sock)
+    except OSError:
+        return None
+    for fd in fds:
+        os.close(fd)
+    return message
+
+
+def stop(socket_path: str | None = None, timeout_s: float = 10.0) -> dict | None:
+    """Stop the preloader at ``socket_path`` (default: this environment's): it serves no new process
+    and ends once the programs it runs have ended. Its last status, ``None`` when none answered."""
+    from warmstart.preload import wire
+
+    path = socket_path or this_environment_socket()
+    last = status(path)
+    if last is None:
+        return None
+    try:
+        with _connect(path) as sock:
+            wire.send(sock, {"op": "stop", "protocol": wire.PROTOCOL})
+            wire.receive(sock)
+    except OSError:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and os.path.exists(path):
+        time.sleep(0.02)
+    return last
+
+
+def preloaders() -> list[dict]:
+    """The status of every preloader of this user (one per interpreter and environment)."""
+    from warmstart.preload.environment import private_dir
+
+    found = []
+    paths = set()
+    with contextlib.suppress(OSError):
+        paths.update(os.path.join(private_dir(), n) for n in os.listdir(private_dir()) if n.endswith(".sock"))
+    if os.environ.get("WARMSTART_PRELOAD_SOCKET"):
+        paths.add(os.environ["WARMSTART_PRELOAD_SOCKET"])
+    for path in sorted(paths):
+        answer = status(path)
+        if answer is not None:
+            found.append(answer)
+    return found
+
+
+def this_environment_socket() -> str:
+    """Where the preloader for a ``python`` started here would listen (``WARMSTART_PRELOAD_SOCKET``,
+    else a path per user and fingerprint, as that interpreter's start-up hook sees it)."""
+    if os.environ.get("WARMSTART_PRELOAD_SOCKET"):
+        return os.environ["WARMSTART_PRELOAD_SOCKET"]
+    probe = ("from warmstart.preload import environment as e; "
+             "print(e.default_socket(fp=e.site_fingerprint))")
+    env = {**os.environ, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise WarmstartError(f"could not tell this environment's preloader socket: {out.stderr.strip()[-500:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
+    """Whether a ``python`` started with ``environ`` (default: this one) would be handed over, and why
+    (not)."""
+    environ = dict(os.environ if environ is None else environ)
+    if environ.get("WARMSTART") != "1":
+        return False, "WARMSTART is not 1: the start-up hook does not run"
+    if environ.get("WARMSTART_PRELOAD", "1") == "0":
+        return False, "WARMSTART_PRELOAD=0"
+    probe = ("import json, sys\n"
+             "from warmstart.preload import environment as e, wire\n"
+             "import socket\n"
+             "path = e.default_socket(fp=e.site_fingerprint)\n"
+             "s = socket.socket(socket.AF_UNIX); s.settimeout(2)\n"
+             "try:\n"
+             "    s.connect(path); wire.send(s, {'op': 'status', 'protocol': wire.PROTOCOL}); st = wire.receive(s)[0]\n"
+             "except OSError as exc:\n"
+             "    print(json.dumps([False, f'no preloader serves this environment ({path}: {exc.strerror or exc})'])); sys.exit()\n"
+             "why = e.difference(e.site_fingerprint, st.get('fingerprint', {})) if 'fingerprint' in st else None\n"
+             "if why: print(json.dumps([False, 'the preloader at ' + path + ' serves another environment: ' + why]))\n"
+             "elif st.get('stale'): print(json.dumps([False, st['stale']]))\n"
+             "elif not st.get('fork_safe'): print(json.dumps([False, 'the preloader is not fork-safe: %s threads, CUDA %s' % (st.get('threads'), st.get('cuda_initialized'))]))\n"
+             "else: print(json.dumps([True, 'the preloader at ' + path + ' (pid %s) serves this environment' % st.get('pid')]))\n")
+    env = {**environ, "WARMSTART_PRELOAD_SERVE": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    try:
+        served, why = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return False, f"could not tell: {out.stderr.strip()[-300:]}"
+    return bool(served), str(why)
+
+
+def _connect(path: str):
+    import socket
+
+    from warmstart.preload import wire
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5.0)
+    try:
+        sock.connect(path)
+        if wire.peer_uid(sock) != os.getuid():
+            raise PermissionError(f"the process at {path} belongs to another user")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _read_ready(fd: int, process: subprocess.Popen, timeout_s: float) -> dict | None:
+    import select
+
+    deadline, data = time.monotonic() + timeout_s, b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+            if data.endswith(b"\n"):
+                return json.loads(data)
+        elif process.poll() is not None:
+            break
+    return None
+
+
+def _private_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or not os.path.isdir(path) or os.path.islink(path):
+        raise WarmstartError(f"{path} must be a directory of yours that nobody else can open (mode 0700); "
+                             "remove it, or set WARMSTART_PRELOAD_SOCKET to a path in a private directory")
+
+
+def _split(text: str) -> list[str]:
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"

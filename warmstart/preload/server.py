@@ -1,0 +1,385 @@
+"""The preloader: one process that imports torch, TorchRec, torch's compiler and warmstart once, then
+forks a child for each ``WARMSTART=1`` process that hands itself over (see
+:mod:`warmstart.preload.client`).
+
+It runs one thread and never touches CUDA, so that what it forks is whole: both are checked before
+every fork, and a request is refused (the process starts as usual) when either does not hold. It
+also refuses when anything its children would inherit has changed since it imported it (a module's
+file, an installed package), when the process is of another user, or when its fingerprint (see
+:mod:`warmstart.preload.environment`) is not the preloader's own.
+
+Started by ``warmstart preload start``, which runs::
+
+    python -c "from warmstart.preload.server import main; main()" SOCKET MODULES
+
+with ``WARMSTART=1`` and ``WARMSTART_PRELOAD_SERVE=1`` in its environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import importlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from warmstart.preload import environment, wire
+
+log = logging.getLogger("warmstart.preload")
+
+#: What every preloader imports (``WARMSTART_PRELOAD_MODULES`` and ``--modules`` add to it). What is
+#: not installed is skipped.
+DEFAULT_MODULES = ("torch", "torch._dynamo", "torch._inductor.codecache", "torch._inductor.compile_fx",
+                   "torch._functorch._aot_autograd.autograd_cache", "torch.distributed", "torchrec",
+                   "warmstart.metrics", "warmstart.compile_cache")
+
+#: A child that could not become the program (its setup failed) ends with this status before
+#: running any of it, after telling its process why.
+CHILD_DECLINED = 213
+
+
+@dataclass
+class Request:
+    """A process's request to be run, as the forked child receives it."""
+
+    message: dict
+    conn: socket.socket
+    fds: list[int]
+
+
+@dataclass
+class _Child:
+    conn: socket.socket
+    client_pid: int
+
+
+@dataclass
+class Preloader:
+    """The serving state of a preloader (in its one thread)."""
+
+    path: str
+    modules: list[str]
+    site_fingerprint: dict
+    imported: list[str] = field(default_factory=list)
+    imports_s: float = 0.0
+    started_at: float = field(default_factory=time.time)
+    served: int = 0
+    refused: Counter = field(default_factory=Counter)
+    children: dict[int, _Child] = field(default_factory=dict)
+    owner_pid: int = field(default_factory=os.getpid)
+    _selector: selectors.BaseSelector | None = None
+    _files: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _stopping: bool = False
+
+    def load(self) -> None:
+        """Import the modules, then note every file they came from (to refuse once one changes)."""
+        start = time.perf_counter()
+        for name in self.modules:
+            try:
+                importlib.import_module(name)
+                self.imported.append(name)
+            except ImportError as exc:
+                log.info("warmstart preload: %s not imported (%s)", name, exc)
+        self.imports_s = time.perf_counter() - start
+        _stop_blas_threads()
+        self._files = _module_files()
+        # Python's advice for a process that forks without exec: what exists now is never touched by
+        # a child's garbage collector (its pages stay shared), and a child's gc.get_objects() holds
+        # only what its program made.
+        gc.collect()
+        gc.freeze()
+        for entry in sys.path:
+            if os.path.isdir(entry):
+                self._files[entry] = _stamp(entry)  # a package installed or removed there
+
+    def serve(self, listener: socket.socket) -> Request:
+        """Serve requests on ``listener`` until stopped; returns only in a forked child, with its
+        request."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end)
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, lambda *_: None)  # handled in the loop, from the wakeup pipe
+        selector = self._selector = selectors.DefaultSelector()
+        selector.register(listener, selectors.EVENT_READ, "listener")
+        selector.register(read_end, selectors.EVENT_READ, "signal")
+        try:
+            while not (self._stopping and not self.children):
+                for key, _ in selector.select():
+                    try:
+                        if key.data == "signal":
+                            self._on_signals(read_end)
+                        elif key.data == "listener":
+                            request = self._accept(listener, selector)
+                            if request is not None:  # in the child
+                                self._become_child(listener, selector, read_end, write_end)
+                                return request
+                        else:
+                            self._on_client(key.fileobj, key.data, selector)
+                    except Exception:  # one request's trouble must not end the preloader
+                        if os.getpid() != self.owner_pid:
+                            raise
+                        log.exception("warmstart preload: serving a request failed")
+                if self._stopping and listener.fileno() >= 0:
+                    selector.unregister(listener)
+                    listener.close()
+                    _unlink_own(self.path)
+        finally:
+            if os.getpid() == self.owner_pid:
+                _unlink_own(self.path)
+        raise SystemExit(0)
+
+    def status(self) -> dict:
+        """What ``warmstart preload status`` shows."""
+        threads, cuda = _threads(), _cuda_initialized()
+        return {"pid": os.getpid(), "socket": self.path, "started_at": self.started_at, "imports_s": self.imports_s,
+                "modules": self.imported, "served": self.served, "refused": dict(self.refused),
+                "running": len(self.children), "threads": threads, "cuda_initialized": cuda,
+                "fork_safe": threads == 1 and not cuda, "stale": self._stale(), "executable": sys.executable,
+                "fingerprint": self.site_fingerprint}
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket, selector) -> Request | None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return None
+        conn.settimeout(5.0)  # a peer that connects and sends nothing must not hold the preloader
+        try:
+            if wire.peer_uid(conn) != os.getuid():
+                self.refused["another user"] += 1
+                conn.close()
+                return None
+            message, fds = wire.receive(conn)
+        except OSError:
+            conn.close()
+            return None
+        op = message.get("op")
+        if op == "status":
+            _reply(conn, self.status())
+            return None
+        if op == "stop":
+            self._stopping = True
+            _reply(conn, {"stopping": True, "running": len(self.children)})
+            return None
+        reason = self._refusal(message)
+        if reason is not None:
+            self.refused[reason.split(" (")[0]] += 1
+            _reply(conn, {"declined": reason}, fds)
+            return None
+        pid = os.fork()
+        if pid == 0:
+            return Request(message, conn, fds)
+        for fd in fds:
+            os.close(fd)
+        conn.settimeout(None)
+        self.served += 1
+        self.children[pid] = _Child(conn, int(message.get("pid", 0)))
+        selector.register(conn, selectors.EVENT_READ, pid)
+        return None
+
+    def _refusal(self, message: dict) -> str | None:
+        if message.get("op") != "run" or message.get("protocol") != wire.PROTOCOL:
+            return "a request of another warmstart version"
+        if self._stopping:
+            return "the preloader is stopping"
+        differs = environment.difference(message.get("fingerprint", {}), self.site_fingerprint)
+        if differs is not None:
+            return f"this preloader serves another environment: {differs}"
+        stale = self._stale()
+        if stale is not None:
+            return stale
+        threads = _threads()
+        if threads != 1:
+            return f"the preloader runs {threads} threads, and a fork would lose all but one"
+        if _cuda_initialized():
+            return "the preloader has a CUDA context, which a fork cannot carry"
+        return None
+
+    def _stale(self) -> str | None:
+        for path, stamp in self._files.items():
+            if _stamp(path) != stamp:
+                return (f"{path} changed since the preloader imported it "
+                        "(restart it: warmstart preload stop; warmstart preload start)")
+        return None
+
+    def _on_client(self, conn: socket.socket, pid: int, selector) -> None:
+        # The only thing a client sends after its request is its end: it is gone (killed, perhaps
+        # with SIGKILL). Its program must not outlive it.
+        try:
+            data = conn.recv(1)
+        except OSError:
+            data = b""
+        if not data:
+            selector.unregister(conn)
+            # The child itself only: what it started fares as a killed process's children do. (It
+            # is this process's child until reaped here, so the pid is still its.)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _on_signals(self, read_end: int) -> None:
+        with contextlib.suppress(BlockingIOError):
+            received = os.read(read_end, 512)
+            if {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} & set(received):
+                self._stopping = True
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = self.children.pop(pid, None)
+            if child is None:
+                continue
+            if os.WIFSIGNALED(status):
+                outcome = {"signal": os.WTERMSIG(status)}
+            else:
+                code = os.WEXITSTATUS(status)
+                outcome = {"exit": code}
+                if code == CHILD_DECLINED:
+                    self.served -= 1
+                    self.refused["the child could not be set up"] += 1
+            with contextlib.suppress(OSError):
+                wire.send(child.conn, outcome)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(child.conn)  # its descriptor number is free for the next one
+            child.conn.close()
+
+    def _become_child(self, listener, selector, read_end: int, write_end: int) -> None:
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for child in self.children.values():
+            child.conn.close()
+        self.children.clear()
+        selector.close()
+        listener.close()
+        os.close(read_end)
+        os.close(write_end)
+
+
+def main() -> None:
+    """The preloader process (``python -c "...main()" SOCKET MODULES``)."""
+    path, modules = sys.argv[1], [m for m in sys.argv[2].split(",") if m]
+    fingerprint = environment.site_fingerprint
+    if fingerprint is None:
+        sys.exit("warmstart preload: the start-up hook did not run (WARMSTART=1 and WARMSTART_PRELOAD_SERVE=1 "
+                 "are needed); start it with `warmstart preload start`")
+    preloader = Preloader(path, modules, fingerprint)
+    preloader.load()
+    listener = _listen(path)
+    _say_ready(preloader.status())
+    request = preloader.serve(listener)
+    from warmstart.preload.child import become
+
+    become(request)
+
+
+def _say_ready(status: dict) -> None:
+    """Tell ``warmstart preload start`` (through the descriptor it passed) or the terminal that this
+    preloader serves."""
+    import json
+
+    line = json.dumps({k: v for k, v in status.items() if k != "fingerprint"}) + "\n"
+    fd = os.environ.pop("WARMSTART_PRELOAD_READY_FD", None)
+    if fd is None:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        return
+    with contextlib.suppress(OSError):
+        os.write(int(fd), line.encode())
+        os.close(int(fd))
+
+
+def _listen(path: str) -> socket.socket:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a stale socket: the start command checked that nobody answers on it
+    old = os.umask(0o177)  # the socket is created 0600
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(64)
+    return listener
+
+
+def _unlink_own(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _reply(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    with contextlib.suppress(OSError):
+        wire.send(conn, message)
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+
+
+def _module_files() -> dict[str, tuple[int, int]]:
+    files = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path not in files:
+            files[path] = _stamp(path)
+    return files
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return (-1, exc.errno or errno.ENOENT)
+    return (st.st_mtime_ns, st.st_size)
+
+
+def _stop_blas_threads() -> None:
+    """End OpenBLAS's worker threads (numpy starts them when torch imports it). OpenBLAS does the same
+    itself before every fork (its ``pthread_atfork`` handler) and starts them again at its next call;
+    done once here, the preloader has one thread between forks, as it must."""
+    import ctypes
+
+    for path in sorted({line.split()[-1] for line in _read_lines("/proc/self/maps")
+                        if "openblas" in line.rsplit("/", 1)[-1].lower() and ".so" in line}):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(path).blas_thread_shutdown_()
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return False
