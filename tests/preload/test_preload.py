@@ -175,8 +175,8 @@ def test_faulthandler_dumps_on_sigusr1(preloader):
     code = FORKED + textwrap.dedent("""
         import faulthandler, signal, sys, time
         faulthandler.register(signal.SIGUSR1)
-        print('ready', _forked, flush=True)
         def waiting_here():
+            print('ready', _forked, flush=True)
             time.sleep(3)
         waiting_here()
     """)
@@ -314,3 +314,44 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _memory_cgroup_dir() -> Path | None:
+    """A new memory cgroup (v1 or v2) under this process's own, or None where one cannot be made."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for root, wanted in (("/sys/fs/cgroup/memory", "memory"), ("/sys/fs/cgroup/unified", ""),
+                             ("/sys/fs/cgroup", "")):
+            if controllers == wanted and Path(root, "cgroup.procs").exists():
+                target = Path(root, path.lstrip("/"), f"ws-preload-test-{os.getpid()}")
+                try:
+                    target.mkdir()
+                except OSError:
+                    continue
+                return target
+    return None
+
+
+def test_the_child_joins_the_processs_cgroup(preloader):
+    group = _memory_cgroup_dir()
+    if group is None:
+        pytest.skip("no memory cgroup can be made here (needs root and a writable cgroup mount)")
+    try:
+        def enter() -> None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        code = FORKED + "; print(_forked); print(open('/proc/self/cgroup').read(), end='')"
+        out = subprocess.run([PY, "-c", code], env=preloader.client_env(), capture_output=True, text=True,
+                             timeout=120, preexec_fn=enter)
+        assert out.returncode == 0, out.stderr
+        forked, *cgroups = out.stdout.splitlines()
+        assert forked == "True"
+        assert any(line.endswith("/" + group.name) for line in cgroups), cgroups
+    finally:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                group.rmdir()
+                break
+            except OSError:  # its last process is still exiting
+                time.sleep(0.05)

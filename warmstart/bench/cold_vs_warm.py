@@ -90,6 +90,10 @@ class BenchOptions:
     stall_timeout_s: float = 180.0
     """A configuration that records no new ETT event (its run directory's event files stop growing)
     for this long is stopped, after its ranks dumped their Python stacks into its log; the bench fails."""
+    preload: bool = True
+    """``warm`` runs on machines that run a preloader as a node service (``warmstart preload``): each
+    machine's preloader is started when the machine is brought up, before its attempt is launched,
+    as a pool's spare node has one; its start-up time is reported apart (``preload_start_s``)."""
 
 
 @dataclasses.dataclass
@@ -105,6 +109,8 @@ class ConfigResult:
     """Per attempt, rank 0's start-up report (resume step, compile counters, stage timings)."""
     cache: dict[str, dict[str, int]]
     """warmstart store counters summed over the attempts that exited cleanly: kind -> hits/misses/..."""
+    preload_start_s: list[float] | None = None
+    """Per machine, how long its preloader took to start (outside the job's time); ``None`` without."""
 
     def figures(self) -> dict[str, Any]:
         """The figures of this configuration (docs/reference.md#the-main-job), plus what the test and the
@@ -123,6 +129,8 @@ class ConfigResult:
             "compile_s": buckets.get("compile", 0.0),
             "sharding_plan_s": buckets.get("sharding_plan", 0.0),
             "checkpoint_blocking_s": r.l1["checkpoint_blocking_s"],
+            "imports_s": buckets.get("imports", 0.0),
+            "preload_start_s": self.preload_start_s,
             "lost_progress_s": r.l1["lost_progress_s"],
             "failures": r.l1["failures"],
             "attempts": [{"attempt": a.attempt, "pre_first_step_s": a.pre_first_step_s, "failed": a.failed,
@@ -184,10 +192,11 @@ def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str
     ``warm_vs_baseline`` ratios, and the settings the figures were measured with."""
     out: dict[str, Any] = {name: res.figures() for name, res in results.items()}
     out["warm_vs_baseline"] = ratios(results)
+    out["preload_start_s"] = results["warm"].preload_start_s
     job = options.job
     out["settings"] = {"steps": job.steps, "tables": job.tables, "batch_size": job.batch_size,
                        "fail_at_step": job.fail_at_step, "checkpoint_every": job.checkpoint_every,
-                       "ranks": options.nproc, "checkpoint_mode": job.checkpoint_mode}
+                       "ranks": options.nproc, "checkpoint_mode": job.checkpoint_mode, "preload": options.preload}
     return out
 
 
@@ -207,8 +216,15 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
     job = dataclasses.replace(options.job, mode="baseline" if name == "baseline" else "warmstart",
                               checkpoint_dir=root / "checkpoints")
     tmp_root = short_tmp_root()
+    preloaders: list[str] = []
+    preload_start_s: list[float] | None = None
     try:
         env = _job_env(name, root, tmp_root, run_dir, bench_id, server)
+        if name == "warm" and options.preload:
+            # What a user names for their own job: its trainer module, preloaded with torch and TorchRec.
+            env["WARMSTART_PRELOAD_MODULES"] = "warmstart.bench.trainer"
+            report(name, "bringing the machines up (their preloaders)", 0, job.steps)
+            preloaders, preload_start_s = _start_preloaders(env, machines, tmp_root, attempts=2)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
                "--max-restarts=1", "--no-python", *launcher_args(machines, tmp_root), *_JOB_MODULE,
                *job.to_args()]
@@ -234,6 +250,7 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
                 raise
         wall = time.monotonic() - started
     finally:
+        _stop_preloaders(preloaders)
         shutil.rmtree(tmp_root, ignore_errors=True)
     if proc.returncode != 0:
         raise BenchError(f"{name}: the job exited with status {proc.returncode} (log: {log_path})")
@@ -242,7 +259,42 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
     if len(results) != 1:
         raise BenchError(f"{name}: expected the events of one job in {run_dir}, found {len(results)}")
     return ConfigResult(name=name, run_dir=run_dir, log_path=log_path, wall_s=wall, result=results[0],
-                        startup=_startup_reports(run_dir), cache=_cache_counters(machines))
+                        startup=_startup_reports(run_dir), cache=_cache_counters(machines),
+                        preload_start_s=preload_start_s)
+
+
+def machine_env(machines: Path, tmp_root: Path, attempt: int) -> dict[str, str]:
+    """The variables the launcher sets for ``attempt``'s new machine (and makes its directories)."""
+    m, t = machines / f"attempt-{attempt}", tmp_root / f"attempt-{attempt}"
+    dirs = {"HOME": m / "home", "TMPDIR": t, "TORCHINDUCTOR_CACHE_DIR": m / "inductor", "TRITON_CACHE_DIR": m / "triton",
+            "WARMSTART_CACHE_DIR": m / "warmstart-cache"}
+    for path in dirs.values():
+        path.mkdir(parents=True, exist_ok=True)
+    return {**{k: str(v) for k, v in dirs.items()}, "XDG_CACHE_HOME": str(m / "home" / ".cache")}
+
+
+def _start_preloaders(env: dict[str, str], machines: Path, tmp_root: Path, attempts: int) -> tuple[list[str], list[float]]:
+    """Bring up each attempt's machine with its preloader, serving the ranks' environment there."""
+    from warmstart.preload import control
+
+    sockets, seconds = [], []
+    for attempt in range(attempts):
+        started = time.monotonic()
+        try:
+            info = control.start(environ={**env, **machine_env(machines, tmp_root, attempt)})
+        except WarmstartError as exc:
+            _stop_preloaders(sockets)
+            raise BenchError(f"warm: the preloader of machine {attempt} did not start: {exc}") from exc
+        seconds.append(time.monotonic() - started)
+        sockets.append(info["socket"])
+    return sockets, seconds
+
+
+def _stop_preloaders(sockets: list[str]) -> None:
+    from warmstart.preload import control
+
+    for path in sockets:
+        control.stop(path)
 
 
 def launcher_args(machines: Path, tmp_root: Path) -> list[str]:

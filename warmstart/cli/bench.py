@@ -51,13 +51,17 @@ def group() -> None:
 @click.option("--stall-timeout", "stall_timeout_s", type=click.FloatRange(min=1), default=180.0, show_default=True,
               help="Seconds a configuration may record no new ETT event before it is stopped (its ranks' "
                    "Python stacks are dumped into its log first).")
+@click.option("--no-preload", is_flag=True,
+              help="Run warm on machines without a preloader: every rank starts a new interpreter.")
 def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_every, fail_at_step,
-                 checkpoint_mode, work_dir, keep, timeout_s, stall_timeout_s) -> None:
+                 checkpoint_mode, work_dir, keep, timeout_s, stall_timeout_s, no_preload) -> None:
     """Run the reference job as baseline, cold and warm, each on fresh machines, and compare.
 
     baseline: no warmstart. cold: warmstart on, a throwaway `warmstart server` that starts empty.
-    warm: the same server, filled by cold. Every job has 2 ranks under torchrun, fails once and
-    restarts on a new machine (fresh local directories), and resumes from its last checkpoint.
+    warm: the same server, filled by cold, on machines that run a preloader (warmstart preload) as a
+    node service, started before their attempt (--no-preload: without). Every job has 2 ranks under
+    torchrun, fails once and restarts on a new machine (fresh local directories), and resumes from
+    its last checkpoint.
 
     \b
     Example:
@@ -78,7 +82,8 @@ def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_eve
                     fail_at_step=fail_at_step, checkpoint_mode=checkpoint_mode)
     temporary = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="warmstart-bench-")) if temporary else work_dir
-    options = BenchOptions(job=job, work_dir=work, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s)
+    options = BenchOptions(job=job, work_dir=work, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s,
+                           preload=not no_preload)
     try:
         results = _run_with_progress(options)
         if temporary and not keep:

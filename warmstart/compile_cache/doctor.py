@@ -105,7 +105,20 @@ def diagnose(environ: Mapping[str, str] | None = None) -> Diagnosis:
     _check_local(settings, diagnosis)
     _check_remote(settings, diagnosis)
     _check_tmpdir(environ, diagnosis)
+    _check_preload(environ, diagnosis)
     return diagnosis
+
+
+def _check_preload(environ: Mapping[str, str] | None, diagnosis: Diagnosis) -> None:
+    # Whether a `python` started here would fork from a preloader: a start without one is not a
+    # fault (ok either way), but the reason is what a user asks the doctor for.
+    from warmstart.preload.control import would_hand_over
+
+    try:
+        served, why = would_hand_over(None if environ is None else dict(environ))
+    except Exception as exc:  # the doctor reports, it never fails on a check of its own
+        served, why = False, f"could not tell ({type(exc).__name__}: {exc})"
+    diagnosis._add("preloader", OK, ("handed over: " if served else "not handed over: ") + why)
 
 
 def _check_local(settings, diagnosis: Diagnosis) -> None:

@@ -28,6 +28,9 @@ COMPILE = "compile"
 SHARDING_PLAN = "sharding_plan"
 #: From the OS starting the process to its interpreter being ready; recorded by the recorder itself.
 PROCESS_LAUNCH = "process_launch"
+#: The launch of a process that a preloader forked (the handover included): a span of its own in
+#: the ``process_launch`` bucket, which names the attempt forked.
+PRELOAD_HANDOVER = "preload_handover"
 #: The job importing its libraries (torch, TorchRec, ...) before its first other span.
 IMPORTS = "imports"
 INIT_OTHER = "init_other"

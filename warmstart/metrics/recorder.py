@@ -28,7 +28,7 @@ from typing import Any
 
 from warmstart import _defaults, _launch
 from warmstart.config import ensure_job_id, job_identity, job_run_dir, metrics_on, new_job_id
-from warmstart.metrics.buckets import PROCESS_LAUNCH
+from warmstart.metrics.buckets import PRELOAD_HANDOVER, PROCESS_LAUNCH
 from warmstart.metrics.events import (
     FAILURE_CATEGORIES, AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, EventWriter, Failure, Step,
     TrainEnd, encode_events,
@@ -178,6 +178,9 @@ class Recorder:
         :func:`get_recorder` calls it for the process-wide recorder. The span is held back until this
         recorder writes events of its own, so a process that records nothing still writes nothing.
 
+        In a process a preloader forked, the span is ``preload_handover`` (bucket ``process_launch``):
+        from when the OS started the process that handed itself over to when the child was ready.
+
         Returns:
             False, recording nothing, when an end is unknown (no ``/proc``; no start-up hook ran in
             this interpreter), when this process is a fork that started after the hook ran, or when
@@ -187,7 +190,13 @@ class Recorder:
         if self._launch_noted or start is None or ready is None or not start < ready:
             return False
         self._launch_noted = True
-        self._launch = ((_BEGIN, start, PROCESS_LAUNCH, None), (_END, ready, PROCESS_LAUNCH, None))
+        if _launch.forked_start_ts is not None:
+            # Forked by a preloader: a span of its own name (the report names such attempts forked),
+            # counted in the same bucket.
+            name, bucket = PRELOAD_HANDOVER, PROCESS_LAUNCH
+        else:
+            name, bucket = PROCESS_LAUNCH, None
+        self._launch = ((_BEGIN, start, name, bucket), (_END, ready, name, bucket))
         return True
 
     # -- writing -----------------------------------------------------------------------------------

@@ -18,10 +18,11 @@ _SERVER = "from warmstart.preload.server import main; main()"
 
 
 def start(modules: list[str] | None = None, socket_path: str | None = None, *, foreground: bool = False,
-          timeout_s: float = START_TIMEOUT_S) -> dict:
-    """Start a preloader for this user, interpreter and environment, and return its status once it
-    serves (``socket``, ``pid``, ``modules``, ``imports_s``...). When one already serves there, its
-    status (``already_running`` true). ``foreground`` replaces this process with the preloader.
+          timeout_s: float = START_TIMEOUT_S, environ: dict[str, str] | None = None) -> dict:
+    """Start a preloader for this user, interpreter and environment (``environ``, default this
+    process's), and return its status once it serves (``socket``, ``pid``, ``modules``,
+    ``imports_s``...). When one already serves there, its status (``already_running`` true).
+    ``foreground`` replaces this process with the preloader.
 
     Raises:
         WarmstartError: it did not start (its log's last lines are in the message).
@@ -29,16 +30,17 @@ def start(modules: list[str] | None = None, socket_path: str | None = None, *, f
     from warmstart.preload.environment import private_dir
     from warmstart.preload.server import DEFAULT_MODULES
 
-    path = socket_path or this_environment_socket()
+    base = dict(os.environ if environ is None else environ)
+    path = socket_path or this_environment_socket(base)
     running = status(path)
     if running is not None:
         return {**running, "already_running": True}
-    wanted = [*DEFAULT_MODULES, *_split(os.environ.get("WARMSTART_PRELOAD_MODULES", "")), *(modules or [])]
-    env = {**os.environ, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
+    wanted = [*DEFAULT_MODULES, *_split(base.get("WARMSTART_PRELOAD_MODULES", "")), *(modules or [])]
+    env = {**base, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     command = [sys.executable, "-c", _SERVER, path, ",".join(dict.fromkeys(wanted))]
     if foreground:
         os.execve(sys.executable, command, env)
-    _private_dir(private_dir())
+    _private_dir(os.path.dirname(os.path.abspath(path)))
     log_path = os.path.splitext(path)[0] + ".log"
     read_end, write_end = os.pipe()
     env["WARMSTART_PRELOAD_READY_FD"] = str(write_end)
@@ -112,14 +114,16 @@ def preloaders() -> list[dict]:
     return found
 
 
-def this_environment_socket() -> str:
-    """Where the preloader for a ``python`` started here would listen (``WARMSTART_PRELOAD_SOCKET``,
-    else a path per user and fingerprint, as that interpreter's start-up hook sees it)."""
-    if os.environ.get("WARMSTART_PRELOAD_SOCKET"):
-        return os.environ["WARMSTART_PRELOAD_SOCKET"]
+def this_environment_socket(environ: dict[str, str] | None = None) -> str:
+    """Where the preloader for a ``python`` started with ``environ`` (default: this process's) would
+    listen (``WARMSTART_PRELOAD_SOCKET``, else a path per user and fingerprint, as that
+    interpreter's start-up hook sees it)."""
+    base = dict(os.environ if environ is None else environ)
+    if base.get("WARMSTART_PRELOAD_SOCKET"):
+        return base["WARMSTART_PRELOAD_SOCKET"]
     probe = ("from warmstart.preload import environment as e; "
              "print(e.default_socket(fp=e.site_fingerprint))")
-    env = {**os.environ, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
+    env = {**base, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     if out.returncode != 0 or not out.stdout.strip():
         raise WarmstartError(f"could not tell this environment's preloader socket: {out.stderr.strip()[-500:]}")

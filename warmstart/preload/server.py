@@ -38,8 +38,13 @@ log = logging.getLogger("warmstart.preload")
 #: What every preloader imports (``WARMSTART_PRELOAD_MODULES`` and ``--modules`` add to it). What is
 #: not installed is skipped.
 DEFAULT_MODULES = ("torch", "torch._dynamo", "torch._inductor.codecache", "torch._inductor.compile_fx",
-                   "torch._functorch._aot_autograd.autograd_cache", "torch.distributed", "torchrec",
+                   "torch._functorch._aot_autograd.autograd_cache", "torch.distributed", "torch.utils.data",
+                   "torchrec", "torchrec.distributed", "torchrec.distributed.planner",
                    "warmstart.metrics", "warmstart.compile_cache")
+
+#: How old a check that nothing the preloader imported has changed may be when a request is
+#: served; the preloader checks again whenever it has been idle this long.
+STALE_CHECK_S = 1.0
 
 #: A child that could not become the program (its setup failed) ends with this status before
 #: running any of it, after telling its process why.
@@ -75,6 +80,8 @@ class Preloader:
     refused: Counter = field(default_factory=Counter)
     children: dict[int, _Child] = field(default_factory=dict)
     owner_pid: int = field(default_factory=os.getpid)
+    _checked_at: float = float("-inf")
+    _stale_reason: str | None = None
     _selector: selectors.BaseSelector | None = None
     _files: dict[str, tuple[int, int]] = field(default_factory=dict)
     _stopping: bool = False
@@ -90,6 +97,7 @@ class Preloader:
                 log.info("warmstart preload: %s not imported (%s)", name, exc)
         self.imports_s = time.perf_counter() - start
         _stop_blas_threads()
+        _skip_library_teardown()
         self._files = _module_files()
         # Python's advice for a process that forks without exec: what exists now is never touched by
         # a child's garbage collector (its pages stay shared), and a child's gc.get_objects() holds
@@ -114,7 +122,10 @@ class Preloader:
         selector.register(read_end, selectors.EVENT_READ, "signal")
         try:
             while not (self._stopping and not self.children):
-                for key, _ in selector.select():
+                events = selector.select(timeout=STALE_CHECK_S / 2)
+                if not events:
+                    self._stale(max_age_s=STALE_CHECK_S / 2)  # idle: check now, not at the next request
+                for key, _ in events:
                     try:
                         if key.data == "signal":
                             self._on_signals(read_end)
@@ -196,7 +207,9 @@ class Preloader:
         differs = environment.difference(message.get("fingerprint", {}), self.site_fingerprint)
         if differs is not None:
             return f"this preloader serves another environment: {differs}"
-        stale = self._stale()
+        # A file that changes within STALE_CHECK_S of a request is as likely to be seen as by a new
+        # interpreter that began importing that long ago (importing torch takes longer).
+        stale = self._stale(max_age_s=STALE_CHECK_S)
         if stale is not None:
             return stale
         threads = _threads()
@@ -206,12 +219,19 @@ class Preloader:
             return "the preloader has a CUDA context, which a fork cannot carry"
         return None
 
-    def _stale(self) -> str | None:
+    def _stale(self, max_age_s: float = 0.0) -> str | None:
+        """Why what the preloader imported is out of date (a file changed since), or ``None``. A
+        result at most ``max_age_s`` old is reused: the serve loop checks whenever it is idle."""
+        now = time.monotonic()
+        if self._stale_reason is not None or now - self._checked_at <= max_age_s:
+            return self._stale_reason
         for path, stamp in self._files.items():
             if _stamp(path) != stamp:
-                return (f"{path} changed since the preloader imported it "
-                        "(restart it: warmstart preload stop; warmstart preload start)")
-        return None
+                self._stale_reason = (f"{path} changed since the preloader imported it "
+                                      "(restart it: warmstart preload stop; warmstart preload start)")
+                break
+        self._checked_at = now
+        return self._stale_reason
 
     def _on_client(self, conn: socket.socket, pid: int, selector) -> None:
         # The only thing a client sends after its request is its end: it is gone (killed, perhaps
@@ -358,6 +378,24 @@ def _stop_blas_threads() -> None:
                         if "openblas" in line.rsplit("/", 1)[-1].lower() and ".so" in line}):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(path).blas_thread_shutdown_()
+
+
+def _skip_library_teardown() -> None:
+    """Leave torch's operator libraries registered when a child exits: each ``torch.library.Library``
+    deregisters its operators from the dispatcher in an ``atexit`` finalizer (about 40 ms for the
+    250 a torch and TorchRec import makes), which changes nothing outside a process that ends with
+    ``os._exit`` right after (see :mod:`warmstart.preload.child`)."""
+    import weakref
+
+    library = sys.modules.get("torch.library")
+    teardown = getattr(library, "_del_library", None)
+    if teardown is None:
+        return
+    for obj in gc.get_objects():
+        if type(obj) is weakref.finalize:
+            info = obj.peek()
+            if info is not None and info[1] is teardown:
+                obj.atexit = False
 
 
 def _read_lines(path: str) -> list[str]:
