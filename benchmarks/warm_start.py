@@ -6,7 +6,10 @@ configuration, each on a brand-new "machine" unless said otherwise:
 * ``warmstart``: warmstart with its default settings (compiled frames off: Dynamo traces, every
   compiled artifact comes from the cache), the shared cache filled by a producer machine;
 * ``warmstart, frames on``: warmstart with ``WARMSTART_DYNAMO=1`` (Dynamo's output stored and
-  installed instead of tracing), the same shared cache.
+  installed instead of tracing), the same shared cache;
+* ``warmstart, preloaded``: ``warmstart`` on a new machine that runs a preloader (``warmstart
+  preload``, started when the machine is brought up, its start-up outside the figures): the job
+  forks from it instead of starting a new interpreter. The last table counts the imports too.
 
 Two producers (new machines) fill the shared cache once per model, one with default settings and
 one with frames on: with frames on, AOTAutograd bundles the compiled graphs into its own entries
@@ -29,24 +32,42 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _new_machine import JOB, MACHINE, finish, job_result, machine_env  # noqa: E402
 
-CONFIGS = ("cold", "torch local-warm", "warmstart", "warmstart, frames on")
+CONFIGS = ("cold", "torch local-warm", "warmstart", "warmstart, frames on", "warmstart, preloaded")
 WARM = CONFIGS[1:]
+SUMMARY = ("torch local-warm", "warmstart", "warmstart, frames on")  # the summary's columns
 PHASES = (("dynamo_tracing", "Dynamo tracing"), ("guards", "guards"), ("backend", "backend load/lookups"),
           ("precompile_load", "precompile load"), ("first_run_and_rest", "first run/rest"))
 
 
 def run(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> dict:
+    start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(JOB), "--model", model, *job_args], env=machine_env(machine, env),
                           capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{model} on {machine.name} failed:\n{proc.stderr[-3000:]}")
-    return job_result(proc.stdout)
+    return {**job_result(proc.stdout), "wall_s": wall}
+
+
+def run_preloaded(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> dict:
+    """``run`` on a machine brought up with a preloader serving the job's environment there."""
+    from warmstart.preload import control
+
+    start = time.perf_counter()
+    info = control.start(environ=machine_env(machine, env))
+    preload_start_s = time.perf_counter() - start
+    try:
+        result = run(machine, model, env, job_args)
+    finally:
+        control.stop(info["socket"])
+    return {**result, "preload_start_s": preload_start_s}
 
 
 def bench_model(model: str, work: Path, ws: dict[str, str], job_args: list[str], progress, repeats: int) -> dict:
@@ -62,6 +83,7 @@ def bench_model(model: str, work: Path, ws: dict[str, str], job_args: list[str],
         "torch local-warm": lambda r: run(work / f"{model}-cold", model, {}, job_args),
         "warmstart": lambda r: run(work / f"{model}-ws{r}", model, ws, job_args),
         "warmstart, frames on": lambda r: run(work / f"{model}-frames-on{r}", model, frames_on, job_args),
+        "warmstart, preloaded": lambda r: run_preloaded(work / f"{model}-preloaded{r}", model, ws, job_args),
     }
     # Interleaved, so that a slow spell on this shared machine does not fall on one configuration.
     for r in range(repeats):
@@ -139,14 +161,34 @@ def main() -> None:
         summary.add_column(column, justify="left" if column == "model" else "right")
     summary.add_column("same loss", justify="center")
     for model, r in out["models"].items():
-        t = {name: statistics.median(x["compile_s"] for x in r[name]) for name in WARM}
+        t = {name: statistics.median(x["compile_s"] for x in r[name]) for name in SUMMARY}
         same = all(x["losses"] == r["cold"][0]["losses"] for name in WARM for x in r[name])
         r["summary"] = {"seconds": t, "ws_over_local_warm": t["warmstart"] / t["torch local-warm"],
                         "frames_on_over_local_warm": t["warmstart, frames on"] / t["torch local-warm"], "same_loss": same}
-        summary.add_row(model, *[f"{t[n]:.2f}" for n in WARM],
+        summary.add_row(model, *[f"{t[n]:.2f}" for n in SUMMARY],
                         f"{r['summary']['ws_over_local_warm']:.2f}x", f"{r['summary']['frames_on_over_local_warm']:.2f}x",
                         "yes" if same else "NO")
     tables.append(summary)
+    starts = Table(title=f"the whole start: torch imported, compiler imported, compile + first step; seconds, median "
+                         f"of {args.repeats}", title_justify="left")
+    for column in ("model", "ws: imports s", "ws: total s", "preloaded: imports s", "preloaded: total s",
+                   "preloaded / ws", "preloader start-up s (apart)"):
+        starts.add_column(column, justify="left" if column == "model" else "right")
+    for model, r in out["models"].items():
+        totals = {}
+        for name in ("warmstart", "warmstart, preloaded"):
+            imports = statistics.median(x["import_s"] + x["compiler_import_s"] for x in r[name])
+            total = statistics.median(x["import_s"] + x["compiler_import_s"] + x["compile_s"] for x in r[name])
+            totals[name] = (imports, total)
+        startup = statistics.median(x["preload_start_s"] for x in r["warmstart, preloaded"])
+        r["whole_start"] = {"imports_s": {n: v[0] for n, v in totals.items()},
+                            "total_s": {n: v[1] for n, v in totals.items()},
+                            "preloaded_over_ws": totals["warmstart, preloaded"][1] / totals["warmstart"][1],
+                            "preload_start_s": startup}
+        starts.add_row(model, f"{totals['warmstart'][0]:.2f}", f"{totals['warmstart'][1]:.2f}",
+                       f"{totals['warmstart, preloaded'][0]:.2f}", f"{totals['warmstart, preloaded'][1]:.2f}",
+                       f"{r['whole_start']['preloaded_over_ws']:.2f}x", f"{startup:.1f}")
+    tables.append(starts)
     finish(console, tables, out, args.json)
 
 
