@@ -48,6 +48,18 @@ def test_json_has_the_reference_keys_and_buckets_sum(bench):
 
 
 @pytest.mark.slow
+def test_each_run_projected_onto_its_own_scale_gives_its_measured_ett(bench):
+    data, _, _, _ = bench
+    for name in ("baseline", "cold", "warm"):
+        done = subprocess.run([sys.executable, "-m", "warmstart", "ett", "project", data[name]["run_dir"], "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        (projection,) = json.loads(done.stdout)
+        assert projection["inputs"]["failures_from"] == "run" and projection["devices"] == 2, name
+        assert abs(projection["projected_ett_pct"] - data[name]["ett_pct"]) < 1, (name, projection)
+
+
+@pytest.mark.slow
 def test_every_configuration_failed_once_and_resumed_from_its_last_commit(bench):
     data, _, _, _ = bench
     for name in ("baseline", "cold", "warm"):
@@ -99,3 +111,15 @@ def test_table_and_html_show_the_three_configurations(bench):
         assert label in stdout
     assert page.count('<section class="run">') == 3
     assert "warmstart bench cold-vs-warm" in page and "Plotly" in page
+
+
+@pytest.mark.slow
+def test_warm_ranks_fork_from_their_machines_preloaders(bench):
+    from warmstart.metrics import compute_runs
+
+    data, _, _, _ = bench
+    assert data["settings"]["preload"] is True
+    assert len(data["preload_start_s"]) == 2 and all(s > 0 for s in data["preload_start_s"])
+    for name, forked in (("baseline", False), ("cold", False), ("warm", True)):
+        (result,) = compute_runs([data[name]["run_dir"]])
+        assert [a.forked for a in result.attempts] == [forked, forked], name
