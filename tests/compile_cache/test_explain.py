@@ -125,10 +125,15 @@ def test_cli_json_and_last_job(redis_node, tmp_path, monkeypatch):
     assert human.exit_code == 0 and "other_namespace" in human.output and "user" in human.output
 
 
-def test_no_job_yet_is_a_usage_error(tmp_path, monkeypatch):
+def test_no_misses_is_an_answer(tmp_path, monkeypatch):
+    """After a job whose every lookup hit (or before any job), there is nothing to explain."""
     monkeypatch.setenv("WARMSTART_CACHE_DIR", str(tmp_path / "empty"))
     out = CliRunner().invoke(cli, ["cache", "explain"])
-    assert out.exit_code == 2 and "no job has logged a cache miss" in out.output
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith("no misses: no job has logged a cache miss in") and "Usage" not in out.output
+    data = json.loads(CliRunner().invoke(cli, ["cache", "explain", "--json"]).stdout)
+    assert (data["reasons"], data["misses"], data["namespace_diff"], data["run_dir"]) == ({}, [], [], None)
+    assert data["namespace"]["id"] and data["server"] == "not asked: no misses to explain"
 
 
 @pytest.fixture

@@ -38,7 +38,8 @@ window.addEventListener("load", function () {
     var out = [];
     document.querySelectorAll(".js-plotly-plot").forEach(function (plot) {
       out.push({id: plot.id, title: box(plot.querySelector(".gtitle")), modebar: box(plot.querySelector(".modebar")),
-                plot: box(plot.querySelector(".nsewdrag"))});
+                plot: box(plot.querySelector(".nsewdrag")), legend: box(plot.querySelector(".legend")),
+                xtitle: box(plot.querySelector(".xtitle"))});
     });
     var pre = document.createElement("pre");
     pre.id = "chart-boxes";
@@ -95,7 +96,8 @@ class Plots(HTMLParser):
 
 def load(page: Path, tmp_path: Path, width: int = 1400) -> tuple[Plots, list[str], list[dict]]:
     """Load ``page`` in Chromium ``width`` px wide: the DOM as :class:`Plots`, the console problems, and
-    one ``{"id", "title", "modebar", "plot"}`` dict of boxes per chart."""
+    one ``{"id", "title", "modebar", "plot", "legend", "xtitle"}`` dict of boxes per chart (``None``
+    for a part the chart lacks)."""
     instrumented = tmp_path / f"instrumented-{width}-{page.name}"
     text = page.read_text().replace("<head>", "<head>" + _HOOK, 1)
     instrumented.write_text(text.replace("</body>", _BOXES + "</body>", 1) if "</body>" in text else text + _BOXES)

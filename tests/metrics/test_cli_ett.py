@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from _timelines import ev, span
+from _timelines import T0, ev, span
 from warmstart.cli import cli
 from warmstart.metrics.events import write_events
 
@@ -128,3 +128,127 @@ def test_interval_rejects_bad_values_with_exit_2(args, named):
     result = CliRunner().invoke(cli, ["ett", "interval", *args])
     assert result.exit_code == 2
     assert named in result.stderr and "expected a positive number" in result.stderr
+
+
+# -- inputs that are not runs -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["report", "fleet", "project"])
+@pytest.mark.parametrize("contents, why", [
+    ({}, "it holds no *.jsonl files"),
+    ({"notes.txt": "hello world\n"}, "it holds no *.jsonl files"),
+    ({"events.jsonl": "\n\n"}, "its *.jsonl files hold no events"),
+])
+def test_a_directory_without_events_is_bad_input(tmp_path, command, contents, why):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, text in contents.items():
+        (run / name).write_text(text)
+    result = CliRunner().invoke(cli, ["ett", command, str(run)])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()[-1:]
+    assert "no ETT events" in line and (why in line or command == "fleet"), result.stderr
+
+
+def test_a_fleet_leaves_out_directories_without_events(tmp_path):
+    _write_run(tmp_path / "good")
+    (tmp_path / "empty").mkdir()
+    result = _invoke("ett", "fleet", str(tmp_path / "good"), str(tmp_path / "empty"), "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["jobs"] == 1
+    assert f"{tmp_path / 'empty'}: no ETT events: it holds no *.jsonl files" in result.stderr
+
+
+@pytest.mark.parametrize("text, line", [
+    ("hello world\n", 2),  # text, not a fragment of an event line
+    ("hello world", 2),  # the same without its newline at the end of the file
+    ('# ts job attempt rank event\n', 2),
+    ('hello {"ts": 1700000000.0, "job": "job-1", "attempt": 0, "rank": 0, "event": "train_end"}\n', 2),
+])
+def test_text_that_is_no_fragment_is_an_error_naming_file_and_line(tmp_path, text, line):
+    good = json.dumps(ev(0, "attempt_start"))
+    (tmp_path / "events.jsonl").write_text(good + "\n" + text)
+    result = CliRunner().invoke(cli, ["ett", "report", str(tmp_path)])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert f"{tmp_path / 'events.jsonl'}:{line}: not an event" in result.stderr
+    assert "no fragment of an interrupted write" in result.stderr
+
+
+def test_a_missing_directory_is_named_without_a_line(tmp_path):
+    result = CliRunner().invoke(cli, ["ett", "report", str(tmp_path / "nonexistent")])
+    assert result.exit_code == 2
+    assert f"{tmp_path / 'nonexistent'}: not a run directory" in result.stderr
+    assert ":0:" not in result.stderr
+
+
+def test_a_window_without_counted_time_has_no_ett_whichever_option_cuts_it(tmp_path):
+    _write_run(tmp_path)  # T0 .. T0 + 100
+    since, until = str(T0 + 200), str(T0 + 300)
+    (restricted,) = json.loads(_invoke("ett", "report", str(tmp_path), "--since", since, "--until", until,
+                                       "--json").stdout)
+    assert restricted["e2e_s"] == 0 and restricted["ett_pct"] is None
+    (sliced,) = json.loads(_invoke("ett", "report", str(tmp_path), "--since", str(T0), "--until", until,
+                                   "--every", "100s", "--json").stdout)
+    assert [w["ett_pct"] for w in sliced["windows"]][1:] == [None, None]
+    assert "ETT      -" in _invoke("ett", "report", str(tmp_path), "--since", since, "--until", until).stdout
+    fleet = json.loads(_invoke("ett", "fleet", str(tmp_path), "--since", since, "--until", until, "--json").stdout)
+    assert fleet["jobs"] == 0 and fleet["ett_pct"] is None
+
+
+def test_report_tables_fit_80_columns(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from warmstart.metrics.calculator import compute, load_runs
+    from warmstart.metrics.report import print_run
+    from warmstart.metrics.windows import TimeFilter, apply
+
+    _write_run(tmp_path)
+    write_events(tmp_path / "events-r1-a0.jsonl", [ev(10, "step", rank=1, step=0), ev(30.5, "step", rank=1, step=1)])
+    with (tmp_path / "events-r0-a0.jsonl").open("a") as f:  # a long reason, as NCCL gives them
+        f.write(json.dumps(ev(39, "failure", reason="NCCL watchdog: collective operation ALLREDUCE on rank 3 timed "
+                              "out after 600000 ms", category="infra")) + "\n")
+    result = apply(compute(load_runs([tmp_path])[0], segments=True), TimeFilter(every=30))
+
+    def lines(width: int) -> list[str]:
+        out = io.StringIO()
+        print_run(result, Console(file=out, width=width, soft_wrap=False))
+        return out.getvalue().splitlines()
+
+    narrow, wide = lines(80), lines(200)
+    assert max(map(len, narrow)) <= 80
+    assert len(narrow) == len(wide)  # no row wrapped onto a second line
+    assert any("ALLREDUCE" in line for line in wide) and any("infra: NCCL" in line for line in narrow)
+
+
+def test_report_names_forked_attempts(tmp_path):
+    """A process a preloader forked records its launch as a ``preload_handover`` span (bucket
+    ``process_launch``): the report says which attempts were forked, the JSON has ``forked``."""
+    import json
+
+    from click.testing import CliRunner
+
+    from warmstart.cli import cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for attempt, forked in ((0, False), (1, True)):
+        t = 100.0 * attempt
+        span = "preload_handover" if forked else "process_launch"
+        extra = {"bucket": "process_launch"} if forked else {}
+        lines += [{"ts": t, "event": "attempt_start"},
+                  {"ts": t + 1, "event": "begin", "span": span, **extra},
+                  {"ts": t + 2, "event": "end", "span": span, **extra},
+                  {"ts": t + 3, "event": "step", "step": 0}]
+        lines.append({"ts": t + 50, "event": "failure", "reason": "x", "category": "infra"} if attempt == 0
+                     else {"ts": t + 50, "event": "train_end"})
+    (run / "events.jsonl").write_text("".join(json.dumps({"job": "j", "attempt": a, "rank": 0, **e}) + "\n"
+                                              for a, e in [(0, x) for x in lines[:5]] + [(1, x) for x in lines[5:]]))
+    out = CliRunner().invoke(cli, ["ett", "report", str(run)])
+    assert out.exit_code == 0, out.output
+    assert "forked from a preloader (no new interpreter): attempt 1" in out.output
+    data = json.loads(CliRunner().invoke(cli, ["ett", "report", str(run), "--json"]).output)
+    runs = data if isinstance(data, list) else data.get("runs", [data])
+    assert [a["forked"] for a in runs[0]["attempts"]] == [False, True]
+    assert runs[0]["buckets"]["process_launch"] == 2.0

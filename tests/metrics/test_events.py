@@ -226,3 +226,42 @@ def test_torn_files_read_the_same_as_the_line_by_line_reader(tmp_path):
         (2, "torn line skipped (a fragment of an interrupted write)"),
         (5, "torn fragment skipped before the event on this line (a write cut short before its newline); "
             "the event was kept")]
+
+
+# -- torn or not: what a fragment of an interrupted write looks like ---------------------------------------
+
+from warmstart.metrics.events import is_fragment  # noqa: E402
+
+
+@pytest.mark.parametrize("text", [
+    '{"ts": 1700000025.0, "job": "job-1", "attempt": 0, "ra',  # a start cut inside a key
+    '{"ts": 17',  # inside a number
+    '{"ts": 1700000025.',
+    '{"ts": 1700000025.0, "job": "job-1", "attempt": 0, "rank": 0, "event": "failure", "reason": "NCC',
+    '{"a": tr',
+    '{"ts": 1, "ra{"ts": 2, "job"',  # two starts glued together
+    '"rank": 0, "event": "step", "step": 7}',  # the end of a retried write, from a key
+    'nk": 0, "event": "step", "step": 7}',  # from inside a key
+    ': 0, "event": "step", "step": 7}',  # from its colon
+    '0, "event": "step", "step": 7}',  # from a value
+    'out", "category": "infra"}',  # from inside a string value
+    '}',
+])
+def test_pieces_of_an_event_line_are_fragments(text):
+    assert is_fragment(text) and is_fragment(text.encode())
+
+
+@pytest.mark.parametrize("text", [
+    "hello world", "# a comment", "ts,job,attempt", "{hello}", "{}x", "hello}", "[1, 2",
+    'hello {"ts": 1700000000.0, "job": "j", "attempt": 0, "rank": 0, "event": "train_end"}',
+])
+def test_other_text_is_no_fragment(text):
+    assert not is_fragment(text)
+
+
+def test_text_glued_before_an_event_is_an_error_not_a_torn_fragment(tmp_path):
+    path = tmp_path / "e.jsonl"
+    lines = _lines(_EVENTS)
+    path.write_text("\n".join([lines[0], "garbage " + lines[1], *lines[2:]]) + "\n")
+    with pytest.raises(EventFormatError, match=r"e.jsonl:2: not an event: 'garbage "):
+        _read_warned(path)

@@ -69,3 +69,89 @@ def test_overlap_is_detected():
     # The check above must be able to fail: a title under the mode bar overlaps it.
     assert overlaps([600, 10, 1000, 30], [900, 2, 1200, 28])
     assert not overlaps([600, 40, 1000, 60], [900, 2, 1200, 28])
+
+
+# -- the layout of each chart, as Chromium draws it ------------------------------------------------------
+
+def _legend_just_below_axis_title(box):
+    """The legend starts under the x-axis title, and close to it."""
+    assert box["legend"] and box["xtitle"], box
+    assert not overlaps(box["legend"], box["xtitle"]), box
+    assert 0 <= box["legend"][1] - box["xtitle"][3] < 30, box
+
+
+def _one_lane(run_dir: Path):
+    return run_of(run_dir, [ev(0, "attempt_start"), ev(2, "step", step=0), ev(3, "step", step=1),
+                            ev(30, "train_end"), ev(31, "attempt_end")])
+
+
+def _many_spans(run_dir: Path):
+    """Two attempts, each with the start-up spans of the reference job, a few of them too short to see."""
+    files = []
+    for attempt, t in ((0, 0.0), (1, 60.0)):
+        events = [ev(t, "attempt_start", attempt), *span(t, t + 8, "imports", attempt),
+                  *span(t + 8, t + 30, "compile", attempt), *span(t + 8.2, t + 8.201, "cache_fetch", attempt),
+                  *span(t + 8.3, t + 8.8, "sharding_plan", attempt), *span(t + 8.5, t + 8.501, "optimizer_init", attempt)]
+        events += [ev(t + 30 + i, "step", attempt, step=i) for i in range(20)]
+        events.append(ev(t + 50, "failure", attempt, reason="injected", category="infra") if attempt == 0
+                      else ev(t + 50, "train_end", attempt))
+        files.append(events)
+    return run_of(run_dir, *files)
+
+
+@pytest.mark.parametrize("make", [_one_lane, _many_spans])
+@pytest.mark.parametrize("width", [1400, 800])
+def test_timeline_legend_sits_just_below_the_axis_title(tmp_path, make, width):
+    page = tmp_path / "report.html"
+    page.write_text(render_html([make(tmp_path / "run")]))
+    _, problems, boxes = load(page, tmp_path, width=width)
+    assert problems == []
+    (timeline,) = [b for b in boxes if b["id"] == "timeline-0"]
+    _legend_just_below_axis_title(timeline)
+
+
+def test_span_lanes_are_one_per_name_and_never_empty(tmp_path):
+    from warmstart.metrics.report import _timeline_figure
+
+    page = render_html([_many_spans(tmp_path / "run")])
+    fig = _timeline_figure(_many_spans(tmp_path / "again"))
+    lanes = list(fig.layout.yaxis.categoryarray)
+    # Both attempts' spans share a lane per name; spans of a millisecond draw nothing, so they are
+    # named under the chart instead of holding an empty lane.
+    assert sorted(lanes) == ["attempt 0", "attempt 1", "compile", "imports", "sharding_plan"]
+    drawn = {lane for trace in fig.data if trace.type == "bar" for lane in trace.y}
+    assert drawn == set(lanes)
+    assert "Spans too short to draw in the timeline: cache_fetch (2 x, 2.0 ms in all), optimizer_init" in page
+
+
+def test_markers_are_thinned_where_they_would_merge(tmp_path):
+    from warmstart.metrics.report import _MAX_MARKERS, _timeline_figure
+
+    events = [ev(0, "attempt_start")]
+    for i in range(1000):
+        events.append(ev(1 + i, "step", step=i))
+        if i % 2:
+            events += [*span(1.5 + i, 1.55 + i, "checkpoint_save"), ev(1.6 + i, "checkpoint_committed", step=i)]
+    events += [ev(1001, "train_end"), ev(1002, "attempt_end")]
+    fig = _timeline_figure(run_of(tmp_path, events))
+    markers = {trace.name: len(trace.x) for trace in fig.data if trace.type == "scatter"}
+    assert markers == {"steps (1 in 17)": 59, "checkpoint committed (1 in 9)": 56}
+    assert all(n <= _MAX_MARKERS for n in markers.values())
+
+
+@pytest.mark.parametrize("ett, grade", [(25, "poor"), (60, "fair"), (90, "good")])
+def test_headline_colour_follows_the_figure(tmp_path, ett, grade):
+    res = run_of(tmp_path, [ev(0, "attempt_start"), ev(100 - ett, "step", step=0), ev(100, "train_end")])
+    assert res.ett_pct == pytest.approx(ett)
+    assert f'<span class="ett {grade}">{ett:.1f}%</span>' in render_html([res])
+
+
+def test_windows_chart_counts_seconds_since_the_start_like_the_timeline(tmp_path):
+    from warmstart.metrics.report import _windows_figure
+
+    windowed = apply(compute(load_runs([_run_with_everything(tmp_path / "run").run_dir])[0], segments=True),
+                     TimeFilter(every=5))
+    fig = _windows_figure(windowed.windows, t0=windowed.start_ts)
+    assert fig.layout.xaxis.type != "date"
+    assert fig.layout.xaxis.title.text == "seconds since the first attempt_start"
+    assert [round(x, 6) for x in fig.data[-1].x] == [2.5 + 5 * k for k in range(8)]

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,71 @@ def test_textfile_holds_the_final_figures_of_the_report(tmp_path):
     assert os.listdir(textfile.parent) == ["warmstart.prom"]  # written through a renamed temporary file
 
 
+def test_the_final_textfile_keeps_the_cache_figures(tmp_path):
+    """The store hands its counts to the cache's stats file at exit, before the last textfile is
+    written: the job's cache figures must not vanish from dashboards the moment it ends."""
+    textfile, cache_dir = tmp_path / "warmstart.prom", tmp_path / "cache"
+    cache_dir.mkdir(mode=0o700)
+    done = _job("finish", _env(tmp_path / "run", "job-cache", WARMSTART_METRICS_TEXTFILE=str(textfile)),
+                "--cache-dir", str(cache_dir))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    cache = {_key(s.name, s.labels): s.value for s in _textfile_samples(textfile) if s.name.startswith("warmstart_cache")}
+    assert cache == {'warmstart_cache_hits_total{kind="fx_graph",tier="local"}': 1,
+                     'warmstart_cache_misses_total{kind="fx_graph",tier="local"}': 1}
+    assert (cache_dir / "stats.json").exists()  # the counts went to the shared file as well
+
+
+def test_live_figures_move_while_the_job_writes_nothing(tmp_path):
+    """A job busy in its imports (or a compile) writes no event for a long time; its clock runs on."""
+    textfile = tmp_path / "warmstart.prom"
+    job = subprocess.Popen([sys.executable, str(JOB), "start-up"],
+                           env=_env(tmp_path / "run", "job-busy", WARMSTART_METRICS_TEXTFILE=str(textfile)),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 120  # a hang guard: a healthy job gets there in about 2 s
+
+        def figures() -> dict[str, float]:
+            try:
+                return {_key(s.name, s.labels): s.value for s in _textfile_samples(textfile)}
+            except (OSError, ValueError):
+                return {}
+
+        while figures().get('warmstart_ett_bucket_seconds{bucket="imports"}', 0) < 2:
+            assert time.monotonic() < deadline and job.poll() is None, figures()
+            time.sleep(0.1)
+        seen = figures()
+        assert seen["warmstart_ett_e2e_seconds"] >= 2 and seen["warmstart_ett_percent"] == 0
+    finally:
+        job.stdin.close()
+        job.wait(timeout=60)
+    assert job.returncode == 0, job.stderr.read()
+
+
+def test_one_slow_refresh_does_not_space_the_next_ones(tmp_path):
+    rec = Recorder(tmp_path, job="job-pause", rank=0, attempt=0, flush_interval_s=0)
+    exporter = Exporter(rec, MetricsSettings(textfile=tmp_path / "w.prom", interval_s=1))
+    assert exporter.pause_s() == 1
+    exporter._costs.extend([2.0, 0.001, 0.002])  # a refresh slowed by a pause of the machine
+    assert exporter.pause_s() == 1
+    exporter._costs.extend([0.1, 0.1, 0.1])  # a long job: refreshes take 2% of a core at most
+    assert exporter.pause_s() == pytest.approx(0.1 / 0.02)
+    rec.close()
+
+
+def test_devices_count_the_ranks_of_the_job(tmp_path):
+    rec = Recorder(tmp_path, job="job-ranks", rank=0, attempt=0, flush_interval_s=0)
+    exporter = Exporter(rec, MetricsSettings(textfile=tmp_path / "w.prom"), clock=lambda: 1_700_000_010.0)
+    for rank in (0, 1):  # each rank declares its own device, as the reference job does
+        write_events(tmp_path / f"events-r{rank}-a0.jsonl", [
+            {"ts": 1_700_000_000.0, "job": rec.job, "attempt": 0, "rank": rank, "event": "attempt_start", "devices": 1},
+            {"ts": 1_700_000_001.0, "job": rec.job, "attempt": 0, "rank": rank, "event": "step", "step": 0}])
+    assert exporter.refresh().devices == 2
+    result, = compute_runs([tmp_path])
+    assert result.devices == 2
+    rec.close()
+
+
 @pytest.mark.parametrize("extra,rank_file", [
     ({}, "warmstart.prom"),
     ({"RANK": "1", "LOCAL_RANK": "1"}, None),  # rank 0 alone by default
@@ -208,9 +274,10 @@ def _steps(rec: Recorder, first: int, start: float, step_s: float, n: int) -> li
 
 def test_recent_percent_covers_the_last_five_minutes_of_job_time(tmp_path):
     rec = Recorder(tmp_path, job="job-window", rank=0, attempt=0, flush_interval_s=0)
-    exporter = Exporter(rec, MetricsSettings(textfile=tmp_path / "w.prom"))
-    path = tmp_path / "scheduler.jsonl"
     t0 = 1_700_000_000.0
+    now = [t0 + 600]  # the job's clock: its open attempt runs until then
+    exporter = Exporter(rec, MetricsSettings(textfile=tmp_path / "w.prom"), clock=lambda: now[0])
+    path = tmp_path / "scheduler.jsonl"
     write_events(path, [{"ts": t0, "job": rec.job, "attempt": 0, "rank": -1, "event": "attempt_start"},
                         {"ts": t0, "job": rec.job, "attempt": 0, "rank": 0, "event": "begin", "span": "compile"},
                         {"ts": t0 + 400, "job": rec.job, "attempt": 0, "rank": 0, "event": "end", "span": "compile"},
@@ -223,6 +290,7 @@ def test_recent_percent_covers_the_last_five_minutes_of_job_time(tmp_path):
     write_events(path, [{"ts": t0 + 600, "job": rec.job, "attempt": 0, "rank": 0, "event": "begin", "span": "eval"},
                         {"ts": t0 + 700, "job": rec.job, "attempt": 0, "rank": 0, "event": "end", "span": "eval"},
                         *_steps(rec, 201, t0 + 700, 1.0, 201)])
+    now[0] = t0 + 900
     second = exporter.refresh()
     assert second.e2e_s == pytest.approx(900)
     assert second.recent_ett_pct == pytest.approx(100 * 200 / 300)

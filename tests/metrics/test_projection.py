@@ -68,14 +68,101 @@ def test_measured_costs(tmp_path):
 def test_own_scale_reproduces_the_measured_ett(tmp_path):
     res = run_of(tmp_path, *_job())
     p = project(measure(res))
-    # The run's own: 1 failure, interval 10 s. loop = 72 - 10 - 2 - 11 = 49; blocking = 49 x 0.5 / 10
-    # = 2.45 (the run blocked 2 s: its loop is not a whole number of intervals); lost = 10 / 2 + 0.
-    assert (p.devices, p.failures, p.failures_from, p.interval_from) == (4, 1.0, "run", "run")
-    assert p.l1["checkpoint_blocking_s"] == pytest.approx(2.45, **APPROX)
+    # The run's own: 1 failure, interval 10 s. loop = 72 - 10 - 2 - 11 = 49; the run's saves blocked
+    # 2 s of it and its failure lost 5 s, which is also what the model charges (10 / 2 + 0).
+    assert (p.devices, p.failures, p.failures_from, p.interval_from, p.lost_from) == (4, 1.0, "run", "run", "run")
+    assert p.l1["checkpoint_blocking_s"] == pytest.approx(2, **APPROX)
     assert p.l1["lost_progress_s"] == pytest.approx(5, **APPROX)
-    assert p.projected_ett_pct == pytest.approx(100 * (49 - 2.45 - 5) / 72, **APPROX)
-    assert abs(p.projected_ett_pct - res.ett_pct) < 1
+    assert p.model_lost_per_failure_s == pytest.approx(5, **APPROX)
+    assert p.projected_ett_pct == pytest.approx(res.ett_pct, **APPROX)
     assert math.isclose(sum(p.buckets.values()), p.e2e_s, abs_tol=1e-6)
+
+
+def _one_commit_then_restart() -> list[list[dict]]:
+    """One commit, a failure 25 s after it, and a restart from it that trains to the end uncommitted:
+
+    attempt 0: start-up 0-20 (compile), steps 0-74 at 20..95 (1 s each), the save of step 49 blocks
+    0.5 s at 70 and commits at 70.5, the failure at 95.5 loses steps 50-74 (25 s). attempt 1: started
+    at 100, start-up 100-110, steps 50-99 at 110..160, train_end 160, attempt_end 162.
+    """
+    a0 = [ev(0, "attempt_start", devices=2), *span(0, 20, "compile")]
+    a0 += [ev(20 + i + (0.5 if i >= 50 else 0), "step", step=i) for i in range(75)]
+    a0 += [*span(70, 70.5, "checkpoint_save"), ev(70.5, "checkpoint_committed", step=49)]
+    a0 += [ev(95.5, "failure", reason="injected", category="infra"), ev(96, "attempt_end")]
+    a1 = [ev(100, "attempt_start", 1, devices=2), *span(100, 110, "checkpoint_load", 1)]
+    a1 += [ev(110 + i, "step", 1, step=50 + i) for i in range(50)]
+    a1 += [ev(160, "train_end", 1), ev(162, "attempt_end", 1)]
+    return [a0, a1]
+
+
+def test_one_commit_and_a_restart_from_it_projects_onto_itself(tmp_path):
+    res = run_of(tmp_path, *_one_commit_then_restart())
+    assert res.l1["lost_progress_s"] == pytest.approx(25, **APPROX)
+    costs = measure(res)
+    # One commit per attempt: the interval is from the attempt's first step to its commit (50.5 s),
+    # not the loop time per checkpoint (125.5 s).
+    assert costs.interval_s == pytest.approx(50.5, **APPROX)
+    p = project(costs)
+    assert abs(p.projected_ett_pct - res.ett_pct) < 1
+    assert p.lost_from == "run" and p.lost_per_failure_s == pytest.approx(25, **APPROX)
+    assert p.model_lost_per_failure_s == pytest.approx(25.25, **APPROX)  # what it charges elsewhere
+
+
+def _several_attempts() -> list[list[dict]]:
+    """Three attempts, two failures late in their intervals, commits every 10 steps of 1 s: attempt 0
+    fails 9 s after its commit of step 19, attempt 1 (from step 20) 8 s after its commit of step 39,
+    attempt 2 (from step 40) trains to step 69 and ends."""
+    files, t = [], 0.0
+    for attempt, (first, last, fail) in enumerate(((0, 28, True), (20, 47, True), (40, 69, False))):
+        events = [ev(t, "attempt_start", attempt, devices=8), *span(t, t + 5, "compile", attempt)]
+        t += 5
+        for step in range(first, last + 1):
+            events.append(ev(t, "step", attempt, step=step))
+            t += 1
+            if step % 10 == 9:
+                events += [*span(t, t + 0.25, "checkpoint_save", attempt),
+                           ev(t + 0.25, "checkpoint_committed", attempt, step=step)]
+                t += 0.25
+        events.append(ev(t, "failure" if fail else "train_end", attempt,
+                         **({"reason": "node lost", "category": "infra"} if fail else {})))
+        events.append(ev(t + 1, "attempt_end", attempt))
+        t += 4
+        files.append(events)
+    return files
+
+
+def test_several_attempts_project_onto_themselves(tmp_path):
+    res = run_of(tmp_path, *_several_attempts())
+    assert res.l1["failures"] == 2 and res.l1["lost_progress_s"] == pytest.approx(9 + 8, **APPROX)
+    p = project(measure(res))
+    assert p.failures == 2 and abs(p.projected_ett_pct - res.ett_pct) < 1
+    assert p.l1["checkpoint_blocking_s"] == pytest.approx(res.l1["checkpoint_blocking_s"], **APPROX)
+
+
+def _no_checkpoint() -> list[list[dict]]:
+    """Failures and no checkpoint at all: attempt 0 trains 40 s and dies, attempt 1 trains from step 0
+    again for 60 s and ends."""
+    a0 = [ev(0, "attempt_start", devices=4), *span(0, 10, "compile")]
+    a0 += [ev(10 + i, "step", step=i) for i in range(40)] + [ev(50, "failure", reason="oom", category="user")]
+    a1 = [ev(55, "attempt_start", 1, devices=4), *span(55, 65, "compile", 1)]
+    a1 += [ev(65 + i, "step", 1, step=i) for i in range(60)] + [ev(125, "train_end", 1), ev(126, "attempt_end", 1)]
+    return [a0, a1]
+
+
+def test_no_checkpoint_loses_every_failed_attempt(tmp_path):
+    res = run_of(tmp_path, *_no_checkpoint())
+    costs = measure(res)
+    assert costs.interval_s is None and costs.lost_per_failure_s == pytest.approx(40, **APPROX)
+    own = project(costs)
+    assert abs(own.projected_ett_pct - res.ett_pct) < 1
+    # At 1,024 devices for 7 days (MTBF 7.9 h, 21.3 failures) each failure loses all its attempt
+    # trained: the job keeps the training after its last failure, about an MTBF of 168 h.
+    p = project(costs, Scale(devices=1024, days=7))
+    assert p.lost_from == "attempt" and p.checkpoint_interval_s is None
+    failures = 168 / 7.9
+    loop = WEEK_S - 10 - 1 - failures * (5 + 10)
+    assert p.projected_ett_pct == pytest.approx(100 * loop * (1 - math.exp(-failures)) / failures / WEEK_S, **APPROX)
+    assert 3 < p.projected_ett_pct < 6  # near MTBF / duration = 4.7%
 
 
 def test_projection_with_given_failure_rate_and_interval(tmp_path):
@@ -135,9 +222,8 @@ def test_run_without_failures_recovers_at_the_cost_of_a_start(tmp_path):
     costs = measure(run_of(tmp_path, events))
     assert costs.recovery_s is None and costs.lost_per_failure_s is None
     own = project(costs)
-    # The model charges a save per 10 s interval of the 60 s loop, 6 of them; the run made 5 (57.5 s trained).
-    assert own.projected_ett_pct == pytest.approx(100 * (60 - 6 * 0.5) / 80, **APPROX)
-    assert abs(own.projected_ett_pct - 100 * 57.5 / 80) < 1
+    # The run's own saves: 5 of them blocked 2.5 s of the 60 s loop (57.5 s trained).
+    assert own.projected_ett_pct == pytest.approx(100 * 57.5 / 80, **APPROX)
     p = project(costs, Scale(days=1, mtbf_h=12, checkpoint_interval_s=100))
     # 2 failures, each paying a 20 s start again and losing 50 s.
     assert p.recovery_s == pytest.approx(20) and p.l1["time_to_recover_s"] == pytest.approx(40)
@@ -145,12 +231,18 @@ def test_run_without_failures_recovers_at_the_cost_of_a_start(tmp_path):
     assert p.buckets["compile"] == pytest.approx(20 + 40, **APPROX)
 
 
-def test_impossible_projections_are_errors(tmp_path):
+def test_a_run_without_checkpoints_or_failures_projects_without_checkpoints(tmp_path):
     no_checkpoint = [ev(0, "attempt_start"), ev(1, "step", step=0), ev(9, "train_end"), ev(10, "attempt_end")]
     costs = measure(run_of(tmp_path / "a", no_checkpoint))
     assert project(costs).projected_ett_pct == pytest.approx(80)
-    with pytest.raises(ProjectionError, match="give --checkpoint-interval"):
-        project(costs, Scale(devices=1024, days=7))
+    # Failures at scale, and nothing committed: each loses its attempt, as in the run with failures.
+    p = project(costs, Scale(devices=1024, days=7))
+    assert p.lost_from == "attempt" and p.projected_ett_pct < 6
+    with_checkpoints = project(costs, Scale(devices=1024, days=7, checkpoint_interval_s=600))
+    assert with_checkpoints.lost_from == "model" and with_checkpoints.projected_ett_pct > 90
+
+
+def test_impossible_projections_are_errors(tmp_path):
     with pytest.raises(ProjectionError, match="longer than the projected"):
         project(measure(run_of(tmp_path / "b", *_job())), Scale(days=10 / 86400))
     with pytest.raises(ProjectionError, match="no events"):
@@ -277,3 +369,33 @@ def test_cli_bad_input_exits_2(tmp_path):
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
     assert "longer than the projected" in line
+
+
+def test_cli_table_states_the_model_and_what_each_run_rests_on(tmp_path):
+    for name, files in (("own", _one_commit_then_restart()), ("bare", _no_checkpoint())):
+        for i, events in enumerate(files):
+            write_events(tmp_path / name / f"events-a{i}.jsonl", events)
+    own = CliRunner().invoke(cli, ["ett", "project", str(tmp_path / "own")])
+    text = " ".join(own.stdout.split())
+    assert own.exit_code == 0 and "The model: one start-up and one shutdown per job" in text
+    assert "as its failures lost" in text and "reproduces the measured ETT%" in text
+    scaled = CliRunner().invoke(cli, ["ett", "project", str(tmp_path / "bare"), "--devices", "1024", "--days", "7"])
+    text = " ".join(scaled.stdout.split())
+    assert scaled.exit_code == 0 and "its attempt: no checkpoint" in text
+    assert "job-1 committed no checkpoint: each failure loses all its attempt trained" in text
+    assert max(map(len, scaled.stdout.splitlines())) <= 80
+
+
+def test_report_fleet_and_project_count_the_same_devices(tmp_path):
+    """Two ranks, each declaring its own one device: a job of 2 devices everywhere."""
+    for rank in (0, 1):
+        write_events(tmp_path / f"events-r{rank}-a0.jsonl", [
+            ev(0, "attempt_start", rank=rank, devices=1), ev(1, "step", rank=rank, step=0),
+            ev(9, "train_end", rank=rank), ev(10, "attempt_end", rank=rank)])
+    runner = CliRunner()
+    (report,) = json.loads(runner.invoke(cli, ["ett", "report", str(tmp_path), "--json"]).stdout)
+    fleet = json.loads(runner.invoke(cli, ["ett", "fleet", str(tmp_path), "--json"]).stdout)
+    (projected,) = json.loads(runner.invoke(cli, ["ett", "project", str(tmp_path), "--json"]).stdout)
+    assert report["devices"] == fleet["runs"][0]["devices"] == projected["devices"] == 2
+    assert fleet["device_seconds"] == pytest.approx(2 * 10)
+    assert "2 device(s)" in runner.invoke(cli, ["ett", "report", str(tmp_path)]).stdout

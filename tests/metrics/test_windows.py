@@ -136,7 +136,7 @@ def test_a_failure_in_an_excluded_range_is_not_counted(tmp_path):
 
 def test_a_filter_outside_the_job_leaves_nothing(tmp_path):
     res = apply(_job(tmp_path), TimeFilter(since=_t(200), every=60))
-    assert res.e2e_s == 0 and res.ett_pct == 0 and res.attempts == [] and res.windows == []
+    assert res.e2e_s == 0 and res.ett_pct is None and res.attempts == [] and res.windows == []
     assert res.timeline == [] and res.l1["failures"] == 0
 
 
@@ -391,5 +391,6 @@ def test_windows_and_restrictions_add_up(events, every, cut, cut_len):
         assert parts == pytest.approx(data["e2e_s"], abs=1e-6)
     for part in (after, hole, inside):
         _sums(part)
-        assert 0 <= part.ett_pct <= 100 + 1e-9
+        assert (part.ett_pct is None) == (part.e2e_s == 0)  # no counted time, no ETT%
+        assert part.ett_pct is None or 0 <= part.ett_pct <= 100 + 1e-9
         assert part.l1["time_to_start_s"] + part.l1["time_to_recover_s"] <= part.e2e_s + 1e-6

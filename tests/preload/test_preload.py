@@ -87,14 +87,21 @@ def test_command_script_and_module_run_as_python_runs_them(preloader, tmp_path):
                    "__spec__.name if __spec__ else None")
     (tmp_path / "pkg" / "mod.py").write_text(body + "\n")
     (tmp_path / "script.py").write_text(body + "\n")
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text(body + "\n")
+    (tmp_path / "link.py").symlink_to(tmp_path / "pkg" / "mod.py")
     for args in (["-c", _report("sys.argv", "os.getcwd()", "sys.path[0]", "__name__"), "a", "b"],
-                 ["script.py", "x", "--y"], ["-m", "pkg.mod", "z"], ["-u", "script.py"]):
+                 ["script.py", "x", "--y"], ["-m", "pkg.mod", "z"], ["-u", "script.py"], ["./app/../app", "q"],
+                 ["link.py"]):
         forked = preloader.run(args, cwd=tmp_path)
         plain = preloader.run(args, cwd=tmp_path, preload=False)
         assert forked.returncode == plain.returncode == 0, (forked.stderr, plain.stderr)
         got, want = json.loads(forked.stdout), json.loads(plain.stdout)
         assert got.pop("forked") and not want.pop("forked"), args
         assert got == want, args
+    # Interpreter options the preloader's own interpreter lacks: started as usual, and the same.
+    other = preloader.run(["-X", "utf8=0", "script.py"], cwd=tmp_path)
+    assert other.returncode == 0 and json.loads(other.stdout)["forked"] is False
 
 
 def test_exit_status_and_tracebacks_are_the_programs(preloader, tmp_path):

@@ -245,3 +245,38 @@ def test_writer_runs_compare_and_set_transactions_on_its_keys_only(single_server
         with pytest.raises(redis.ResponseError, match="no permissions"):
             reader.execute_command(*command)
     writer.delete(name)
+
+
+def test_clearing_with_reader_credentials_says_what_the_reader_may_do(single_server, tmp_path):
+    """Redis's own refusal names a command (``no permissions to run the 'sscan' command``); the user
+    needs to hear that this URL can only read, and which one can delete."""
+    from click.testing import CliRunner
+
+    from warmstart.cli import cli
+
+    creds = Credentials.load(single_server.options.dir)
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": single_server.url("reader", creds),
+           "WARMSTART_KEY_FILE": str(creds.signing_key_file), "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}
+    result = CliRunner().invoke(cli, ["cache", "clear", "--remote"], env=env)
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert "the URL's user may not delete entries (a reader's URL can only read): use the writer URL" in line
+    assert "no permissions" not in line and "scan" not in line
+
+
+def test_doctor_with_reader_credentials_says_what_the_reader_may_do(single_server, tmp_path):
+    """The documented reader setup (reader URL, public key): the entry count is not the reader's to
+    take, which is no fault of the setup."""
+    from click.testing import CliRunner
+
+    from warmstart.cli import cli
+
+    creds = Credentials.load(single_server.options.dir)
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": single_server.url("reader", creds),
+           "WARMSTART_KEY_FILE": str(creds.verify_key_file), "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
+           "WARMSTART_PRELOAD": "0"}
+    result = CliRunner().invoke(cli, ["cache", "doctor"], env=env)
+    line = next(x for x in result.output.splitlines() if "secret in use" in x)
+    assert line.split()[0] == "ok", result.output
+    assert "a reader" in line and "may read entries but not list them" in line
+    assert "NoPermissionError" not in result.output

@@ -202,7 +202,8 @@ def explain(run_dir: Path | None, as_json: bool) -> None:
     command adds what the server knows: whether each missed entry exists for another namespace
     or signed with another key, and in which namespace components (torch version, CPU ISA,
     Python ABI, GPU arch, user namespace, ...) this machine differs from the entries it holds.
-    Without RUN_DIR, the last job that used this machine's cache directory.
+    Without RUN_DIR, the last job that missed with this machine's cache directory; when no job
+    has missed there, the answer is that there are no misses (exit code 0).
 
     --json prints one object with these keys:
 
@@ -222,15 +223,25 @@ def explain(run_dir: Path | None, as_json: bool) -> None:
     Example:
       warmstart cache explain warmstart-runs/job-1 --json
     """
+    from warmstart.compile_cache.explain import Explanation
     from warmstart.compile_cache.explain import explain as explain_misses
+    from warmstart.compile_cache.namespace import components, namespace
     from warmstart.config import Settings
 
+    settings = Settings.from_env()
     try:
-        result = explain_misses(Settings.from_env(), run_dir)
-    except FileNotFoundError as exc:
-        raise click.UsageError(str(exc)) from None
+        result = explain_misses(settings, run_dir)
+    except FileNotFoundError:
+        # No job has logged a miss with this cache directory: a job whose every lookup hit logs none.
+        # That is the answer, not a usage error.
+        result = Explanation(None, [], namespace(settings.namespace), dict(components(settings.namespace)), "",
+                             [], [], "not asked: no misses to explain")
     if as_json:
         emit_json(result.to_dict())
+        return
+    if result.run_dir is None:
+        click.echo(f"no misses: no job has logged a cache miss in {settings.cache_dir} (a job whose every "
+                   "lookup hit logs none)")
         return
     _print_explanation(result)
 

@@ -15,7 +15,7 @@ from warmstart.cli._output import emit_json, json_option
 from warmstart.cli._windows import every_usage_errors, time_filter, window_options
 from warmstart.metrics.advisor import advise_interval
 from warmstart.metrics.calculator import RunResult, compute, load_runs
-from warmstart.metrics.events import EventFormatError
+from warmstart.metrics.events import EventFormatError, event_files
 from warmstart.metrics.fleet import FleetResult
 from warmstart.metrics.projection import ProjectionError, Scale, measure, project
 from warmstart.metrics.report import print_projections
@@ -31,9 +31,13 @@ class _BadInput(click.ClickException):
 
 
 def _results(run_dirs: Sequence[Path], progress: bool = False,
-             time: TimeFilter | None = None, segments: bool = False) -> Iterator[RunResult]:
+             time: TimeFilter | None = None, segments: bool = False, skip_empty: bool = False) -> Iterator[RunResult]:
     """Compute each run directory's jobs, one directory at a time (events are dropped after); with
-    ``time``, restricted and sliced by it. ``segments``: keep each job's segments even without ``time``."""
+    ``time``, restricted and sliced by it. ``segments``: keep each job's segments even without ``time``.
+
+    A directory without any event is bad input: it is no run, and a report of it would show a job at
+    0%. ``skip_empty`` (a fleet over ``runs/*``) warns and goes on instead, and only a fleet without a
+    single event is bad input."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -47,6 +51,13 @@ def _results(run_dirs: Sequence[Path], progress: bool = False,
                     runs = load_runs([run_dir])
             except EventFormatError as exc:
                 raise _BadInput(str(exc)) from None
+            if not any(run.events for run in runs):
+                what = _no_events(run_dir)
+                if not skip_empty:
+                    raise _BadInput(what)
+                click.echo(f"warmstart: warning: {what}; left out", err=True)
+                bar.advance(task)
+                continue
             for run in runs:
                 result = compute(run, segments=segments or time is not None)
                 if time is not None:
@@ -56,6 +67,11 @@ def _results(run_dirs: Sequence[Path], progress: bool = False,
                     click.echo(f"warmstart: warning: {note}", err=True)
                 yield result
             bar.advance(task)
+
+
+def _no_events(run_dir: Path) -> str:
+    found = "its *.jsonl files hold no events" if event_files(run_dir) else "it holds no *.jsonl files"
+    return f"{run_dir}: no ETT events: {found} (expected a run directory of event files, docs/reference.md#events)"
 
 
 @click.group(name="ett")
@@ -130,13 +146,18 @@ def fleet(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None, sin
     held: list[RunResult] | None = [] if html_file is not None and series is None else None
     # Each job is restricted here; the fleet's windows are cut on one grid for all jobs, below.
     restrict_only = None if time is None else dataclasses.replace(time, every=None)
-    for result in _results(run_dirs, progress=True, time=restrict_only, segments=held is not None):
+    seen = False
+    for result in _results(run_dirs, progress=True, time=restrict_only, segments=held is not None, skip_empty=True):
+        seen = True
         total.add(result)
         if series is not None:
             with every_usage_errors():  # the jobs together may span too many windows
                 series.add(result)
         if held is not None and result.attempts:
             held.append(dataclasses.replace(result, timeline=[], rank_segments={}, ranks={}, slow_steps=None))
+    if not seen:
+        raise _BadInput(f"no ETT events in {', '.join(map(str, run_dirs))} (expected run directories of *.jsonl "
+                        "event files, docs/reference.md#events)")
     if series is not None:
         with every_usage_errors():
             total.windows = series.windows()

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from warmstart.metrics.buckets import (
-    CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN, STANDARD_BUCKETS, span_bucket,
+    CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, PRELOAD_HANDOVER, RECOVERY, SHUTDOWN, STANDARD_BUCKETS,
+    span_bucket,
 )
 from warmstart.metrics.events import (
     AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, Event, Failure, Step, TornLineWarning, TrainEnd,
@@ -130,6 +131,8 @@ class AttemptResult:
     last_step: int | None
     last_committed_step: int | None
     samples: int
+    forked: bool = False
+    """Its processes were forked by a preloader (a ``preload_handover`` span), not started anew."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (the ``attempts`` entries of docs/reference.md#report-json)."""
@@ -149,7 +152,8 @@ class RunResult:
     start_ts: float
     end_ts: float
     e2e_s: float
-    ett_pct: float
+    ett_pct: float | None
+    """``None`` only for a report restricted to a time (``--since``/``--until``) holding none of the job."""
     devices: int
     buckets: dict[str, float]
     l1: dict[str, Any]
@@ -254,24 +258,31 @@ class _Frame:
     devices: int
 
 
-def compute(run: Run, *, segments: bool = False) -> RunResult:
+def compute(run: Run, *, segments: bool = False, now: float | None = None) -> RunResult:
     """Split a job's wall time into buckets (docs/reference.md#events); see the module docstring for the rules.
 
     ``segments``: also keep the timeline as :class:`Segment` lists (:attr:`RunResult.segments`), which
     time windows need; off by default, as a plain report does not.
+    ``now``: the job is still running at this unix time (the live exporter): its last attempt, when it
+    has neither ended nor failed, runs until then instead of stopping at its last event.
     """
     with _gc_paused():
-        return _compute(run, segments)
+        return _compute(run, segments, now)
 
 
-def _compute(run: Run, keep_segments: bool = False) -> RunResult:
+def _compute(run: Run, keep_segments: bool = False, now: float | None = None) -> RunResult:
     events = sorted(run.events, key=operator.attrgetter("ts"))
     notes = list(run.warnings)
-    ranks = sorted({e.rank for e in events if e.rank >= 0})
+    # A rank runs on a device of its own: a job's devices are at least its ranks, whatever its
+    # attempt_start events say (each rank of the reference job declares its own one device).
+    ranks_of: dict[int, set[int]] = defaultdict(set)
+    for attempt, rank in {(e.attempt, e.rank) for e in events if e.rank >= 0}:
+        ranks_of[attempt].add(rank)
+    ranks = sorted(set().union(*ranks_of.values()))
     primary = 0 if 0 in ranks else (ranks[0] if ranks else -1)
     frame_events = [e for e in events if e.rank in (-1, primary)]
-    frames = _frames(events, frame_events, notes)
-    devices = max((e.devices for e in events if type(e) is AttemptStart and e.devices), default=1)
+    frames = _frames(events, frame_events, notes, ranks_of, now)
+    devices = max(max((e.devices for e in events if type(e) is AttemptStart and e.devices), default=1), len(ranks))
     if not frames:
         return RunResult(job=run.job, run_dir=run.run_dir, start_ts=0.0, end_ts=0.0, e2e_s=0.0, ett_pct=0.0,
                          devices=devices, buckets=ordered_buckets({}), l1=_l1([], {}), attempts=[], ranks={},
@@ -297,7 +308,8 @@ def _compute(run: Run, keep_segments: bool = False) -> RunResult:
         rank_results[rank] = {"e2e_s": t_end - t0, "ett_pct": _pct(total[EFFECTIVE], t_end - t0),
                               "buckets": total}
 
-    attempts = [_attempt_result(f, job_split, i) for i, f in enumerate(frames)]
+    forked = {e.attempt for e in events if type(e) is Begin and e.span == PRELOAD_HANDOVER}
+    attempts = [_attempt_result(f, job_split, i, f.attempt in forked) for i, f in enumerate(frames)]
     buckets = ordered_buckets(job_split.total)
     e2e = t_end - t0
     return RunResult(job=run.job, run_dir=run.run_dir, start_ts=t0, end_ts=t_end, e2e_s=e2e,
@@ -312,7 +324,8 @@ def compute_runs(run_dirs: Iterable[str | os.PathLike]) -> list[RunResult]:
     return [compute(run) for run in load_runs(run_dirs)]
 
 
-def _frames(events: list[Event], frame_events: list[Event], notes: list[str]) -> list[_Frame]:
+def _frames(events: list[Event], frame_events: list[Event], notes: list[str],
+            ranks_of: dict[int, set[int]], now: float | None = None) -> list[_Frame]:
     by_attempt: dict[int, list[Event]] = defaultdict(list)
     for ev in frame_events:
         by_attempt[ev.attempt].append(ev)
@@ -331,13 +344,16 @@ def _frames(events: list[Event], frame_events: list[Event], notes: list[str]) ->
         train_ends = [e.ts for e in evs if type(e) is TrainEnd]
         commits = [e.step for e in evs if type(e) is CheckpointCommitted]
         raw.append(dict(
-            attempt=attempt, start=start, end=max(end, start),
+            attempt=attempt, start=start, end=max(end, start), ended=bool(ends),
             failure=None if first_failure is None else {
                 "ts": first_failure.ts, "reason": first_failure.reason, "category": first_failure.category},
             train_end=train_ends[0] if train_ends else None,
             committed=max(commits) if commits else None,
-            devices=max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1)))
+            devices=max(max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1),
+                        len(ranks_of.get(attempt, ())))))
     raw.sort(key=lambda r: (r["start"], r["attempt"]))
+    if now is not None and raw and not raw[-1]["ended"] and raw[-1]["failure"] is None:
+        raw[-1]["end"] = max(raw[-1]["end"], now)  # still running: its clock runs to the present
     frames: list[_Frame] = []
     cursor = raw[0]["start"] if raw else 0.0
     for i, r in enumerate(raw):
@@ -538,7 +554,7 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[tuple[floa
     return clipped
 
 
-def _attempt_result(frame: _Frame, split: _Split, i: int) -> AttemptResult:
+def _attempt_result(frame: _Frame, split: _Split, i: int, forked: bool) -> AttemptResult:
     buckets = ordered_buckets(split.per_attempt[i])
     e2e = sum(buckets.values())
     steps, first, last, samples = split.step_stats[i]
@@ -547,7 +563,7 @@ def _attempt_result(frame: _Frame, split: _Split, i: int) -> AttemptResult:
         attempt=frame.attempt, start_ts=frame.start, end_ts=frame.stop, devices=frame.devices, e2e_s=e2e,
         ett_pct=_pct(buckets[EFFECTIVE], e2e), buckets=buckets, pre_first_step_s=split.pre_first_step[i],
         recovery_wait_s=buckets[RECOVERY], failed=frame.failed, failure=failure, steps=steps,
-        first_step=first, last_step=last, last_committed_step=frame.committed, samples=samples)
+        first_step=first, last_step=last, last_committed_step=frame.committed, samples=samples, forked=forked)
 
 
 def _l1(attempts: Sequence[AttemptResult], buckets: dict[str, float]) -> dict[str, Any]:

@@ -5,9 +5,9 @@ event kind, a union tagged by the ``event`` field: the same types encode what th
 :func:`write_events` write, decode a run directory (a whole file at once, in C) and word what is
 wrong with a bad line. Lines are appended with one ``write`` per batch, so several writers never
 clobber each other. Torn lines (fragments of interrupted writes, see :func:`read_events`) are
-skipped with a warning naming file and line, anywhere in a file; a line that is a complete JSON
-value but not a valid event is an :class:`EventFormatError` naming file and line. It knows nothing
-about buckets or reports.
+skipped with a warning naming file and line, anywhere in a file; any other line that is not a valid
+event (text that is no piece of an event line, a complete JSON value that breaks the schema) is an
+:class:`EventFormatError` naming file and line. It knows nothing about buckets or reports.
 """
 
 from __future__ import annotations
@@ -110,11 +110,12 @@ _ENCODER = msgspec.json.Encoder(enc_hook=operator.index)
 
 
 class EventFormatError(WarmstartError, ValueError):
-    """A line of an event file is not a valid event. The message names file and line."""
+    """A line of an event file is not a valid event, or a path holds no event files. The message names
+    the file and line (``line`` is ``None`` when the problem is the path itself)."""
 
-    def __init__(self, path: str | os.PathLike, line: int, problem: str) -> None:
+    def __init__(self, path: str | os.PathLike, line: int | None, problem: str) -> None:
         self.path, self.line, self.problem = str(path), line, problem
-        super().__init__(f"{path}:{line}: {problem}")
+        super().__init__(f"{path}: {problem}" if line is None else f"{path}:{line}: {problem}")
 
 
 class TornLineWarning(UserWarning):
@@ -184,30 +185,35 @@ def _problem(message: str, obj: Any) -> str:
 def read_events(path: str | os.PathLike) -> list[Event]:
     """Read one JSON-lines event file.
 
-    Blank lines are ignored. A *torn line* is a non-blank line that is not valid JSON: what an
-    interrupted write leaves (a writer killed mid-write, a forked child that died with half a batch
-    written, a short write retried after another writer appended). It is skipped, wherever it is in
-    the file, with a :class:`TornLineWarning` naming file and line. A fragment that lacked its newline
-    is glued to the line written after it: when a torn line ends with a complete JSON object that
-    starts at a ``{`` (the next writer's event), that object is kept (validated like any line) and
-    only the fragment before it is skipped. Warnings name the first
-    :data:`TORN_WARNINGS_PER_FILE` torn lines of a file, then one more counts the rest.
+    Blank lines are ignored. A *torn line* is what an interrupted write leaves (a writer killed
+    mid-write, a forked child that died with half a batch written, a short write retried after another
+    writer appended): a line that is not valid JSON but is a piece of a JSON object's line, either its
+    start (``{`` and valid JSON as far as it goes, see :func:`is_fragment`) or its end (the rest of an
+    object, ending with ``}``). It is skipped, wherever it is in the file, with a
+    :class:`TornLineWarning` naming file and line. A fragment that lacked its newline is glued to the
+    line written after it: when a torn line ends with a complete JSON object that starts at a ``{``
+    (the next writer's event), that object is kept (validated like any line) and only the fragment
+    before it is skipped. Warnings name the first :data:`TORN_WARNINGS_PER_FILE` torn lines of a
+    file, then one more counts the rest.
 
     Raises:
-        EventFormatError: a line that is valid JSON is not a valid event (file and line named).
+        EventFormatError: a line is neither a valid event nor a torn line (text that is no piece of
+            an event line, a complete JSON value that breaks the schema); file and line named.
     """
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise EventFormatError(path, 0, f"cannot read: {exc.strerror}") from None
+        raise EventFormatError(path, None, f"cannot read: {exc.strerror}") from None
     torn = _TornLines(path)
     cut = data.rfind(b"\n") + 1
     if data[cut:].strip():  # the last line lacks its newline: complete, or torn?
         try:
             json.loads(data[cut:])
         except ValueError:
-            if _recover_glued(data[cut:]) is None:  # the usual torn write: keep the file on the fast path
+            # The usual torn write: keep the file on the fast path. Anything else (a glued event, text
+            # that is no fragment) goes to the line-by-line reader, which keeps the event or names the line.
+            if _recover_glued(data[cut:]) is None and is_fragment(data[cut:]):
                 torn.note(data.count(b"\n") + 1, "torn last line skipped (the writer died mid-write)")
                 data = data[:cut]
             # else the line-by-line reader keeps the event and reports the fragment
@@ -250,10 +256,11 @@ class _TornLines:
         self.lines = []
 
 
-def _recover_glued(raw: bytes) -> Any | None:
-    """The complete JSON object that ends a torn line (a fragment without its newline, then the next
-    write's line), or ``None``. The leftmost ``{`` after the start from which the rest parses wins;
-    at most :data:`_GLUE_TRIES` are tried, so a long line of garbage costs little."""
+def _recover_glued(raw: bytes) -> tuple[int, dict[str, Any]] | None:
+    """Where the complete JSON object that ends a torn line starts (a fragment without its newline,
+    then the next write's line), and the object; or ``None``. The leftmost ``{`` after the start from
+    which the rest parses wins, and the text before it must be a fragment (:func:`is_fragment`); at
+    most :data:`_GLUE_TRIES` are tried, so a long line of garbage costs little."""
     start = raw.find(b"{", 1)
     for _ in range(_GLUE_TRIES):
         if start == -1:
@@ -263,11 +270,51 @@ def _recover_glued(raw: bytes) -> Any | None:
         except ValueError:
             start = raw.find(b"{", start + 1)
             continue
-        return obj if isinstance(obj, dict) else None
+        return (start, obj) if isinstance(obj, dict) and is_fragment(raw[:start]) else None
     return None
 
 
 _GLUE_TRIES = 64
+
+# What may follow the point where a JSON prefix stops: the start of a number or of true/false/null.
+_PARTIAL_TOKEN = re.compile(r"[-+.eE0-9]*|t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?")
+# What may stand before the end of an object to make it whole: the end starts at a key, inside a key,
+# at its colon, at a value, inside a string value, or at the comma after a value.
+_TAIL_HEADS = ("{", '{"', '{"_"', '{"_":', '{"_":"', '{"_":0')
+
+
+def is_fragment(raw: bytes | str) -> bool:
+    """Whether a line that is not valid JSON is a piece of an interrupted write of a JSON object line:
+    its start (a ``{`` and valid JSON as far as it goes, maybe with another write's start glued after
+    it) or its end (the rest of an object: with ``{`` or a key put before it, it parses). Text that is
+    neither, ``hello world`` say, is not."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    text = text.strip()
+    if text.startswith("{"):
+        cuts = [i for i, c in enumerate(text) if c == "{" and i][:_GLUE_TRIES] + [len(text)]
+        if any(_is_json_prefix(text[:cut]) for cut in cuts):
+            return True
+    if text.endswith("}"):
+        for head in _TAIL_HEADS:
+            try:
+                whole = json.loads(head + text)
+            except ValueError:
+                continue
+            if isinstance(whole, dict):
+                return True
+    return False
+
+
+def _is_json_prefix(text: str) -> bool:
+    """Whether ``text`` is valid JSON cut short: the parser stops at its end, inside a string that runs
+    to the end, or before the unfinished number or literal that ends it."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.pos >= len(text) or exc.msg.startswith("Unterminated string"):
+            return True
+        return _PARTIAL_TOKEN.fullmatch(text[exc.pos:]) is not None
+    return False  # complete: not a fragment
 
 
 def _one_event_per_line(data: bytes, n_events: int) -> bool:
@@ -301,21 +348,26 @@ def _parse_line(path: Path, line: int, raw: bytes, torn: _TornLines, last: bool)
     """One non-blank line: its event, or ``None`` for a torn line (noted in ``torn``).
 
     Raises:
-        EventFormatError: the line is valid JSON but not a valid event.
+        EventFormatError: the line is valid JSON but not a valid event, or not JSON and no fragment.
     """
     try:
         obj = json.loads(raw)
     except ValueError:
-        obj = _recover_glued(raw)
-        if obj is not None:
+        glued = _recover_glued(raw)
+        if glued is not None:
             try:
-                event = parse_event(obj)
+                event = parse_event(glued[1])
             except ValueError:  # the split guessed wrong: the whole line is a fragment
                 pass
             else:
                 torn.note(line, "torn fragment skipped before the event on this line (a write cut short before "
                                 "its newline); the event was kept")
                 return event
+        if not is_fragment(raw):
+            shown = raw.decode("utf-8", "replace").strip()
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise EventFormatError(path, line, f"not an event: {shown!r} is not JSON and no fragment of an "
+                                               "interrupted write (expected one JSON object per line)") from None
         torn.note(line, "torn last line skipped (the writer died mid-write)" if last else
                   "torn line skipped (a fragment of an interrupted write)")
         return None
@@ -333,7 +385,7 @@ def event_files(run_dir: str | os.PathLike) -> list[Path]:
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise EventFormatError(run_dir, 0, "not a run directory (expected a directory of *.jsonl event files)")
+        raise EventFormatError(run_dir, None, "not a run directory (expected a directory of *.jsonl event files)")
     return sorted(run_dir.rglob("*.jsonl"))
 
 

@@ -35,9 +35,9 @@ class FleetResult:
     """Fleet ETT% per time window, when a report asks for them (``warmstart.metrics.windows.FleetWindows``)."""
 
     @property
-    def ett_pct(self) -> float:
-        """Fleet ETT%, weighted by device-seconds."""
-        return 100.0 * self.effective_device_seconds / self.device_seconds if self.device_seconds else 0.0
+    def ett_pct(self) -> float | None:
+        """Fleet ETT%, weighted by device-seconds; ``None`` when no job has counted time."""
+        return 100.0 * self.effective_device_seconds / self.device_seconds if self.device_seconds else None
 
     def add(self, result: RunResult) -> None:
         """Fold one job in (a run directory without events adds nothing)."""

@@ -2,8 +2,9 @@
 
 This module owns one process's exporter: a background thread that, every interval, reads the lines
 appended to the job's event files since its last look (rank 0's and the job-level ones, which define
-the job's timeline, and this rank's own, which do where rank 0's files are elsewhere), recomputes the job's figures with the calculator, so that they are the ones
-``warmstart ett report`` gives, and keeps them for prometheus_client to expose: at each scrape of
+the job's timeline, and this rank's own, which do where rank 0's files are elsewhere), recomputes the
+job's figures with the calculator, so that they are the ones ``warmstart ett report`` would give if
+the job's attempt ended at that moment, and keeps them for prometheus_client to expose: at each scrape of
 the HTTP endpoint (``start_http_server``) and in a textfile for node_exporter, rewritten atomically
 (``write_to_textfile``). It never touches the recorder's hot path and never raises into the job: a
 delivery that fails (a port taken, an unwritable file) is turned off with one warning line.
@@ -11,6 +12,7 @@ delivery that fails (a port taken, an unwritable file) is turned off with one wa
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -21,7 +23,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,9 +78,11 @@ class Exporter:
             is flushed before each look, so the figures include what it buffered.
         settings: where the metrics go; the port and textfile name are this process's own (see
             :func:`start_exporter`).
+        clock: the present, unix seconds: the job's open attempt runs until then.
     """
 
-    def __init__(self, recorder: Recorder, settings: MetricsSettings) -> None:
+    def __init__(self, recorder: Recorder, settings: MetricsSettings,
+                 clock: Callable[[], float] = time.time) -> None:
         from prometheus_client import CollectorRegistry
 
         self.recorder = recorder
@@ -87,10 +91,13 @@ class Exporter:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         self.snapshot: Snapshot | None = None
+        self._clock = clock
         self._labels = [recorder.job, str(recorder.rank)]
         self._tail = _EventTail(Path(recorder.run_dir), recorder.job, recorder.rank)
         self._history: deque[tuple[float, float]] = deque()  # (e2e_s, effective_s) at each refresh
         self._cache_seen: dict[tuple[str, str, str], float] = {}
+        self._store_seen: Any = None
+        self._costs: deque[float] = deque(maxlen=3)  # thread CPU seconds of the latest refreshes
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,16 +129,19 @@ class Exporter:
         with self._refresh_lock:
             self.recorder.flush()
             events = self._tail.read()
-            if not events or (not self._tail.changed and self.snapshot is not None):
-                return self.snapshot  # nothing new (a long eval, a hang): the figures stand
-            result = compute(Run(job=self.recorder.job, run_dir=str(self._tail.run_dir), events=events))
+            if not events:
+                return self.snapshot
+            # Recomputed even when nothing was written since the last look: the job's clock runs on
+            # through a long compile or eval (to the present, which the calculator cannot know).
+            result = compute(Run(job=self.recorder.job, run_dir=str(self._tail.run_dir), events=events),
+                             now=self._clock())
             failures = {category: 0 for category in FAILURE_CATEGORIES}
             failures.update(result.l1["failures_by_category"])
             committed = [a.last_committed_step for a in result.attempts if a.last_committed_step is not None]
             effective = result.buckets[EFFECTIVE]
             self.snapshot = Snapshot(
                 ett_pct=result.ett_pct, recent_ett_pct=self._recent(result.e2e_s, effective), e2e_s=result.e2e_s,
-                buckets=dict(result.buckets), devices=result.devices, failures=failures,
+                buckets=dict(result.buckets), devices=max(result.devices, len(self._tail.ranks)), failures=failures,
                 attempts=len(result.attempts), steps=sum(a.steps for a in result.attempts),
                 last_committed_step=committed[-1] if committed else None)
             return self.snapshot
@@ -162,15 +172,24 @@ class Exporter:
     # -- internals ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        first = True
         while True:
             cpu = time.thread_time()
             self._refresh_quietly()
             self._write_textfile()
-            # A long job has many events to recompute: space the refreshes so that they never take
-            # more than a small share of a core from training.
-            spent = time.thread_time() - cpu
-            if self._stop.wait(max(self.settings.interval_s, spent / _defaults.METRICS_MAX_CPU_SHARE)):
+            if not first:  # the first refresh also imports the calculator: no measure of a refresh
+                self._costs.append(time.thread_time() - cpu)
+            first = False
+            if self._stop.wait(self.pause_s()):
                 return
+
+    def pause_s(self) -> float:
+        """Seconds until the next refresh: the interval, or longer for a long job, whose many events
+        cost more to recompute, so that refreshes never take more than a small share of a core from
+        training. The cheapest of the latest refreshes sets it: one slowed by a pause of the machine
+        must not leave the figures standing for many intervals."""
+        cost = min(self._costs) if self._costs else 0.0
+        return max(self.settings.interval_s, cost / _defaults.METRICS_MAX_CPU_SHARE)
 
     def _refresh_quietly(self) -> None:
         try:
@@ -195,19 +214,26 @@ class Exporter:
 
     def _cache_counts(self) -> list[tuple[str, str, str, float]]:
         """(metric, tier, kind, count) of the process-wide compile cache; never lower than shown before."""
+        self._read_cache_counts()
+        return [(metric, tier, kind, value) for (metric, tier, kind), value in sorted(self._cache_seen.items())]
+
+    def _read_cache_counts(self) -> None:
+        if os.getpid() != self._pid:
+            return
         cache = sys.modules.get("warmstart.compile_cache")  # a process that never imported the cache has none
         store = cache.get_store() if cache is not None else None
         if store is None:
-            return []
-        out = []
+            return
+        if store is not self._store_seen:
+            # The store hands its counts to the shared stats file at exit and starts again from zero,
+            # and the final textfile is written after that. A hook registered after the store's own
+            # runs before it (atexit runs the last registered first) and keeps its final counts.
+            self._store_seen = store
+            atexit.register(_read_cache_counts_at_exit, weakref.ref(self))
         for (tier, kind), counts in store.stats.items():
             for metric, value in (("hits", counts.hits), ("misses", counts.misses)):
-                # The store hands its counts to the shared stats file at exit and starts again from
-                # zero; a counter must not go down.
-                key = (metric, tier, kind)
-                value = self._cache_seen[key] = max(self._cache_seen.get(key, 0), value)
-                out.append((metric, tier, kind, value))
-        return out
+                key = (metric, tier, kind)  # a counter never goes down, whatever the store's reset
+                self._cache_seen[key] = max(self._cache_seen.get(key, 0), value)
 
     def _write_textfile(self) -> None:
         path = self.textfile
@@ -233,6 +259,15 @@ class Exporter:
         # A forked child (a data loader worker) must not keep the parent's port open after it exits.
         if self._httpd is not None:
             self._httpd.socket.close()
+
+
+def _read_cache_counts_at_exit(ref: weakref.ReferenceType[Exporter]) -> None:
+    exporter = ref()
+    if exporter is not None:
+        try:
+            exporter._read_cache_counts()
+        except Exception:  # at exit: the metrics never fail the job
+            pass
 
 
 class _Collector:
@@ -300,16 +335,17 @@ class _EventTail:
     def __init__(self, run_dir: Path, job: str, rank: int) -> None:
         self.run_dir, self.job, self._ranks = run_dir, job, {-1, 0, rank}
         self._files: dict[Path, tuple[int, list[Event]]] = {}
-        self.changed = False
-        """Whether the last :meth:`read` found new events."""
+        self.ranks: set[int] = set()
+        """Every rank >= 0 with a recorder file here, read or not: the job's devices are at least as many."""
 
     def read(self) -> list[Event]:
         """Every event of the job read so far, the new ones included."""
-        self.changed = False
         if not self.run_dir.is_dir():
             return []
         for path in event_files(self.run_dir):
             match = _RANK_FILE.fullmatch(path.name)
+            if match and int(match[1]) >= 0:
+                self.ranks.add(int(match[1]))
             if match and int(match[1]) not in self._ranks:
                 continue  # another rank's file refines its own breakdown, never the job's figures
             offset, events = self._files.get(path, (0, []))
@@ -317,7 +353,6 @@ class _EventTail:
                 with open(path, "rb") as f:
                     if os.fstat(f.fileno()).st_size < offset:  # replaced or truncated: read it afresh
                         offset, events = 0, []
-                        self.changed = True
                     f.seek(offset)
                     data = f.read()
             except OSError:
@@ -325,7 +360,6 @@ class _EventTail:
             cut = data.rfind(b"\n") + 1
             if cut:
                 events.extend(ev for ev in _decode(data[:cut]) if ev.job == self.job)
-                self.changed = True
             self._files[path] = (offset + cut, events)
         return [ev for _, events in self._files.values() for ev in events]
 

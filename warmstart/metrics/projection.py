@@ -6,15 +6,17 @@ a checkpoint, a failure's lost progress, and the share of loop time spent in oth
 
 * per job, whatever its size: one start (time to start) and one shutdown;
 * per failure: one recovery (time to recover) and lost progress, on average half a checkpoint
-  interval plus the detection delay (how long the failing step ran past a normal step);
+  interval plus the detection delay (how long the failing step ran past a normal step); without a
+  committed checkpoint, everything its attempt trained;
 * the failure count scales with devices and time: ``failures = N x hours x rate``, the rate per
   device-hour taken from published reliability figures (:func:`published_mtbf_h`) unless given;
 * per checkpoint interval of loop time, whatever the size: one checkpoint's blocking time.
 
 With neither devices nor days given, the run's own size, duration, failure count and checkpoint
-interval are used, and the projection reproduces the run's measured ETT% (within the model's one
-approximation: a failure costs half an interval, where a real one lands anywhere in it). It does not
-model start-up growing with the job's size: the per-start and per-recovery costs are the run's own.
+interval are used, with what its failures lost and its share of loop time blocked on checkpoints as
+measured: the projection then reproduces the run's measured ETT%, and shows beside it what the model
+would have charged per failure. It does not model start-up growing with the job's size: the
+per-start and per-recovery costs are the run's own.
 """
 
 from __future__ import annotations
@@ -87,8 +89,11 @@ class RunCosts:
     blocking_s: float
     """Blocking time per checkpoint."""
     interval_s: float | None
-    """Checkpoint interval: the median time between consecutive commits of an attempt (else the loop
+    """Checkpoint interval: the median time between consecutive commits of an attempt; with no attempt
+    committing twice, the median time from an attempt's first step to its first commit (else the loop
     time per checkpoint); ``None`` without a commit."""
+    blocking_loop_pct: float
+    """Share of loop time blocked on checkpoints, in %."""
     lost_per_failure_s: float | None
     """Measured lost progress per failure; ``None`` when the run never failed."""
     detection_s: float
@@ -122,8 +127,7 @@ def measure(result: RunResult) -> RunCosts:
     blocking = buckets.get(CHECKPOINT_BLOCKING, 0.0)
     commits = [sorted(ts for ts, _ in tl.checkpoints) for tl in result.timeline]
     checkpoints = sum(map(len, commits))
-    gaps = [b - a for ts in commits for a, b in zip(ts, ts[1:])]
-    interval = statistics.median(gaps) if gaps else (loop / checkpoints if checkpoints else None)
+    interval = _interval(result, commits, loop)
     slow = result.slow_steps
     ideal = slow.ideal_step_s if slow is not None and slow.ideal_step_s is not None else None
     detection = 0.0
@@ -149,10 +153,25 @@ def measure(result: RunResult) -> RunCosts:
         recovery_s=recover / failures if failures else None, shutdown_s=shutdown, loop_s=loop,
         checkpoints=max(checkpoints, 1 if blocking else 0),
         blocking_s=blocking / max(checkpoints, 1), interval_s=interval,
+        blocking_loop_pct=100.0 * blocking / loop if loop else 0.0,
         lost_per_failure_s=buckets.get(LOST, 0.0) / failures if failures else None, detection_s=detection,
         other_loop_pct=100.0 * other / loop if loop else 0.0, start_buckets=start_buckets,
         recovery_buckets={k: v / failures for k, v in recovered.items()} if failures else dict(start_buckets),
         loop_other_buckets=_scaled(leftover, 1.0) if other else {})
+
+
+def _interval(result: RunResult, commits: list[list[float]], loop: float) -> float | None:
+    gaps = [b - a for ts in commits for a, b in zip(ts, ts[1:])]
+    if gaps:
+        return statistics.median(gaps)
+    # One commit per attempt: an attempt starts from its last checkpoint (or step 0), so its first
+    # commit comes one interval after its first step.
+    firsts = [ts[0] - tl.first_step for tl, ts in zip(result.timeline, commits)
+              if ts and tl.first_step is not None and ts[0] > tl.first_step]
+    if firsts:
+        return statistics.median(firsts)
+    checkpoints = sum(map(len, commits))
+    return loop / checkpoints if checkpoints else None
 
 
 def _startup_buckets(attempts) -> dict[str, float]:
@@ -223,6 +242,12 @@ class Projection:
     interval_from: str
     """``run`` (its own), ``option`` (``--checkpoint-interval``) or ``advisor`` (the optimum)."""
     lost_per_failure_s: float
+    lost_from: str
+    """``run`` (what the run's own failures lost), ``model`` (half an interval plus detection) or
+    ``attempt`` (no committed checkpoint: a failure loses all its attempt trained)."""
+    model_lost_per_failure_s: float | None
+    """What the model charges per failure at this interval (half of it plus detection); ``None``
+    without a checkpoint interval."""
     recovery_s: float
     first_order_valid: bool
     """False when the checkpoint interval is not small against the time between failures (above half)."""
@@ -242,7 +267,8 @@ class Projection:
                 "failures_from": self.failures_from, "checkpoint_interval_s": self.checkpoint_interval_s,
                 "interval_from": self.interval_from, "start_s": self.costs.start_s,
                 "recovery_s": self.recovery_s, "blocking_per_checkpoint_s": self.costs.blocking_s,
-                "lost_per_failure_s": self.lost_per_failure_s, "detection_s": self.costs.detection_s,
+                "lost_per_failure_s": self.lost_per_failure_s, "lost_from": self.lost_from,
+                "model_lost_per_failure_s": self.model_lost_per_failure_s, "detection_s": self.costs.detection_s,
                 "shutdown_s": self.costs.shutdown_s, "other_loop_pct": self.costs.other_loop_pct,
                 "first_order_valid": self.first_order_valid,
             },
@@ -259,9 +285,15 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
     ``mtbf_h`` is given, and the interval the advisor's optimum for the run's blocking time per
     checkpoint and the projected failure rate unless given.
 
+    What a failure loses: at the run's own scale and interval, what the run's failures lost (so the
+    projection reproduces the measured ETT%); else half the interval plus the detection delay; and
+    without a committed checkpoint everything its attempt trained: the job keeps, on average, the
+    training after its last failure, ``trainable x (1 - e^-F) / F`` for F failures at random times.
+    Blocking: with the run's own interval, the run's share of loop time; else one checkpoint's
+    blocking per interval.
+
     Raises:
-        ProjectionError: start-up, shutdown and recoveries alone outlast the projected job, or failures
-            are expected but the run has neither a checkpoint nor a failure to tell what one loses.
+        ProjectionError: start-up, shutdown and recoveries alone outlast the projected job.
     """
     devices = scale.devices or costs.devices
     e2e = scale.days * SECONDS_PER_DAY if scale.days is not None else costs.e2e_s
@@ -278,19 +310,9 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
     interval, interval_from = costs.interval_s, "run"
     if scale.checkpoint_interval_s is not None:
         interval, interval_from = scale.checkpoint_interval_s, "option"
-    elif not scale.own and costs.blocking_s > 0 and failures > 0:
+    elif not scale.own and costs.blocking_s > 0 and failures > 0 and interval is not None:
         interval = advise_interval(costs.blocking_s, failures / (e2e / SECONDS_PER_DAY)).interval_s
         interval_from = "advisor"
-
-    if interval is not None:
-        lost_per_failure = interval / 2 + costs.detection_s
-    elif costs.lost_per_failure_s is not None:
-        lost_per_failure = costs.lost_per_failure_s  # no checkpoint: a failure loses what it lost here
-    elif failures:
-        raise ProjectionError(f"{costs.run_dir}: job {costs.job} committed no checkpoint and never failed, so "
-                              f"nothing tells what a failure loses: give --checkpoint-interval")
-    else:
-        lost_per_failure = 0.0
     recovery = costs.recovery_s if costs.recovery_s is not None else costs.start_s
 
     # Fixed costs first, then the loop gets the rest; within it blocking and other spans take their
@@ -301,13 +323,22 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
         raise ProjectionError(
             f"{costs.run_dir}: job {costs.job}: start-up, shutdown and {failures:.1f} recoveries take "
             f"{e2e - loop:,.0f} s, longer than the projected {e2e:,.0f} s")
-    if interval is not None:
+    if interval_from == "run" or interval is None:  # the run's saves, as often as they blocked it
+        blocking = loop * costs.blocking_loop_pct / 100.0
+    else:
         blocking = min(loop * costs.blocking_s / interval, loop)
-    else:  # saves that never committed: their measured share of the loop
-        blocking = loop * costs.blocking_s * costs.checkpoints / costs.loop_s if costs.loop_s else 0.0
     other = min(loop * costs.other_loop_pct / 100.0, loop - blocking)
-    lost = min(failures * lost_per_failure, loop - blocking - other)
-    effective = loop - blocking - other - lost
+    trainable = loop - blocking - other
+    model_lost = None if interval is None else interval / 2 + costs.detection_s
+    if failures_from == "run" and interval_from == "run":
+        lost, lost_from = failures * (costs.lost_per_failure_s or 0.0), "run"
+    elif model_lost is not None:
+        lost, lost_from = failures * model_lost, "model"
+    else:
+        kept = trainable * -math.expm1(-failures) / failures if failures else trainable
+        lost, lost_from = trainable - kept, "attempt"
+    lost = min(lost, trainable)
+    effective = trainable - lost
 
     buckets: dict[str, float] = defaultdict(float)
     for name, seconds in costs.start_buckets.items():
@@ -327,5 +358,6 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
         costs=costs, devices=devices, days=e2e / SECONDS_PER_DAY, e2e_s=e2e,
         projected_ett_pct=100.0 * effective / e2e if e2e else 0.0, failures=failures,
         failures_from=failures_from, mtbf_h=mtbf_h, checkpoint_interval_s=interval, interval_from=interval_from,
-        lost_per_failure_s=lost_per_failure, recovery_s=recovery, first_order_valid=valid, l1=l1,
+        lost_per_failure_s=lost / failures if failures else 0.0, lost_from=lost_from,
+        model_lost_per_failure_s=model_lost, recovery_s=recovery, first_order_valid=valid, l1=l1,
         buckets=ordered_buckets(buckets))

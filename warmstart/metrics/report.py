@@ -9,6 +9,7 @@ so it opens without any network.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,10 +50,40 @@ def _bar(fraction: float, width: int = 20) -> str:
 
 
 def _console(console: Console | None) -> Console:
-    if console is not None:
-        return console
-    probe = Console()
-    return Console(soft_wrap=False, width=max(100, probe.width))
+    # The terminal's width, or rich's 80 columns when the output is piped: every table below is built
+    # to fit that without wrapping a row (free text is cut with an ellipsis instead).
+    return console if console is not None else Console(soft_wrap=False)
+
+
+_COLOURS = {"good": "green", "fair": "yellow", "poor": "red"}
+
+
+def _headline(label: str, ett_pct: float | None) -> Text:
+    colour = _COLOURS[_grade(ett_pct)]
+    return Text.assemble((label, "bold"), (f"{_ett_text(ett_pct):>6}", f"bold {colour}"), "  ",
+                         (_bar((ett_pct or 0.0) / 100, 30), colour))
+
+
+def _table(out: Console, title: str | None, columns: Sequence[tuple[str, str]],
+           rows: Sequence[Sequence[str | Text]], free: int | None = None) -> None:
+    """Print a table whose rows never wrap: each column as wide as its widest cell, and the ``free``
+    column (free text: a failure's reason, a run directory) cut with an ellipsis to the width left."""
+    table = Table(title=title, title_justify="left", show_edge=False, header_style="bold")
+    widths = [max([len(name)] + [_cells(row[i]) for row in rows]) for i, (name, _) in enumerate(columns)]
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
+    if free is not None:
+        # Each column has a space either side and a rule between it and the next.
+        fixed = sum(w + 2 for i, w in enumerate(widths) if i != free) + len(columns) - 1
+        table.columns[free].max_width = max(8, out.width - fixed - 2)
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+
+
+def _cells(cell: str | Text) -> int:
+    """Terminal cells ``cell`` takes (a bar's block characters count one each)."""
+    return (cell if isinstance(cell, Text) else Text(cell)).cell_len
 
 
 # -- terminal ------------------------------------------------------------------------------------------
@@ -61,60 +92,47 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
     """Print one run: ETT% large, the L1 figures, the L2 buckets, the attempts, the ranks."""
     out = _console(console)
     e2e = result.e2e_s
-    colour = "green" if result.ett_pct >= 80 else "yellow" if result.ett_pct >= 50 else "red"
-    headline = Text.assemble(("ETT ", "bold"), (f"{result.ett_pct:5.1f}%", f"bold {colour}"), "  ",
-                             (_bar(result.ett_pct / 100, 30), colour))
     facts = Text(f"end-to-end {format_duration(e2e)} · {result.devices} device(s) · "
                  f"{len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)", style="dim")
-    out.print(Panel(Group(headline, facts), title=f"[bold]{result.job}[/]", subtitle=result.run_dir,
-                    expand=False))
+    out.print(Panel(Group(_headline("ETT ", result.ett_pct), facts), title=f"[bold]{result.job}[/]",
+                    subtitle=result.run_dir, expand=False))
 
-    l1 = Table(title="L1: where the time went", title_justify="left", show_edge=False, header_style="bold")
-    for col, justify in (("figure", "left"), ("time", "right"), ("% of e2e", "right")):
-        l1.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for key, label in _L1_LABELS:
-        l1.add_row(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e))
     by_cat = ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items())
-    l1.add_row("failures", str(result.l1["failures"]), by_cat or "")
-    out.print(l1)
+    _table(out, "L1: where the time went", (("figure", "left"), ("time", "right"), ("% of e2e", "right")),
+           [(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e)) for key, label in _L1_LABELS]
+           + [("failures", str(result.l1["failures"]), by_cat)])
 
-    l2 = Table(title="L2: buckets (they sum to end-to-end)", title_justify="left", show_edge=False,
-               header_style="bold")
-    for col, justify in (("bucket", "left"), ("seconds", "right"), ("%", "right"), ("", "left")):
-        l2.add_column(col, justify=justify)  # type: ignore[arg-type]
-    hidden = 0
-    for name, seconds in result.buckets.items():
-        if seconds <= 0:
-            hidden += 1
-            continue
-        style = "green" if name == EFFECTIVE else "red" if name in (LOST, RECOVERY) else ""
-        l2.add_row(Text(name, style=style), f"{seconds:,.2f}", _pct(seconds, e2e),
-                   _bar(seconds / e2e if e2e else 0))
-    l2.add_row(Text("end-to-end", style="bold"), f"{e2e:,.2f}", "100.0%", "")
-    out.print(l2)
-    if hidden:
-        out.print(f"[dim]{hidden} empty bucket(s) hidden; --json lists all[/]")
+    held = [(name, seconds) for name, seconds in result.buckets.items() if seconds > 0]
+    rows: list[Sequence[str | Text]] = [
+        (Text(name, style="green" if name == EFFECTIVE else "red" if name in (LOST, RECOVERY) else ""),
+         f"{seconds:,.2f}", _pct(seconds, e2e), _bar(seconds / e2e if e2e else 0)) for name, seconds in held]
+    rows.append((Text("end-to-end", style="bold"), f"{e2e:,.2f}", "100.0%", ""))
+    _table(out, "L2: buckets (they sum to end-to-end)",
+           (("bucket", "left"), ("seconds", "right"), ("%", "right"), ("", "left")), rows)
+    if len(held) < len(result.buckets):
+        out.print(f"[dim]{len(result.buckets) - len(held)} empty bucket(s) hidden; --json lists all[/]")
 
     if len(result.attempts) > 1 or any(a.failed for a in result.attempts):
-        at = Table(title="attempts", title_justify="left", show_edge=False, header_style="bold")
-        for col in ("#", "wall", "to first step", "recovery wait", "steps", "lost", "ETT%", "ended by"):
-            at.add_column(col, justify="left" if col in ("#", "ended by") else "right")
-        for a in result.attempts:
-            ended = "train_end" if not a.failed else f"{a.failure['category']}: {a.failure['reason']}"[:60]
-            at.add_row(str(a.attempt), format_duration(a.e2e_s), format_duration(a.pre_first_step_s),
-                       format_duration(a.recovery_wait_s), f"{a.steps:,}", format_duration(a.buckets[LOST]),
-                       f"{a.ett_pct:.1f}", ended)
-        out.print(at)
+        _table(out, "attempts (start-up: before the first step; waited: to be rescheduled)", (
+            ("#", "left"), ("wall", "right"), ("start-up", "right"), ("waited", "right"), ("steps", "right"),
+            ("lost", "right"), ("ETT%", "right"), ("ended by", "left")), [
+            (str(a.attempt), format_duration(a.e2e_s), format_duration(a.pre_first_step_s),
+             format_duration(a.recovery_wait_s), f"{a.steps:,}", format_duration(a.buckets[LOST]),
+             _ett_text(a.ett_pct).rstrip("%"),
+             "train_end" if not a.failed else f"{a.failure['category']}: {a.failure['reason']}")
+            for a in result.attempts], free=7)
+    forked = [str(a.attempt) for a in result.attempts if a.forked]
+    if forked:
+        out.print(f"[dim]forked from a preloader (no new interpreter): attempt {', '.join(forked)}[/]")
     if len(result.ranks) > 1:
-        rt = Table(title="ranks", title_justify="left", show_edge=False, header_style="bold")
-        for col in ("rank", "ETT%", "largest other bucket"):
-            rt.add_column(col, justify="right" if col == "ETT%" else "left")
+        rank_rows = []
         for rank, data in sorted(result.ranks.items()):
             others = {k: v for k, v in data["buckets"].items() if k != EFFECTIVE and v > 0}
-            worst = max(others, key=others.__getitem__) if others else "-"
-            worst_txt = f"{worst} {_pct(others[worst], data['e2e_s'])}" if others else "-"
-            rt.add_row(str(rank), f"{data['ett_pct']:.1f}", worst_txt)
-        out.print(rt)
+            worst = max(others, key=others.__getitem__) if others else None
+            rank_rows.append((str(rank), _ett_text(data["ett_pct"]).rstrip("%"),
+                              f"{worst} {_pct(others[worst], data['e2e_s'])}" if worst else "-"))
+        _table(out, "ranks", (("rank", "left"), ("ETT%", "right"), ("largest other bucket", "left")), rank_rows,
+               free=2)
     if result.slow_steps is not None and result.slow_steps.measured_steps:
         print_slow_steps(result, out)
     if result.windows is not None:
@@ -122,34 +140,29 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
 
 
 def print_windows(windows: Sequence[Window | FleetWindow], console: Console | None = None) -> None:
-    """Print a series of time windows: start (local time), length, counted time, ETT% with a bar, the
-    largest other bucket and the failures. Fleet windows count device-hours and add the number of jobs."""
+    """Print a series of time windows: start (local time), length, counted time, ETT%, the largest
+    other bucket and the failures. Fleet windows count device-hours and add the number of jobs."""
     import datetime as dt
 
     out = _console(console)
     fleet = any(isinstance(w, FleetWindow) for w in windows)
     offset = dt.datetime.now().astimezone().strftime("%z")
-    table = Table(title=f"windows (local time, UTC{offset}; excluded time not counted)", title_justify="left",
-                  show_edge=False, header_style="bold")
-    # The fleet's extra column costs the bar: the table must fit 100 columns.
-    columns = ["since", "length", *(["device-hours", "jobs", "ETT%"] if fleet else ["counted", "ETT%", ""]),
-               "largest other bucket", "failures"]
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("since", "", "largest other bucket") else "right",
-                         no_wrap=True)
+    columns = [("since", "left"), ("length", "right"),
+               *([("device-h", "right"), ("jobs", "right")] if fleet else [("counted", "right")]),
+               ("ETT%", "right"), ("largest other bucket", "left"), ("failures", "right")]
+    rows = []
     for w in windows:
         counted = sum(w.buckets.values())
         others = {k: v for k, v in w.buckets.items() if k != EFFECTIVE and v > 0}
         worst = max(others, key=others.__getitem__) if others else None
         ett = "-" if w.ett_pct is None else f"{w.ett_pct:.1f}"
-        row = [dt.datetime.fromtimestamp(w.since).strftime("%Y-%m-%d %H:%M:%S"), format_duration(w.until - w.since)]
-        if isinstance(w, FleetWindow):
-            row += [f"{counted / 3600:,.2f}", f"{w.jobs:,}", ett]
-        else:
-            row += [format_duration(counted), ett, _bar((w.ett_pct or 0.0) / 100, 10)]
+        row = [dt.datetime.fromtimestamp(w.since).strftime("%m-%d %H:%M:%S"), format_duration(w.until - w.since)]
+        row += [f"{counted / 3600:,.2f}", f"{w.jobs:,}", ett] if isinstance(w, FleetWindow) else [
+            format_duration(counted), ett]
         row += [f"{worst} {_pct(others[worst], counted)}" if worst else "-", str(w.failures)]
-        table.add_row(*row)
-    out.print(table)
+        rows.append(row)
+    _table(out, f"windows (local time, UTC{offset}; excluded time not counted)", columns, rows,
+           free=len(columns) - 2)
 
 
 def print_slow_steps(result: RunResult, console: Console | None = None, top: int = 5) -> None:
@@ -159,31 +172,26 @@ def print_slow_steps(result: RunResult, console: Console | None = None, top: int
     slow = result.slow_steps
     if slow is None or slow.ideal_step_s is None:
         return
-    out.print(Text(_slow_summary(result), style="bold"))
+    for line in _slow_summary(result).split("; "):
+        out.print(Text(line, style="bold"))
     if slow.slowest_steps:
-        table = Table(title="slowest steps", title_justify="left", show_edge=False, header_style="bold")
-        for col in ("attempt", "step", "duration", "over ideal"):
-            table.add_column(col, justify="right")
-        for s in slow.slowest_steps[:top]:
-            table.add_row(str(s.attempt), f"{s.step:,}", _step_time(s.duration_s), _step_time(s.excess_s))
-        out.print(table)
+        _table(out, "slowest steps", [(col, "right") for col in ("attempt", "step", "duration", "over ideal")],
+               [(str(s.attempt), f"{s.step:,}", _step_time(s.duration_s), _step_time(s.excess_s))
+                for s in slow.slowest_steps[:top]])
     for s in slow.interrupted:
-        out.print(f"[dim]step {s.step:,} of attempt {s.attempt} was running when the attempt failed, "
+        out.print(f"[dim]step {s.step:,} of attempt {s.attempt} was running at the failure, "
                   f"{_step_time(s.running_s)} in (not timed)[/]")
     if len(result.ranks) < 2:
         return
     if not slow.slowest_ranks:
-        out.print(f"[dim]stragglers: none (no rank's step ended after all the others' by more than "
-                  f"{_step_time(slow.slow_above_s - slow.ideal_step_s)})[/]")
+        out.print(f"[dim]stragglers: none (no rank's step ended more than "
+                  f"{_step_time(slow.slow_above_s - slow.ideal_step_s)} after all the others')[/]")
         return
-    ranks = Table(title="stragglers: ranks whose step ended after every other rank's", title_justify="left",
-                  show_edge=False, header_style="bold")
-    for col in ("rank", "lagged steps", "total lag", "worst (attempt/step: lag)"):
-        ranks.add_column(col, justify="left" if col.startswith("worst") else "right")
-    for r in slow.slowest_ranks[:top]:
-        worst = ", ".join(f"{lag.attempt}/{lag.step}: {_step_time(lag.lag_s)}" for lag in r.worst[:3])
-        ranks.add_row(str(r.rank), f"{r.lagged_steps:,}", format_duration(r.lag_s), worst)
-    out.print(ranks)
+    _table(out, "stragglers: ranks whose step ended after every other rank's", (
+        ("rank", "right"), ("lagged steps", "right"), ("total lag", "right"), ("worst (attempt/step: lag)", "left")),
+        [(str(r.rank), f"{r.lagged_steps:,}", format_duration(r.lag_s),
+          ", ".join(f"{lag.attempt}/{lag.step}: {_step_time(lag.lag_s)}" for lag in r.worst[:3]))
+         for r in slow.slowest_ranks[:top]], free=3)
 
 
 def _step_time(seconds: float) -> str:
@@ -202,28 +210,20 @@ def print_fleet(fleet: FleetResult, console: Console | None = None, top: int = 2
     """Print fleet ETT%, the device-second weighted buckets and the jobs with the lowest ETT%."""
     out = _console(console)
     total = fleet.device_seconds
-    colour = "green" if fleet.ett_pct >= 80 else "yellow" if fleet.ett_pct >= 50 else "red"
     out.print(Panel(Group(
-        Text.assemble(("fleet ETT ", "bold"), (f"{fleet.ett_pct:5.1f}%", f"bold {colour}"), "  ",
-                      (_bar(fleet.ett_pct / 100, 30), colour)),
+        _headline("fleet ETT ", fleet.ett_pct),
         Text(f"{fleet.jobs:,} job(s) · {total / 3600:,.1f} device-hours · {fleet.failures:,} failure(s)",
              style="dim")), title="[bold]fleet[/] (weighted by device-seconds)", expand=False))
-    table = Table(title="buckets (device-hours)", title_justify="left", show_edge=False, header_style="bold")
-    for col, justify in (("bucket", "left"), ("device-hours", "right"), ("%", "right"), ("", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for name, seconds in fleet.to_dict()["buckets"].items():
-        if seconds > 0:
-            table.add_row(name, f"{seconds / 3600:,.2f}", _pct(seconds, total), _bar(seconds / total if total else 0))
-    out.print(table)
+    _table(out, "buckets (device-hours)",
+           (("bucket", "left"), ("device-hours", "right"), ("%", "right"), ("", "left")),
+           [(name, f"{seconds / 3600:,.2f}", _pct(seconds, total), _bar(seconds / total if total else 0))
+            for name, seconds in fleet.to_dict()["buckets"].items() if seconds > 0])
     worst = sorted(fleet.runs, key=lambda r: r["ett_pct"])[:top]
-    jobs = Table(title=f"lowest ETT% ({len(worst)} of {fleet.jobs:,})", title_justify="left", show_edge=False,
-                 header_style="bold")
-    for col in ("job", "devices", "wall", "ETT%", "failures", "run dir"):
-        jobs.add_column(col, justify="left" if col in ("job", "run dir") else "right")
-    for r in worst:
-        jobs.add_row(r["job"], str(r["devices"]), format_duration(r["e2e_s"]), f"{r['ett_pct']:.1f}",
-                     str(r["failures"]), r["run_dir"])
-    out.print(jobs)
+    _table(out, f"lowest ETT% ({len(worst)} of {fleet.jobs:,})", (
+        ("job", "left"), ("devices", "right"), ("wall", "right"), ("ETT%", "right"), ("failures", "right"),
+        ("run dir", "left")),
+        [(r["job"], str(r["devices"]), format_duration(r["e2e_s"]), f"{r['ett_pct']:.1f}", str(r["failures"]),
+          r["run_dir"]) for r in worst], free=5)
     if fleet.windows is not None:
         print_windows(fleet.windows, out)
 
@@ -231,10 +231,6 @@ def print_fleet(fleet: FleetResult, console: Console | None = None, top: int = 2
 def print_interval(advice: IntervalAdvice, console: Console | None = None) -> None:
     """Print the advised checkpoint interval and the waste at it."""
     out = _console(console)
-    table = Table(title="checkpoint interval (first-order optimum sqrt(2·MTBF·blocking))", title_justify="left",
-                  show_edge=False, header_style="bold")
-    table.add_column("", justify="left")
-    table.add_column("value", justify="right")
     rows = [("blocking per checkpoint", format_duration(advice.blocking_s)),
             ("failures per day", f"{advice.failures_per_day:g}"),
             ("mean time between failures", format_duration(advice.mtbf_s)),
@@ -244,16 +240,28 @@ def print_interval(advice: IntervalAdvice, console: Console | None = None) -> No
     if advice.current_interval_s is not None:
         rows.append((f"waste at current {format_duration(advice.current_interval_s)}",
                      f"{advice.current_waste_pct:.2f}%"))
-    for row in rows:
-        table.add_row(*row)
-    out.print(table)
+    _table(out, "checkpoint interval (first-order optimum sqrt(2·MTBF·blocking))",
+           (("", "left"), ("value", "right")), rows)
     if not advice.first_order_valid:
         out.print("[yellow]warning:[/] the interval is not small against the time between failures; the "
                   "first-order model is rough here")
 
 
+_LOST_FROM = {"run": "as its failures lost", "model": "interval / 2 + detection", "attempt": "its attempt: no checkpoint"}
+
+#: What the projection assumes, printed under its figures.
+PROJECTION_ASSUMPTIONS = (
+    "The model: one start-up and one shutdown per job, at the run's costs (start-up does not grow with "
+    "devices); each failure costs one recovery at the run's cost and loses the progress since the last "
+    "checkpoint, half an interval plus detection on average (without a committed checkpoint, all its "
+    "attempt trained); failures are independent, at one rate per device-hour whatever their category; "
+    "each interval of loop time blocks once on a checkpoint. At the run's own scale its failures lose "
+    "what they lost and its saves block as they did, so the projection reproduces the measured ETT%.")
+
+
 def print_projections(projections: Sequence[Projection], console: Console | None = None) -> None:
-    """Print projections side by side: one column per run, the projected figures, then the inputs."""
+    """Print projections side by side: one column per run, the projected figures, then the inputs, and
+    under them the model's assumptions and what each run's projection rests on."""
     out = _console(console)
     if not projections:
         return
@@ -261,31 +269,35 @@ def print_projections(projections: Sequence[Projection], console: Console | None
     title = "ETT% projected"
     if len(scales) == 1 and not any(p.failures_from == "run" for p in projections):
         title += f" to {projections[0].devices:,} devices x {projections[0].days:g} days"
-    table = Table(title=title, title_justify="left", show_edge=False, header_style="bold")
-    table.add_column("", justify="left")
+    rows: list[tuple[str, list[str], str]] = [
+        ("projected ETT%", [f"{p.projected_ett_pct:.2f}" for p in projections], "bold"),
+        ("measured ETT% (the run)", [f"{p.costs.ett_pct:.2f}" for p in projections], ""),
+        ("devices", [f"{p.devices:,}" for p in projections], ""),
+        ("end-to-end", [format_duration(p.e2e_s) for p in projections], ""),
+        ("failures", [f"{p.failures:,.1f} ({p.failures_from})" for p in projections], ""),
+        ("mean time between failures", ["-" if p.mtbf_h is None else format_duration(p.mtbf_h * 3600)
+                                        for p in projections], ""),
+        ("checkpoint interval", ["-" if p.checkpoint_interval_s is None else
+                                 f"{format_duration(p.checkpoint_interval_s)} ({p.interval_from})"
+                                 for p in projections], ""),
+        *[(label, [f"{format_duration(p.l1[key])} ({_pct(p.l1[key], p.e2e_s)})" for p in projections], "")
+          for key, label in _L1_LABELS],
+        ("per start (measured)", [format_duration(p.costs.start_s) for p in projections], "dim"),
+        ("per recovery", [format_duration(p.recovery_s) for p in projections], "dim"),
+        ("lost per failure", [format_duration(p.lost_per_failure_s) for p in projections], "dim"),
+        ("  from", [_LOST_FROM[p.lost_from] for p in projections], "dim"),
+        ("  the model's", ["-" if p.model_lost_per_failure_s is None else format_duration(p.model_lost_per_failure_s)
+                           for p in projections], "dim"),
+        ("blocking per checkpoint", [_step_time(p.costs.blocking_s) for p in projections], "dim"),
+    ]
+    _table(out, title, [("", "left"), *[(p.costs.job, "right") for p in projections]],
+           [(Text(label, style=style), *[Text(c, style=style) for c in cells]) for label, cells, style in rows])
+    out.print(f"[dim]{PROJECTION_ASSUMPTIONS}[/]")
     for p in projections:
-        table.add_column(p.costs.job, justify="right")
-
-    def row(label: str, cells: Sequence[str], style: str = "") -> None:
-        table.add_row(Text(label, style=style), *[Text(c, style=style) for c in cells])
-
-    row("projected ETT%", [f"{p.projected_ett_pct:.2f}" for p in projections], "bold")
-    row("measured ETT% (the run)", [f"{p.costs.ett_pct:.2f}" for p in projections])
-    row("devices", [f"{p.devices:,}" for p in projections])
-    row("end-to-end", [format_duration(p.e2e_s) for p in projections])
-    row("failures", [f"{p.failures:,.1f} ({p.failures_from})" for p in projections])
-    row("mean time between failures", ["-" if p.mtbf_h is None else format_duration(p.mtbf_h * 3600)
-                                       for p in projections])
-    row("checkpoint interval", ["-" if p.checkpoint_interval_s is None else
-                                f"{format_duration(p.checkpoint_interval_s)} ({p.interval_from})" for p in projections])
-    for key, label in _L1_LABELS:
-        row(label, [f"{format_duration(p.l1[key])} ({_pct(p.l1[key], p.e2e_s)})" for p in projections])
-    row("per start (measured)", [format_duration(p.costs.start_s) for p in projections], "dim")
-    row("per recovery", [format_duration(p.recovery_s) for p in projections], "dim")
-    row("lost per failure", [format_duration(p.lost_per_failure_s) for p in projections], "dim")
-    row("blocking per checkpoint", [_step_time(p.costs.blocking_s) for p in projections], "dim")
-    out.print(table)
-    for p in projections:
+        if p.lost_from == "attempt" and p.failures:
+            out.print(f"[yellow]note:[/] {p.costs.job} committed no checkpoint: each failure loses all its attempt "
+                      "trained, so the job keeps about the training after its last failure (give "
+                      "--checkpoint-interval to project it with checkpoints)")
         if not p.first_order_valid:
             out.print(f"[yellow]warning:[/] {p.costs.job}: the checkpoint interval is not small against the time "
                       f"between failures; the first-order model is rough here")
@@ -301,6 +313,15 @@ _PLOT_CONFIG = {"displaylogo": False, "responsive": True,
 _TOP_MARGIN = 66  # px above the plot area: the mode bar (about 25 px), then the title
 
 
+def _grade(ett_pct: float | None) -> str:
+    """The headline's colour class, the terminal's thresholds: 80% and up good, 50% fair, below poor."""
+    return "poor" if ett_pct is None else "good" if ett_pct >= 80 else "fair" if ett_pct >= 50 else "poor"
+
+
+def _ett_text(ett_pct: float | None) -> str:
+    return "-" if ett_pct is None else f"{ett_pct:.1f}%"
+
+
 def _title(text: str) -> dict[str, Any]:
     """A chart title sitting just above the plot area, hence below the mode bar."""
     return {"text": text, "y": 1, "yref": "paper", "yanchor": "bottom", "pad": {"b": 12}}
@@ -308,6 +329,33 @@ def _title(text: str) -> dict[str, Any]:
 
 def _plot_div(fig, div_id: str) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, config=_PLOT_CONFIG)
+
+
+# A span lane is drawn when its longest span holds at least this share of the job's time (about 3 px
+# of a 1,000 px wide chart): thinner bars draw nothing but an empty lane, so they are named under the
+# chart instead (hundreds of 50 ms saves over a long run are such a lane).
+_MIN_LANE_SHARE = 0.003
+# Markers per kind (steps, checkpoints) across the chart: denser ones merge into a band.
+_MAX_MARKERS = 60
+_AXIS_PX = 44  # below the plot area: the x-axis ticks and its title
+_LEGEND_ROW_PX = 22
+
+
+def _lanes(result: RunResult) -> tuple[list[str], dict[str, list], list[str]]:
+    """The timeline's lanes (one per attempt, then one per span name, across attempts: attempts never
+    overlap in time), each span lane's spans, and the span names too short to draw, with their time."""
+    spans: dict[str, list] = {}
+    for tl in result.timeline:
+        for s in tl.spans:
+            spans.setdefault(s.name, []).append(s)
+    shown, hidden = {}, []
+    for name in sorted(spans):
+        if result.e2e_s > 0 and max(s.end - s.start for s in spans[name]) >= _MIN_LANE_SHARE * result.e2e_s:
+            shown[name] = spans[name]
+        else:
+            total = sum(s.end - s.start for s in spans[name])
+            hidden.append(f"{name} ({len(spans[name])} x, {_step_time(total)} in all)")
+    return [f"attempt {tl.attempt}" for tl in result.timeline] + list(shown), shown, hidden
 
 
 def _timeline_figure(result: RunResult):
@@ -327,34 +375,41 @@ def _timeline_figure(result: RunResult):
         trace["base"].append(start - t0)
         trace["text"].append(hover)
 
-    lanes: list[str] = []
+    lanes, span_lanes, _ = _lanes(result)
     for tl in result.timeline:
-        lane = f"attempt {tl.attempt}"
-        lanes.append(lane)
-        _phase_bars(tl, lane, bar)
-        for span_name in sorted({s.name for s in tl.spans}):
-            span_lane = f"attempt {tl.attempt} · {span_name}"
-            lanes.append(span_lane)
-            for s in tl.spans:
-                if s.name == span_name:
-                    bar(span_lane, s.start, s.end, s.bucket, bucket_colour(s.bucket),
-                        f"{html.escape(s.name)} (rank {s.rank}): {s.end - s.start:.3f} s")
+        _phase_bars(tl, f"attempt {tl.attempt}", bar)
+    for name, marks in span_lanes.items():
+        for s in marks:
+            bar(name, s.start, s.end, s.bucket, bucket_colour(s.bucket),
+                f"{html.escape(s.name)} (rank {s.rank}): {s.end - s.start:.3f} s")
     fig = go.Figure()
     for name, trace in traces.items():
         fig.add_trace(go.Bar(
             y=trace["y"], x=trace["x"], base=trace["base"], orientation="h", name=name, legendgroup=name,
             marker_color=trace["colour"], text=trace["text"], textposition="none",
             hovertemplate="%{text}<br>from %{base:.3f} s<extra></extra>"))
-    legend_seen: set[str] = set()
-    for tl in result.timeline:
-        _markers(fig, tl, f"attempt {tl.attempt}", t0, legend_seen)
+    _markers(fig, result.timeline, t0)
+    plot_px = 30 * len(lanes) + 20
     fig.update_layout(
-        title=_title(f"timeline of {html.escape(result.job)}"), barmode="overlay",
-        height=176 + 34 * len(lanes),
-        xaxis_title="seconds since the first attempt_start", template="plotly_white",
+        title=_title(f"timeline of {html.escape(result.job)}"), barmode="overlay", template="plotly_white",
+        xaxis={"title": {"text": "seconds since the first attempt_start"}, "rangemode": "tozero"},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(lanes))},
-        legend={"orientation": "h", "y": -0.25}, margin={"l": 200, "r": 20, "t": _TOP_MARGIN, "b": 40})
+        **_legend_below(plot_px, sum(1 for t in fig.data if t.showlegend is not False), left=200))
     return fig
+
+
+def _legend_below(plot_px: int, entries: int, left: int) -> dict[str, Any]:
+    """Layout for a chart whose plot area is ``plot_px`` high with its legend just under the x-axis
+    title, whatever the chart's height: a legend placed at a share of the plot's height runs into the
+    title on a short chart and leaves a gap under a tall one. The bottom margin holds the legend's
+    rows as a chart 800 px wide (the narrowest the page is read at) wraps them, so plotly never
+    shrinks the plot to make room, which would move the legend."""
+    bottom = _AXIS_PX + 8 + _LEGEND_ROW_PX * math.ceil(entries / 4)
+    height = _TOP_MARGIN + plot_px + bottom
+    return {"height": height,
+            "legend": {"orientation": "h", "yref": "container", "yanchor": "top",
+                       "y": (bottom - _AXIS_PX) / height, "x": 0},
+            "margin": {"l": left, "r": 20, "t": _TOP_MARGIN, "b": bottom}}
 
 
 def _phase_bars(tl: AttemptTimeline, lane: str, bar) -> None:
@@ -373,26 +428,39 @@ def _phase_bars(tl: AttemptTimeline, lane: str, bar) -> None:
         bar(lane, *tl.recovery_after, RECOVERY, bucket_colour(RECOVERY), "after the failure")
 
 
-def _markers(fig, tl: AttemptTimeline, lane: str, t0: float, legend_seen: set[str]) -> None:
+def _markers(fig, timeline: Sequence[AttemptTimeline], t0: float) -> None:
+    """Step, checkpoint and failure markers on each attempt's lane; steps and checkpoints thinned to
+    every n-th (the same n on every lane) where there are more than :data:`_MAX_MARKERS`."""
     import plotly.graph_objects as go
 
-    groups = [
-        ("steps", [ts for ts, _ in tl.steps], [f"step {n}" for _, n in tl.steps],
-         {"symbol": "line-ns-open", "size": 9, "color": "#1b5e20"}),
-        ("checkpoint committed", [ts for ts, _ in tl.checkpoints], [f"checkpoint of step {n}" for _, n in tl.checkpoints],
-         {"symbol": "diamond", "size": 11, "color": "#ff7f0e", "line": {"width": 1, "color": "black"}}),
+    kinds = [
+        ("steps", lambda tl: tl.steps, "step", {"symbol": "line-ns-open", "size": 9, "color": "#1b5e20"}),
+        ("checkpoint committed", lambda tl: tl.checkpoints, "checkpoint of step",
+         {"symbol": "diamond", "size": 10, "color": "#ff7f0e", "line": {"width": 1, "color": "black"}}),
     ]
-    if tl.failure:
-        groups.append(("failure", [tl.failure["ts"]],
-                       [html.escape(f"{tl.failure['category']}: {tl.failure['reason']}")],
-                       {"symbol": "x", "size": 14, "color": "#d62728", "line": {"width": 1, "color": "black"}}))
-    for name, xs, texts, marker in groups:
-        if not xs:
-            continue
-        fig.add_trace(go.Scatter(x=[x - t0 for x in xs], y=[lane] * len(xs), mode="markers", name=name,
-                                 legendgroup=name, showlegend=name not in legend_seen, marker=marker,
-                                 text=texts, hovertemplate="%{text} at %{x:.3f} s<extra></extra>"))
-        legend_seen.add(name)
+    seen: set[str] = set()
+    for name, points_of, what, marker in kinds:
+        every = max(1, math.ceil(sum(len(points_of(tl)) for tl in timeline) / _MAX_MARKERS))
+        label = name if every == 1 else f"{name} (1 in {every})"
+        for tl in timeline:
+            points = points_of(tl)[::every]
+            if points:
+                _marker_trace(fig, go, [ts - t0 for ts, _ in points], f"attempt {tl.attempt}", label,
+                              [f"{what} {n}" for _, n in points], marker, seen)
+    for tl in timeline:
+        if tl.failure:
+            _marker_trace(fig, go, [tl.failure["ts"] - t0], f"attempt {tl.attempt}", "failure",
+                          [html.escape(f"{tl.failure['category']}: {tl.failure['reason']}")],
+                          {"symbol": "x", "size": 14, "color": "#d62728", "line": {"width": 1, "color": "black"}},
+                          seen)
+
+
+def _marker_trace(fig, go, xs: list[float], lane: str, name: str, texts: list[str], marker: dict[str, Any],
+                  seen: set[str]) -> None:
+    fig.add_trace(go.Scatter(x=xs, y=[lane] * len(xs), mode="markers", name=name, legendgroup=name,
+                             showlegend=name not in seen, marker=marker, text=texts,
+                             hovertemplate="%{text} at %{x:.3f} s<extra></extra>"))
+    seen.add(name)
 
 
 def _breakdown_figure(result: RunResult):
@@ -407,23 +475,33 @@ def _breakdown_figure(result: RunResult):
         fig.add_trace(go.Bar(y=ys, x=xs, name=name, orientation="h", marker_color=bucket_colour(name),
                              hovertemplate=f"{hover}: %{{x:.3f}} s<extra></extra>"))
     fig.update_layout(title=_title("breakdown (seconds; the bars sum to end-to-end)"), barmode="stack",
-                      template="plotly_white", height=196 + 40 * (len(result.attempts) + 1),
-                      yaxis={"autorange": "reversed"}, legend={"orientation": "h", "y": -0.3},
-                      margin={"l": 100, "r": 20, "t": _TOP_MARGIN, "b": 40})
+                      template="plotly_white", yaxis={"autorange": "reversed"},
+                      **_legend_below(40 * (len(result.attempts) + 1) + 10, len(names), left=100))
     return fig
 
 
 def _windows_figure(windows: Sequence[Window | FleetWindow],
-                    title: str = "ETT% per window (bars: each window's buckets, % of its counted time)"):
-    """Each window as a bar of its buckets (% of its counted time) under a line of ETT% per window."""
+                    title: str = "ETT% per window (bars: each window's buckets, % of its counted time)",
+                    t0: float | None = None):
+    """Each window as a bar of its buckets (% of its counted time) under a line of ETT% per window.
+
+    ``t0``: the x-axis counts seconds since then (a run's page, whose timeline below does the same);
+    else it shows local clock time (a fleet's page, whose jobs each start at their own time).
+    """
     import datetime as dt
 
     import plotly.graph_objects as go
 
     # Bars sit at each window's middle and span its length (ms on a date axis), so a short last
-    # window is drawn short; times are local, as in the terminal table.
-    mids = [dt.datetime.fromtimestamp((w.since + w.until) / 2) for w in windows]
-    widths = [(w.until - w.since) * 1000 for w in windows]
+    # window is drawn short; clock times are local, as in the terminal table.
+    if t0 is None:
+        mids: list[Any] = [dt.datetime.fromtimestamp((w.since + w.until) / 2) for w in windows]
+        widths = [(w.until - w.since) * 1000 for w in windows]
+        xaxis: dict[str, Any] = {"type": "date"}
+    else:
+        mids = [(w.since + w.until) / 2 - t0 for w in windows]
+        widths = [w.until - w.since for w in windows]
+        xaxis = {"title": {"text": "seconds since the first attempt_start"}, "rangemode": "tozero"}
     totals = [sum(w.buckets.values()) for w in windows]
     names = [n for n in (windows[0].buckets if windows else {}) if any(w.buckets.get(n, 0) > 0 for w in windows)]
     fig = go.Figure()
@@ -438,9 +516,9 @@ def _windows_figure(windows: Sequence[Window | FleetWindow],
         line={"color": "#1b5e20", "width": 3}, marker={"size": 7},
         text=[f"{format_time(w.since)} + {format_duration(w.until - w.since)}" for w in windows],
         hovertemplate="ETT %{y:.1f}%<br>%{text}<extra></extra>"))
-    fig.update_layout(title=_title(title), barmode="stack", template="plotly_white", height=396, bargap=0,
-                      yaxis={"title": "% of counted time", "range": [0, 100]}, xaxis={"type": "date"},
-                      legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": _TOP_MARGIN, "b": 40})
+    fig.update_layout(title=_title(title), barmode="stack", template="plotly_white", bargap=0,
+                      yaxis={"title": "% of counted time", "range": [0, 100]}, xaxis=xaxis,
+                      **_legend_below(280, len(names) + 1, left=60))
     return fig
 
 
@@ -476,12 +554,16 @@ def _run_section(result: RunResult, index: int) -> str:
                for name, s in result.buckets.items() if s > 0]
     timeline = _plot_div(_timeline_figure(result), f"timeline-{index}")
     breakdown = _plot_div(_breakdown_figure(result), f"breakdown-{index}")
-    windows = _plot_div(_windows_figure(result.windows), f"windows-{index}") if result.windows else ""
+    windows = (_plot_div(_windows_figure(result.windows, t0=result.start_ts), f"windows-{index}")
+               if result.windows else "")
+    hidden = _lanes(result)[2]
+    hidden_html = (f'<p class="note">Spans too short to draw in the timeline: {html.escape(", ".join(hidden))}.</p>'
+                   if hidden else "")
     warnings_html = "".join(f"<li>{html.escape(w)}</li>" for w in result.warnings)
     return f"""
 <section class="run">
   <h2>{html.escape(result.job)} <small>{html.escape(result.run_dir)}</small></h2>
-  <div class="headline"><span class="ett">{result.ett_pct:.1f}%</span> ETT
+  <div class="headline"><span class="ett {_grade(result.ett_pct)}">{_ett_text(result.ett_pct)}</span> ETT
     <span class="facts">end-to-end {format_duration(e2e)} · {result.devices} device(s) ·
     {len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)</span></div>
   <div class="tables"><div><h3>L1</h3>{_html_table(("figure", "time", "% of e2e"), l1_rows)}</div>
@@ -490,6 +572,7 @@ def _run_section(result: RunResult, index: int) -> str:
   {breakdown}
   {windows}
   {timeline}
+  {hidden_html}
   {f'<ul class="warnings">{warnings_html}</ul>' if warnings_html else ''}
 </section>"""
 
@@ -518,7 +601,7 @@ def render_fleet_html(fleet: FleetResult, title: str = "warmstart fleet ETT repo
              f"weighted by device-seconds")
     bucket_rows = [(name, f"{s / 3600:,.2f}", _pct(s, total), bucket_label(name))
                    for name, s in fleet.to_dict()["buckets"].items() if s > 0]
-    parts = [f'<div class="headline"><span class="ett">{fleet.ett_pct:.1f}%</span> fleet ETT '
+    parts = [f'<div class="headline"><span class="ett {_grade(fleet.ett_pct)}">{_ett_text(fleet.ett_pct)}</span> fleet ETT '
              f'<span class="facts">{html.escape(facts)}</span></div>',
              f'<div class="tables"><div><h3>Buckets</h3>'
              f'{_html_table(("bucket", "device-hours", "% of total", "what"), bucket_rows)}</div></div>']
@@ -595,7 +678,9 @@ def _page(title: str, body: str) -> str:
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 h2 small {{ color: #888; font-weight: normal; font-size: 0.6em; }}
-.headline {{ margin: 0.5em 0 1em; }} .ett {{ font-size: 3em; font-weight: bold; color: #2ca02c; }}
+.headline {{ margin: 0.5em 0 1em; }} .ett {{ font-size: 3em; font-weight: bold; }}
+.ett.good {{ color: #2ca02c; }} .ett.fair {{ color: #b8860b; }} .ett.poor {{ color: #d62728; }}
+.note {{ color: #666; font-size: 0.9em; }}
 .facts {{ color: #666; margin-left: 1em; }}
 .tables {{ display: flex; gap: 3em; flex-wrap: wrap; }}
 table {{ border-collapse: collapse; }} th, td {{ padding: 2px 10px; text-align: right; }}

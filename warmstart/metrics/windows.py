@@ -326,7 +326,7 @@ def run_windows(result: RunResult, time: TimeFilter) -> list[Window]:
         buckets = _like(_sum_buckets(_overlapping(result.segments, ends, pieces)), result.buckets)
         e2e = sum(buckets.values())
         windows.append(Window(since=since, until=until, e2e_s=e2e,
-                              ett_pct=_pct(buckets[EFFECTIVE], e2e) if e2e > 0 else None, buckets=buckets,
+                              ett_pct=_pct(buckets[EFFECTIVE], e2e), buckets=buckets,
                               failures=_failures(result, pieces)))
     return windows
 
@@ -399,7 +399,7 @@ class FleetWindows:
             total = sum(buckets.values())
             out.append(FleetWindow(since=since, until=until, jobs=row["jobs"], device_seconds=total,
                                    effective_device_seconds=buckets[EFFECTIVE],
-                                   ett_pct=_pct(buckets[EFFECTIVE], total) if total > 0 else None,
+                                   ett_pct=_pct(buckets[EFFECTIVE], total),
                                    buckets=buckets, failures=row["failures"]))
         return out
 
@@ -510,5 +510,6 @@ def _clip_pair(pair: tuple[float, float] | None, lo: float, hi: float) -> tuple[
     return (a, b) if b > a else None
 
 
-def _pct(part: float, whole: float) -> float:
-    return 100.0 * part / whole if whole > 0 else 0.0
+def _pct(part: float, whole: float) -> float | None:
+    # A total, attempt or rank without counted time has no ETT%, as a window without any has none.
+    return 100.0 * part / whole if whole > 0 else None

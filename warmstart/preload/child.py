@@ -178,7 +178,7 @@ def _interpreter_state(message: dict) -> None:
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
     if not sys.flags.safe_path:
-        first = {"script": _script_dir(target), "module": os.getcwd(), "command": ""}[mode]
+        first = {"script": _script_path_entry(target), "module": os.getcwd(), "command": ""}[mode]
         sys.path.insert(0, first)
     _reseed()
     _launch.forked_at(message.get("start_ts"))
@@ -222,8 +222,16 @@ def _unbuffered(argv: list[str]) -> bool:
     return False
 
 
-def _script_dir(script: str) -> str:
+def _script_path_entry(script: str) -> str:
+    # As the interpreter computes it: a directory or zip file with a __main__.py is itself the entry
+    # (joined to the working directory, not normalised); a script's directory, its links resolved.
+    if _is_package_main(script):
+        return os.path.join(os.getcwd(), script)
     return os.path.dirname(os.path.abspath(os.path.realpath(script) if os.path.islink(script) else script))
+
+
+def _is_package_main(script: str) -> bool:
+    return os.path.isdir(script) or (not script.endswith((".py", ".pyw")) and _is_zip(script))
 
 
 def _thread_count(preloader_environ: dict[str, str]) -> None:
@@ -265,7 +273,7 @@ def _run(mode) -> None:
     if kind == "command":
         _exec(compile(target, "<string>", "exec"), main)
         return
-    if os.path.isdir(target) or not target.endswith((".py", ".pyw")) and _is_zip(target):
+    if _is_package_main(target):
         import runpy
 
         runpy._run_module_as_main("__main__", alter_argv=False)  # a directory or zip with __main__.py
