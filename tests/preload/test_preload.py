@@ -157,8 +157,10 @@ def test_sigint_ends_the_program_as_keyboardinterrupt_does(preloader):
     results = []
     for preload in (True, False):
         env = preloader.client_env(**({} if preload else {"WARMSTART_PRELOAD": "0"}))
+        # SIGINT as a terminal leaves it (a shell's background job, CI, has it ignored, and a process
+        # that starts with it ignored keeps it so, handed over or not)
         proc = subprocess.Popen([PY, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # not under this shell's SIGINT disposition
+                                start_new_session=True, preexec_fn=_sigint_default)
         assert proc.stdout.readline() == f"ready {preload}\n"
         proc.send_signal(signal.SIGINT)
         results.append((proc.wait(timeout=30), proc.stderr.read().splitlines()[-1]))
@@ -309,6 +311,10 @@ def test_two_rank_torchrun_restart_forks_both_attempts(preloader, tmp_path):
     assert all(a["forked"] for a in attempts), attempts
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def torch_sin_1() -> float:
     import math
 
@@ -362,3 +368,15 @@ def test_the_child_joins_the_processs_cgroup(preloader):
                 break
             except OSError:  # its last process is still exiting
                 time.sleep(0.05)
+
+
+def test_doctor_says_whether_a_process_would_be_handed_over(preloader):
+    def doctor(**extra: str) -> str:
+        out = subprocess.run([PY, "-m", "warmstart", "cache", "doctor"], env=preloader.client_env(**extra),
+                             capture_output=True, text=True, timeout=120)
+        return next(line for line in out.stdout.splitlines() if "preloader:" in line)
+
+    assert f"handed over: the preloader at {preloader.socket}" in doctor()
+    line = doctor(TORCHINDUCTOR_MAX_AUTOTUNE="1")
+    assert "not handed over" in line and "TORCHINDUCTOR_MAX_AUTOTUNE" in line
+    assert "not handed over: WARMSTART_PRELOAD=0" in doctor(WARMSTART_PRELOAD="0")
