@@ -175,13 +175,13 @@ def _wait(_signal, sock, pidfd: int) -> None:
             for fd in extra:
                 os.close(fd)
             if "exit" in message:
-                _flush_and_exit(int(message["exit"]))
+                _exit_now(int(message["exit"]))
             if "signal" in message:
                 _die_by(_signal, int(message["signal"]))
     except OSError:
         pass
     _try(os.write, 2, b"warmstart: the preloader that ran this program ended while it ran; the program ended with it\n")
-    _flush_and_exit(1)
+    _exit_now(1)
 
 
 def _die_by(_signal, signum: int) -> None:
@@ -191,10 +191,10 @@ def _die_by(_signal, signum: int) -> None:
         os.kill(os.getpid(), signum)
     except (OSError, ValueError):
         pass
-    _flush_and_exit(128 + signum)  # a signal whose default is not to end the process
+    _exit_now(128 + signum)  # a signal whose default is not to end the process
 
 
-def _flush_and_exit(code: int) -> None:
+def _exit_now(code: int) -> None:
     os._exit(code)  # this process printed nothing and owns nothing: no interpreter shutdown
 
 
