@@ -138,20 +138,8 @@ def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
         return False, "WARMSTART is not 1: the start-up hook does not run"
     if environ.get("WARMSTART_PRELOAD", "1") == "0":
         return False, "WARMSTART_PRELOAD=0"
-    probe = ("import json, sys\n"
-             "from warmstart.preload import environment as e, wire\n"
-             "import socket\n"
-             "path = e.default_socket(fp=e.site_fingerprint)\n"
-             "s = socket.socket(socket.AF_UNIX); s.settimeout(2)\n"
-             "try:\n"
-             "    s.connect(path); wire.send(s, {'op': 'status', 'protocol': wire.PROTOCOL}); st = wire.receive(s)[0]\n"
-             "except OSError as exc:\n"
-             "    print(json.dumps([False, f'no preloader serves this environment ({path}: {exc.strerror or exc})'])); sys.exit()\n"
-             "why = e.difference(e.site_fingerprint, st.get('fingerprint', {})) if 'fingerprint' in st else None\n"
-             "if why: print(json.dumps([False, 'the preloader at ' + path + ' serves another environment: ' + why]))\n"
-             "elif st.get('stale'): print(json.dumps([False, st['stale']]))\n"
-             "elif not st.get('fork_safe'): print(json.dumps([False, 'the preloader is not fork-safe: %s threads, CUDA %s' % (st.get('threads'), st.get('cuda_initialized'))]))\n"
-             "else: print(json.dumps([True, 'the preloader at ' + path + ' (pid %s) serves this environment' % st.get('pid')]))\n")
+    # Asked from a new interpreter, whose start-up hook sees what the process's would.
+    probe = "from warmstart.preload.control import _print_verdict; _print_verdict()"
     env = {**environ, "WARMSTART_PRELOAD_SERVE": "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     try:
@@ -159,6 +147,27 @@ def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
     except (ValueError, IndexError):
         return False, f"could not tell: {out.stderr.strip()[-300:]}"
     return bool(served), str(why)
+
+
+def _print_verdict() -> None:
+    """In the probe interpreter of :func:`would_hand_over`: print ``[served, why]`` as JSON."""
+    from warmstart.preload import environment
+
+    fingerprint = environment.site_fingerprint or {}
+    path = environment.default_socket(fp=fingerprint)
+    answer = status(path)
+    if answer is None:
+        verdict = [False, f"no preloader serves this environment (none answers at {path})"]
+    elif (why := environment.difference(fingerprint, answer.get("fingerprint", {}))) is not None:
+        verdict = [False, f"the preloader at {path} serves another environment: {why}"]
+    elif answer.get("stale"):
+        verdict = [False, answer["stale"]]
+    elif not answer.get("fork_safe"):
+        verdict = [False, f"the preloader at {path} is not fork-safe: {answer.get('threads')} threads, "
+                          f"CUDA {'on' if answer.get('cuda_initialized') else 'off'}"]
+    else:
+        verdict = [True, f"the preloader at {path} (pid {answer.get('pid')}) serves this environment"]
+    print(json.dumps(verdict))
 
 
 def _connect(path: str):
