@@ -65,7 +65,9 @@ def main() -> None:
     if store is not None:
         store.flush(timeout=60)
     dist.barrier()
-    print(f"RESULT {dist.get_rank()} " + json.dumps(results), flush=True)
+    # One file a rank: ranks printing at once after the barrier share torchrun's stdout pipe, and a
+    # line longer than PIPE_BUF from each may interleave.
+    Path(os.environ["ADVERSARIAL_RESULTS"], f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 

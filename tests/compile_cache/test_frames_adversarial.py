@@ -58,15 +58,9 @@ def _environment(cache: dict, machine: Path, key: str, **extra: str) -> dict:
     return env
 
 
-def _results(proc: subprocess.CompletedProcess) -> dict:
+def _results(proc: subprocess.CompletedProcess) -> list[dict]:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            parts = line.split(" ", 2)
-            rank, payload = (int(parts[1]), parts[2]) if len(parts) == 3 and parts[1].isdigit() else (0, line[7:])
-            found[rank] = json.loads(payload)
-    return found
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def _single(cache: dict, name: str, condition: str, key: str, cases: list[str] = ()) -> dict:
@@ -81,9 +75,12 @@ def _torchrun(cache: dict, name: str, ranks: int, **extra: str) -> dict:
     machine = cache["root"] / name
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                "--master-port", str(random.randint(20000, 40000)), str(HERE / "_adversarial_ranks.py")]
+    results = machine / "results"
+    results.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(command, cwd=machine.parent, text=True, capture_output=True, timeout=HANG_GUARD_S,
-                          env=_environment(cache, machine, "writer", **extra))
-    found = _results(proc)
+                          env=_environment(cache, machine, "writer", ADVERSARIAL_RESULTS=str(results), **extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = {int(path.stem[4:]): json.loads(path.read_text()) for path in results.glob("rank*.json")}
     assert sorted(found) == list(range(ranks)), proc.stdout[-2000:]
     return found
 

@@ -162,7 +162,11 @@ class SlowProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:  # the server behind went away: so does this client, as it would without us
+                client.close()
+                continue
             threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
 
     def _pump(self, client: socket.socket, server: socket.socket) -> None:
