@@ -1,11 +1,11 @@
-# `make demo` and `make test` (docs/reference.md#setup). Both create .venv when missing and reuse it after.
+# `make demo`, `make test` and `make lint` (docs/reference.md#setup). Each creates .venv when missing and reuses it after.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.warmstart-stamp
 TORCHREC := torchrec==1.9.2
 
-.PHONY: demo test setup system-deps clean-venv
+.PHONY: demo test lint format setup system-deps clean-venv
 
 setup: $(STAMP) system-deps
 
@@ -36,6 +36,16 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=15
+
+# ruff (pycodestyle, pyflakes, bugbear; the formatter) and mypy, configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean-venv:
 	rm -rf $(VENV)

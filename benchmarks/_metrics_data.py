@@ -8,8 +8,17 @@ from pathlib import Path
 T0 = 1_700_000_000.0
 
 
-def write_run(run_dir: Path, job: str, steps: int, *, ranks: int = 1, attempts: int = 2, devices: int = 8,
-              seed: int = 0, step_s: float = 0.1) -> int:
+def write_run(
+    run_dir: Path,
+    job: str,
+    steps: int,
+    *,
+    ranks: int = 1,
+    attempts: int = 2,
+    devices: int = 8,
+    seed: int = 0,
+    step_s: float = 0.1,
+) -> int:
     """Write a job of ``attempts`` attempts (all but the last fail), ``steps`` steps per rank in total,
     start-up spans, a checkpoint every 100 steps and an eval every 1000. Returns the number of events."""
     rng = random.Random(seed)

@@ -18,15 +18,21 @@ def machine_env(machine: Path, extra: dict[str, str]) -> dict[str, str]:
     for sub in ("home", "tmp", "inductor", "triton", "warmstart", "runs"):
         (machine / sub).mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-               TRITON_CACHE_DIR=str(machine / "triton"), WARMSTART_CACHE_DIR=str(machine / "warmstart"),
-               WARMSTART_RUN_DIR=str(machine / "runs"), **extra)
+    env.update(
+        HOME=str(machine / "home"),
+        TMPDIR=str(machine / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+        TRITON_CACHE_DIR=str(machine / "triton"),
+        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
+        WARMSTART_RUN_DIR=str(machine / "runs"),
+        **extra,
+    )
     return env
 
 
 def job_result(stdout: str) -> dict:
     """The job's ``RESULT`` line."""
-    return json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
 
 
 def finish(console, tables: list, out: dict, json_path: str | None) -> None:

@@ -70,11 +70,18 @@ def _build(args: argparse.Namespace, rank: int, world: int):
     class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ebc = EmbeddingBagCollection(tables=[
-                EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows,
-                                   feature_names=[f"f{i}"]) for i in range(args.tables)], device=torch.device("meta"))
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(args.tables * args.dim, 256), torch.nn.ReLU(),
-                                           torch.nn.Linear(256, 1))
+            self.ebc = EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(
+                        name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"f{i}"]
+                    )
+                    for i in range(args.tables)
+                ],
+                device=torch.device("meta"),
+            )
+            self.mlp = torch.nn.Sequential(
+                torch.nn.Linear(args.tables * args.dim, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
+            )
 
         def forward(self, kjt):
             pooled = self.ebc(kjt)
@@ -84,13 +91,24 @@ def _build(args: argparse.Namespace, rank: int, world: int):
     model = Model()
     apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.01})
     sharder = EmbeddingBagCollectionSharder()
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
-        model.ebc, {f"t{i}": table_wise(rank=i % world) for i in range(args.tables)},
-        local_size=world, world_size=world, device_type="cpu", sharder=sharder)})
+    plan = ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                model.ebc,
+                {f"t{i}": table_wise(rank=i % world) for i in range(args.tables)},
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+                sharder=sharder,
+            )
+        }
+    )
     env = ShardingEnv(world, rank, dist.group.WORLD, output_dtensor=True)
     dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder], device=torch.device("cpu"))
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -167,8 +185,14 @@ def _worker(args: argparse.Namespace) -> None:
     for mode in args.modes.split(","):
         directory = args.dir / mode
         overlap = mode.endswith("+overlap")
-        ckpt = Checkpointer(directory, mode=mode.removesuffix("+overlap"), keep=1, recorder=NullRecorder(),
-                            overlap_staging=overlap, save_rng=False)
+        ckpt = Checkpointer(
+            directory,
+            mode=mode.removesuffix("+overlap"),
+            keep=1,
+            recorder=NullRecorder(),
+            overlap_staging=overlap,
+            save_rng=False,
+        )
         blocking, first, upload, idle_steps, busy_steps = [], None, [], [], []
         for save_no in range(args.saves + 1):
             for _ in range(args.steps_between):
@@ -178,7 +202,7 @@ def _worker(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             ckpt.save(step_no, state)
             blocked = time.perf_counter() - started
-            for i in range(args.steps_between):
+            for _ in range(args.steps_between):
                 in_flight = ckpt.in_flight
                 took, waited = step(ckpt)
                 blocked += waited  # only with overlap_staging: training stalls until the copy is done
@@ -194,7 +218,9 @@ def _worker(args: argparse.Namespace) -> None:
                 upload.append(slowest(ckpt.last_save_to_commit_s or float("nan")))
         ckpt.close()
         results["modes"][mode] = {
-            "blocking_s": statistics.median(blocking), "blocking_all_s": blocking, "first_save_blocking_s": first,
+            "blocking_s": statistics.median(blocking),
+            "blocking_all_s": blocking,
+            "first_save_blocking_s": first,
             "save_to_commit_s": statistics.median(upload),
             "step_s_idle": statistics.mean(idle_steps) if idle_steps else None,
             "step_s_while_writing": statistics.mean(busy_steps) if busy_steps else None,
@@ -212,24 +238,42 @@ def _report(args: argparse.Namespace, results: dict, seconds: float) -> dict:
 
     modes = results["modes"]
     sync = modes.get("sync", {}).get("blocking_s")
-    table = Table(title=f"checkpoint save, 2 ranks x {results['state_bytes_per_rank'] / 1e6:.0f} MB "
-                        f"({args.tables} tables x {args.rows} x {args.dim} fp32, table-wise)")
-    for col in ("mode", "blocking (s)", "vs sync", "first save (s)", "save→commit (s)", "step idle (ms)",
-                "step while writing (ms)", "slowdown"):
+    table = Table(
+        title=f"checkpoint save, 2 ranks x {results['state_bytes_per_rank'] / 1e6:.0f} MB "
+        f"({args.tables} tables x {args.rows} x {args.dim} fp32, table-wise)"
+    )
+    for col in (
+        "mode",
+        "blocking (s)",
+        "vs sync",
+        "first save (s)",
+        "save→commit (s)",
+        "step idle (ms)",
+        "step while writing (ms)",
+        "slowdown",
+    ):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for mode, r in modes.items():
         ratio = r["blocking_s"] / sync if sync else None
         r["blocking_vs_sync"] = ratio
         idle, busy = r["step_s_idle"], r["step_s_while_writing"]
         r["step_slowdown"] = busy / idle if idle and busy else None
-        table.add_row(mode, f"{r['blocking_s']:.3f}", f"{ratio:.1%}" if ratio is not None else "-",
-                      f"{r['first_save_blocking_s']:.3f}", f"{r['save_to_commit_s']:.3f}",
-                      f"{idle * 1e3:.0f}" if idle else "-", f"{busy * 1e3:.0f}" if busy else "-",
-                      f"{r['step_slowdown']:.2f}x" if r["step_slowdown"] else "-")
+        table.add_row(
+            mode,
+            f"{r['blocking_s']:.3f}",
+            f"{ratio:.1%}" if ratio is not None else "-",
+            f"{r['first_save_blocking_s']:.3f}",
+            f"{r['save_to_commit_s']:.3f}",
+            f"{idle * 1e3:.0f}" if idle else "-",
+            f"{busy * 1e3:.0f}" if busy else "-",
+            f"{r['step_slowdown']:.2f}x" if r["step_slowdown"] else "-",
+        )
     Console(width=160).print(table)
-    results.update(machine=f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, Python "
-                           f"{platform.python_version()}", wall_s=seconds,
-                   command="python benchmarks/checkpoint_async.py " + " ".join(sys.argv[1:]))
+    results.update(
+        machine=f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        wall_s=seconds,
+        command="python benchmarks/checkpoint_async.py " + " ".join(sys.argv[1:]),
+    )
     return results
 
 
@@ -243,11 +287,14 @@ def main() -> None:
     argv = [a for a in sys.argv[1:]]
     if "--dir" in argv:
         i = argv.index("--dir")
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     started = time.perf_counter()
     try:
-        subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", __file__, *argv, "--dir", str(root)],
-                       check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        subprocess.run(
+            [str(torchrun), "--standalone", "--nproc-per-node", "2", __file__, *argv, "--dir", str(root)],
+            check=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         results = _report(args, json.loads((root / "results.json").read_text()), time.perf_counter() - started)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -39,22 +39,34 @@ def run(machine: Path, model: str, *, env_extra: dict[str, str], args: list[str]
     machine.mkdir(parents=True, exist_ok=True)
     (machine / "tmp").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-               TRITON_CACHE_DIR=str(machine / "triton"), WARMSTART_CACHE_DIR=str(machine / "warmstart"),
-               WARMSTART_RUN_DIR=str(machine / "runs"), **env_extra)
-    proc = subprocess.run([sys.executable, str(JOB), "--model", model, *args], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    env.update(
+        HOME=str(machine / "home"),
+        TMPDIR=str(machine / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+        TRITON_CACHE_DIR=str(machine / "triton"),
+        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
+        WARMSTART_RUN_DIR=str(machine / "runs"),
+        **env_extra,
+    )
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--model", model, *args], env=env, capture_output=True, text=True, timeout=1800
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{model} on {machine.name} failed:\n{proc.stderr[-2000:]}")
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
 
 
-def bench_model(model: str, work: Path, torch_redis_port: int, ws_url: str, key_file: Path, progress,
-                repeats: int) -> dict:
+def bench_model(
+    model: str, work: Path, torch_redis_port: int, ws_url: str, key_file: Path, progress, repeats: int
+) -> dict:
     mega = work / f"{model}.mega"
-    native = {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
-              "TORCHINDUCTOR_REDIS_HOST": "127.0.0.1", "TORCHINDUCTOR_REDIS_PORT": str(torch_redis_port)}
+    native = {
+        "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
+        "TORCHINDUCTOR_REDIS_HOST": "127.0.0.1",
+        "TORCHINDUCTOR_REDIS_PORT": str(torch_redis_port),
+    }
     ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": ws_url, "WARMSTART_KEY_FILE": str(key_file)}  # Ed25519
     results: dict = {}
     progress(f"{model}: cold")
@@ -104,13 +116,22 @@ def main() -> None:
     generate_key_pair(key_file, work / "verify.pub")
     torch_redis = RedisNode(work / "torch-redis").start()
     ws_redis = RedisNode(work / "ws-redis").start()
-    out: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                 "models": {}}
+    out: dict = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "models": {},
+    }
     try:
         with console.status("") as status:
             for model in args.models.split(","):
-                out["models"][model] = bench_model(model, work, torch_redis.port, ws_redis.url, key_file,
-                                                   lambda msg: status.update(f"compiling {msg}"), args.repeats)
+                out["models"][model] = bench_model(
+                    model,
+                    work,
+                    torch_redis.port,
+                    ws_redis.url,
+                    key_file,
+                    lambda msg: status.update(f"compiling {msg}"),
+                    args.repeats,
+                )
     finally:
         torch_redis.stop()
         ws_redis.stop()
@@ -119,9 +140,13 @@ def main() -> None:
 
     tables = []
     for title, seconds, field in (
-            ("compile + first step (forward and backward)", _seconds, "summary"),
-            ("the same, plus loading torch's compiler modules (equal in every configuration)", _seconds_with_imports,
-             "summary_with_compiler_imports")):
+        ("compile + first step (forward and backward)", _seconds, "summary"),
+        (
+            "the same, plus loading torch's compiler modules (equal in every configuration)",
+            _seconds_with_imports,
+            "summary_with_compiler_imports",
+        ),
+    ):
         table = Table(title=f"{title}, seconds; warm configurations: median of {args.repeats}", title_justify="left")
         table.add_column("model")
         for name in CONFIGS:
@@ -131,12 +156,19 @@ def main() -> None:
         table.add_column("same loss", justify="center")
         for model, r in out["models"].items():
             t = {name: statistics.median(seconds(x) for x in r[name]) for name in CONFIGS}
-            ratios = {"ws_over_local_warm": t["warmstart"] / t["torch local-warm"],
-                      "ws_over_cold": t["warmstart"] / t["cold"]}
+            ratios = {
+                "ws_over_local_warm": t["warmstart"] / t["torch local-warm"],
+                "ws_over_cold": t["warmstart"] / t["cold"],
+            }
             same = all(x["losses"] == r["cold"][0]["losses"] for x in r["warmstart"])
             r[field] = {"seconds": t, **ratios, "same_loss": same}
-            table.add_row(model, *[f"{t[n]:.2f}" for n in CONFIGS], f"{ratios['ws_over_local_warm']:.2f}x",
-                          f"{ratios['ws_over_cold']:.3f}x", "yes" if same else "NO")
+            table.add_row(
+                model,
+                *[f"{t[n]:.2f}" for n in CONFIGS],
+                f"{ratios['ws_over_local_warm']:.2f}x",
+                f"{ratios['ws_over_cold']:.3f}x",
+                "yes" if same else "NO",
+            )
         tables.append(table)
     finish(console, tables, out, args.json)
 

@@ -21,15 +21,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _new_machine import JOB, MACHINE, finish, job_result, machine_env  # noqa: E402
+from _new_machine import JOB, MACHINE, finish, job_result, machine_env
 
 
 def run_at_once(work: Path, n: int, models: list[str], extra: dict[str, str]) -> dict:
     """Start ``n`` jobs on new machines at once; wait for all. Returns wall time and per-job results."""
     args = [sys.executable, str(JOB)] + [a for m in models for a in ("--model", m)]
     start = time.perf_counter()
-    procs = [subprocess.Popen(args, env=machine_env(work / f"machine-{i}", extra), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            args,
+            env=machine_env(work / f"machine-{i}", extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
     jobs = []
     for proc in procs:
         out, err = proc.communicate(timeout=3600)
@@ -37,8 +45,12 @@ def run_at_once(work: Path, n: int, models: list[str], extra: dict[str, str]) ->
             raise RuntimeError(f"a job failed:\n{err[-3000:]}")
         jobs.append(job_result(out))
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "jobs": jobs, "compile_cpu_s": sum(j["compile_cpu_s"] for j in jobs),
-            "same_loss": all(j["losses"] == jobs[0]["losses"] for j in jobs)}
+    return {
+        "wall_s": wall,
+        "jobs": jobs,
+        "compile_cpu_s": sum(j["compile_cpu_s"] for j in jobs),
+        "same_loss": all(j["losses"] == jobs[0]["losses"] for j in jobs),
+    }
 
 
 def main() -> None:
@@ -69,10 +81,20 @@ def main() -> None:
                 finally:
                     node.stop()
 
-    table = Table(title=f"{len(models)} models ({', '.join(models)}) compiled at once on new machines, one empty "
-                        "shared cache", title_justify="left")
-    for column in ("configuration", "machines", "wall s", "vs one alone", "compile CPU s", "vs one alone",
-                   "waits", "same loss"):
+    table = Table(
+        title=f"{len(models)} models ({', '.join(models)}) compiled at once on new machines, one empty shared cache",
+        title_justify="left",
+    )
+    for column in (
+        "configuration",
+        "machines",
+        "wall s",
+        "vs one alone",
+        "compile CPU s",
+        "vs one alone",
+        "waits",
+        "same loss",
+    ):
         table.add_column(column, justify="left" if column == "configuration" else "right")
     for label in ("single-flight", "each compiles"):
         alone = out["runs"][f"{label}/{counts[0]}"]
@@ -81,8 +103,16 @@ def main() -> None:
             r["wall_vs_alone"] = r["wall_s"] / alone["wall_s"]
             r["cpu_vs_alone"] = r["compile_cpu_s"] / alone["compile_cpu_s"]
             waits = sum(j.get("counters", {}).get("waits", 0) for j in r["jobs"])
-            table.add_row(label, str(n), f"{r['wall_s']:.1f}", f"{r['wall_vs_alone']:.2f}x", f"{r['compile_cpu_s']:.1f}",
-                          f"{r['cpu_vs_alone']:.2f}x", str(int(waits)), "yes" if r["same_loss"] else "NO")
+            table.add_row(
+                label,
+                str(n),
+                f"{r['wall_s']:.1f}",
+                f"{r['wall_vs_alone']:.2f}x",
+                f"{r['compile_cpu_s']:.1f}",
+                f"{r['cpu_vs_alone']:.2f}x",
+                str(int(waits)),
+                "yes" if r["same_loss"] else "NO",
+            )
     finish(console, [table], out, args.json)
 
 

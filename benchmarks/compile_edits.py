@@ -26,14 +26,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _new_machine import JOB, MACHINE, finish, job_result, machine_env  # noqa: E402
+from _new_machine import JOB, MACHINE, finish, job_result, machine_env
 
 STRUCTURES = {"whole": [], "regional": ["--regional"]}
 
 
 def run(machine: Path, model: str, structure: str, env: dict[str, str]) -> dict:
-    proc = subprocess.run([sys.executable, str(JOB), "--model", model, *STRUCTURES[structure]],
-                          env=machine_env(machine, env), capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--model", model, *STRUCTURES[structure]],
+        env=machine_env(machine, env),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{model} ({structure}) on {machine.name} failed:\n{proc.stderr[-3000:]}")
     return job_result(proc.stdout)
@@ -67,14 +72,27 @@ def main() -> None:
                     status.update(f"{structure}, {edit}: after the edit, on a new machine")
                     warm = run(work / f"{structure}-{edit}-after", model, structure, ws)
                     out["results"][f"{structure}/{edit}"] = {
-                        "previous": previous, "cold": cold, "after_edit": warm,
-                        "ratio": warm["compile_s"] / cold["compile_s"], "same_loss": warm["losses"] == cold["losses"]}
+                        "previous": previous,
+                        "cold": cold,
+                        "after_edit": warm,
+                        "ratio": warm["compile_s"] / cold["compile_s"],
+                        "same_loss": warm["losses"] == cold["losses"],
+                    }
             finally:
                 node.stop()
 
     table = Table(title="compile + first step of an edited tower on a new machine, seconds", title_justify="left")
-    for column in ("edit", "compiled", "cold", "after edit", "after edit / cold", "vs whole cold", "graphs hit/missed",
-                   "frames read", "same loss"):
+    for column in (
+        "edit",
+        "compiled",
+        "cold",
+        "after edit",
+        "after edit / cold",
+        "vs whole cold",
+        "graphs hit/missed",
+        "frames read",
+        "same loss",
+    ):
         table.add_column(column, justify="left" if column in ("edit", "compiled") else "right")
     for edit in edits:
         whole_cold = out["results"][f"whole/{edit}"]["cold"]["compile_s"]
@@ -82,11 +100,22 @@ def main() -> None:
             r = out["results"][f"{structure}/{edit}"]
             hits, misses = _graphs(r["after_edit"])
             r["vs_whole_cold"] = r["after_edit"]["compile_s"] / whole_cold
-            table.add_row(edit, structure, f"{r['cold']['compile_s']:.1f}", f"{r['after_edit']['compile_s']:.1f}",
-                          f"{r['ratio']:.2f}x", f"{r['vs_whole_cold']:.2f}x", f"{hits}/{misses}",
-                          str(sum(tier.get("dynamo_frames", {}).get("hits", 0)
-                                  for tier in r["after_edit"].get("store", {}).values())),
-                          "yes" if r["same_loss"] else "NO")
+            table.add_row(
+                edit,
+                structure,
+                f"{r['cold']['compile_s']:.1f}",
+                f"{r['after_edit']['compile_s']:.1f}",
+                f"{r['ratio']:.2f}x",
+                f"{r['vs_whole_cold']:.2f}x",
+                f"{hits}/{misses}",
+                str(
+                    sum(
+                        tier.get("dynamo_frames", {}).get("hits", 0)
+                        for tier in r["after_edit"].get("store", {}).values()
+                    )
+                ),
+                "yes" if r["same_loss"] else "NO",
+            )
     finish(console, [table], out, args.json)
 
 

@@ -20,7 +20,7 @@ import time
 
 T_START = time.perf_counter()
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after T_START: the import is timed)
 from torch import nn  # noqa: E402
 
 T_IMPORTED = time.perf_counter()
@@ -32,10 +32,10 @@ T_IMPORTED = time.perf_counter()
 # this module imports).
 PREIMPORT = "--no-preimport" not in sys.argv[1:]
 if PREIMPORT:
-    import torch._dynamo  # noqa: E402
-    import torch._functorch._aot_autograd.autograd_cache  # noqa: E402
-    import torch._inductor.codecache  # noqa: E402
-    import torch._inductor.compile_fx  # noqa: E402
+    import torch._dynamo
+    import torch._functorch._aot_autograd.autograd_cache
+    import torch._inductor.codecache
+    import torch._inductor.compile_fx
 
 T_COMPILER_IMPORTED = time.perf_counter()
 
@@ -52,8 +52,13 @@ class MLP(nn.Module):
 class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                  nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.conv = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(16 * 8 * 8, 10)
 
     def forward(self, x):
@@ -63,8 +68,7 @@ class ConvNet(nn.Module):
 class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.block = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0,
-                                                batch_first=True)
+        self.block = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
         self.out = nn.Linear(32, 1)
 
     def forward(self, x):
@@ -118,9 +122,14 @@ class Tower(nn.Module):
         dims = list(self.DIMS) + ([24] if edit == "deeper" else [])
         self.inp = nn.Linear(64, dims[0])  # runs eagerly under regional compilation: one small matmul
         self.stages = nn.ModuleList(
-            Stage(dim, dim * (4 if edit == "wider" and i == 2 else 2), dims[i + 1] if i + 1 < len(dims) else 1,
-                  nn.SiLU if edit == "act" and i == 2 else nn.ReLU)
-            for i, dim in enumerate(dims))
+            Stage(
+                dim,
+                dim * (4 if edit == "wider" and i == 2 else 2),
+                dims[i + 1] if i + 1 < len(dims) else 1,
+                nn.SiLU if edit == "act" and i == 2 else nn.ReLU,
+            )
+            for i, dim in enumerate(dims)
+        )
 
     def forward(self, x):
         x = self.inp(x)
@@ -247,6 +256,7 @@ class ImportClock:
                 self._depth -= 1
                 if len(sys.modules) != before:
                     self.seconds += time.perf_counter() - t
+
         return timed
 
     def stop(self) -> None:
@@ -276,8 +286,9 @@ def torch_phases(compile_s: float, import_s: float | None) -> dict:
     frames = timers.get("_compile.compile_inner", 0.0)  # "entire_frame_compile"
     guards = timers.get("build_guards", 0.0)
     backend = timers.get("OutputGraph.call_user_compiler", 0.0) + timers.get("backward._backward_impl", 0.0)
-    precompile = sum(timers.get(k, 0.0) for k in ("precompile_load_guards", "precompile_build_guards",
-                                                   "after_deserialization"))
+    precompile = sum(
+        timers.get(k, 0.0) for k in ("precompile_load_guards", "precompile_build_guards", "after_deserialization")
+    )
     # Precompile loads run inside an "entire_frame_compile" timer too, so they come off tracing.
     tracing = max(frames - guards - timers.get("OutputGraph.call_user_compiler", 0.0) - precompile, 0.0)
     phases = {"dynamo_tracing": tracing, "guards": guards, "backend": backend, "precompile_load": precompile}
@@ -290,16 +301,25 @@ def torch_phases(compile_s: float, import_s: float | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", action="append", required=True, choices=sorted(MODELS),
-                        help="model(s) to compile, in order")
-    parser.add_argument("--regional", action="store_true",
-                        help="compile each region of the model on its own (the tower models)")
+    parser.add_argument(
+        "--model", action="append", required=True, choices=sorted(MODELS), help="model(s) to compile, in order"
+    )
+    parser.add_argument(
+        "--regional", action="store_true", help="compile each region of the model on its own (the tower models)"
+    )
     parser.add_argument("--mega-save", default=None, help="after compiling, save torch's Mega-Cache here")
     parser.add_argument("--mega-load", default=None, help="before compiling, load torch's Mega-Cache from here")
-    parser.add_argument("--kill-redis-pid", type=int, default=None,
-                        help="SIGKILL this redis-server after the first model (a server dying mid-job)")
-    parser.add_argument("--no-preimport", action="store_true",
-                        help="do not load torch's compiler modules before the clock: compile_s includes them")
+    parser.add_argument(
+        "--kill-redis-pid",
+        type=int,
+        default=None,
+        help="SIGKILL this redis-server after the first model (a server dying mid-job)",
+    )
+    parser.add_argument(
+        "--no-preimport",
+        action="store_true",
+        help="do not load torch's compiler modules before the clock: compile_s includes them",
+    )
     args = parser.parse_args()
     losses = {}
     mega_load_s = 0.0
@@ -326,14 +346,24 @@ def main() -> None:
             f.write(artifacts[0] if artifacts else b"")
     from torch._dynamo.utils import counters
 
-    result = {"losses": losses, "import_s": T_IMPORTED - T_START, "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
-              "compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
-              "warmstart_threads_cpu_s": warmstart_threads_cpu_s, "mega_load_s": mega_load_s,
-              "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"]),
-              "preimport": PREIMPORT,
-              "phases": torch_phases(compile_s, None if import_clock is None else import_clock.seconds),
-              "modules_loaded": {"before": modules_before, "after": modules_after,
-                                 "during_compile": modules_after - modules_before}}
+    result = {
+        "losses": losses,
+        "import_s": T_IMPORTED - T_START,
+        "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
+        "compile_s": compile_s,
+        "compile_cpu_s": compile_cpu_s,
+        "warmstart_threads_cpu_s": warmstart_threads_cpu_s,
+        "mega_load_s": mega_load_s,
+        "inductor": dict(counters["inductor"]),
+        "aot_autograd": dict(counters["aot_autograd"]),
+        "preimport": PREIMPORT,
+        "phases": torch_phases(compile_s, None if import_clock is None else import_clock.seconds),
+        "modules_loaded": {
+            "before": modules_before,
+            "after": modules_after,
+            "during_compile": modules_after - modules_before,
+        },
+    }
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when run with runpy.run_path
     from _new_machine import store_figures
 

@@ -18,7 +18,8 @@ with their Triton kernels bundled), ``user-triton`` (a user ``@triton.jit`` kern
 inside a compiled function: Triton's kernel cache goes through warmstart's TRITON_CACHE_MANAGER),
 ``max-autotune`` (mode ``max-autotune-no-cudagraphs`` on matmuls: autotune results),
 ``cudagraphs`` (mode ``reduce-overhead``), ``dynamo-frames`` (12 small encoder layers: Dynamo's
-tracing is much of the compile; run with ``WARMSTART_DYNAMO=1``), and ``matmul`` (one matmul: the cheapest, not run by default).
+tracing is much of the compile; run with ``WARMSTART_DYNAMO=1``), and ``matmul`` (one matmul: the cheapest,
+not run by default).
 
 Same result: each warm job's outputs and gradients are compared with the cold job's: ``exact`` when
 their bytes are identical (SHA-256), ``close`` when every summary figure (loss, and per tensor the
@@ -61,12 +62,13 @@ JOB_TIMEOUT_S = 1800
 
 # -- what the table is made of (pure) -----------------------------------------------------------
 
+
 def compare(cold: dict, other: dict) -> str:
     """``exact`` (identical bytes), ``close`` (every summary figure within RTOL/ATOL) or ``differs``."""
     if other["digest"] == cold["digest"]:
         return "exact"
     a, b = cold["values"], other["values"]
-    if len(a) == len(b) and all(abs(x - y) <= ATOL + RTOL * abs(x) for x, y in zip(a, b)):
+    if len(a) == len(b) and all(abs(x - y) <= ATOL + RTOL * abs(x) for x, y in zip(a, b, strict=True)):
         return "close"
     return "differs"
 
@@ -76,8 +78,10 @@ def max_relative_difference(cold: dict, other: dict) -> float:
     a, b = cold["values"], other["values"]
     if len(a) != len(b):
         return float("inf")
-    return max((abs(x - y) / abs(x) if x else (0.0 if x == y else float("inf")) for x, y in zip(a, b)),
-               default=0.0)
+    return max(
+        (abs(x - y) / abs(x) if x else (0.0 if x == y else float("inf")) for x, y in zip(a, b, strict=False)),
+        default=0.0,
+    )
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -118,8 +122,11 @@ def _notes(model: str, results: dict[str, dict]) -> list[str]:
             notes.append("misses: " + ", ".join(f"{kind} {n}" for kind, n in misses.items()))
         if model == "dynamo-frames" or "dynamo_frames" in hits:
             # torch's stats.unique_graphs: 0 on the new machine means Dynamo's output was reused, not traced
-            traced = [f"{label} {results[name].get('dynamo', {}).get('unique_graphs')}"
-                      for name, label in (("cold", "cold"), ("warmstart new machine", "new machine")) if name in results]
+            traced = [
+                f"{label} {results[name].get('dynamo', {}).get('unique_graphs')}"
+                for name, label in (("cold", "cold"), ("warmstart new machine", "new machine"))
+                if name in results
+            ]
             notes.append("graphs Dynamo traced: " + ", ".join(traced))
         skips = new.get("inductor", {}).get("cudagraph_skips", 0)
         if skips:
@@ -127,8 +134,9 @@ def _notes(model: str, results: dict[str, dict]) -> list[str]:
     return notes
 
 
-def summarize(model: str, results: dict[str, dict], errors: dict[str, str] | None = None,
-              skipped: str | None = None) -> dict:
+def summarize(
+    model: str, results: dict[str, dict], errors: dict[str, str] | None = None, skipped: str | None = None
+) -> dict:
     """One model's figures: seconds per configuration, the two ratios, how each warm result
     compares with cold's, notes, and whether the model passed (``ok``)."""
     errors = errors or {}
@@ -148,12 +156,18 @@ def summarize(model: str, results: dict[str, dict], errors: dict[str, str] | Non
     if differs:
         notes.insert(0, "differs from cold: " + ", ".join(differs) + f" (max rel. diff {worst:.2g})")
     ws = seconds.get("warmstart new machine")
-    return {"model": model, "seconds": seconds,
-            "ws_over_local_warm": ratio(ws, seconds.get("torch local-warm")),
-            "ws_over_cold": ratio(ws, seconds.get("cold")),
-            "same": same, "max_relative_difference": worst,
-            "same_result": not errors and len(same) == len(WARM_CONFIGS) and not differs,
-            "ok": not errors and not differs, "notes": notes, "errors": errors}
+    return {
+        "model": model,
+        "seconds": seconds,
+        "ws_over_local_warm": ratio(ws, seconds.get("torch local-warm")),
+        "ws_over_cold": ratio(ws, seconds.get("cold")),
+        "same": same,
+        "max_relative_difference": worst,
+        "same_result": not errors and len(same) == len(WARM_CONFIGS) and not differs,
+        "ok": not errors and not differs,
+        "notes": notes,
+        "errors": errors,
+    }
 
 
 def same_cell(summary: dict) -> str:
@@ -173,6 +187,7 @@ def same_cell(summary: dict) -> str:
 def table_row(summary: dict) -> list[str]:
     """``model | cold s | torch local-warm s | warmstart new machine s | ws / local-warm | ws / cold
     | same result | notes`` as strings."""
+
     def secs(name: str) -> str:
         s = summary.get("seconds", {}).get(name)
         return "-" if s is None else f"{s:.2f}"
@@ -180,13 +195,28 @@ def table_row(summary: dict) -> list[str]:
     def times(r: float | None, digits: int) -> str:
         return "-" if r is None else f"{r:.{digits}f}x"
 
-    return [summary["model"], secs("cold"), secs("torch local-warm"), secs("warmstart new machine"),
-            times(summary.get("ws_over_local_warm"), 2), times(summary.get("ws_over_cold"), 3),
-            same_cell(summary), "; ".join(summary.get("notes", []))]
+    return [
+        summary["model"],
+        secs("cold"),
+        secs("torch local-warm"),
+        secs("warmstart new machine"),
+        times(summary.get("ws_over_local_warm"), 2),
+        times(summary.get("ws_over_cold"), 3),
+        same_cell(summary),
+        "; ".join(summary.get("notes", [])),
+    ]
 
 
-TABLE_COLUMNS = ("model", "cold s", "torch local-warm s", "warmstart new machine s", "ws / local-warm",
-                 "ws / cold", "same result", "notes")
+TABLE_COLUMNS = (
+    "model",
+    "cold s",
+    "torch local-warm s",
+    "warmstart new machine s",
+    "ws / local-warm",
+    "ws / cold",
+    "same result",
+    "notes",
+)
 
 
 def plan(models: list[str], device: str) -> tuple[list[str], dict[str, str]]:
@@ -208,6 +238,7 @@ def machine_line(results: list[dict], device: str) -> str:
 
 # -- running the jobs ---------------------------------------------------------------------------
 
+
 def run_job(machine: Path, model: str, device: str, env_extra: dict[str, str], timeout: float) -> dict:
     """Run ``gpu_job.py`` on ``machine``; its RESULT, plus the stats every process of it merged.
 
@@ -218,8 +249,13 @@ def run_job(machine: Path, model: str, device: str, env_extra: dict[str, str], t
 
     env = machine_env(machine, env_extra)
     try:
-        proc = subprocess.run([sys.executable, str(JOB), "--model", model, "--device", device], env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, str(JOB), "--model", model, "--device", device],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{model} on {machine.name}: no result within {timeout:.0f} s") from None
     if proc.returncode != 0 or "RESULT " not in proc.stdout:
@@ -235,13 +271,17 @@ def run_job(machine: Path, model: str, device: str, env_extra: dict[str, str], t
     return result
 
 
-def check_model(model: str, device: str, work: Path, ws_env: dict[str, str], progress, timeout: float
-                ) -> tuple[dict[str, dict], dict[str, str]]:
+def check_model(
+    model: str, device: str, work: Path, ws_env: dict[str, str], progress, timeout: float
+) -> tuple[dict[str, dict], dict[str, str]]:
     """The four jobs of one model, in order; a job that fails is recorded and the next still runs
     (except those that need it: local-warm needs the cold machine, the new machine the producer)."""
-    machines = {"cold": (work / f"{model}-cold", {}), "torch local-warm": (work / f"{model}-cold", {}),
-                "warmstart producer": (work / f"{model}-ws-producer", ws_env),
-                "warmstart new machine": (work / f"{model}-ws-new", ws_env)}
+    machines = {
+        "cold": (work / f"{model}-cold", {}),
+        "torch local-warm": (work / f"{model}-cold", {}),
+        "warmstart producer": (work / f"{model}-ws-producer", ws_env),
+        "warmstart new machine": (work / f"{model}-ws-new", ws_env),
+    }
     needs = {"torch local-warm": "cold", "warmstart new machine": "warmstart producer"}
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
@@ -298,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             for model in to_run:
                 # compiled frames are off by default: the model that checks them turns them on
                 env = dict(ws_env, WARMSTART_DYNAMO="1") if model == "dynamo-frames" else ws_env
-                results, errors = check_model(model, args.device, work, env,
-                                              lambda msg: status.update(f"compiling {msg}"), args.timeout)
+                results, errors = check_model(
+                    model, args.device, work, env, lambda msg: status.update(f"compiling {msg}"), args.timeout
+                )
                 out["models"][model] = {"results": results, "errors": errors}
     finally:
         redis.stop()
@@ -317,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     colds = [e["results"]["cold"] for e in out["models"].values() if "cold" in e["results"]]
     out["machine"] = machine_line(colds, args.device)
     console.print(f"machine: {out['machine']}")
-    console.print(f"same result: 'exact' = identical bytes; 'within {RTOL:g}' = every summary figure within "
-                  f"relative {RTOL:g} (absolute {ATOL:g}) of cold's")
+    console.print(
+        f"same result: 'exact' = identical bytes; 'within {RTOL:g}' = every summary figure within "
+        f"relative {RTOL:g} (absolute {ATOL:g}) of cold's"
+    )
     for model, entry in out["models"].items():
         for name, error in entry["errors"].items():
             console.print(f"{model}, {name}: {error}", markup=False, highlight=False)

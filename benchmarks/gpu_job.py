@@ -69,8 +69,7 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
-        self.attn = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, dropout=0.0,
-                                               batch_first=True)
+        self.attn = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True)
         self.head = nn.Linear(64, 1)
 
     def forward(self, x):
@@ -94,8 +93,9 @@ class MatmulNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                                 nn.Linear(1024, 512))
+        self.net = nn.Sequential(
+            nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -107,9 +107,9 @@ class Encoder(nn.Module):
     def __init__(self, layers: int = 12, width: int = 32) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(d_model=width, nhead=4, dim_feedforward=2 * width, dropout=0.0,
-                                       batch_first=True)
-            for _ in range(layers))
+            nn.TransformerEncoderLayer(d_model=width, nhead=4, dim_feedforward=2 * width, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
         self.head = nn.Linear(width, 1)
 
     def forward(self, x):
@@ -221,13 +221,21 @@ def main() -> None:
     compile_s = time.perf_counter() - t0
     from torch._dynamo.utils import counters
 
-    result = {"model": args.model, "device": args.device, "mode": MODELS[args.model].mode, **outcome,
-              "compile_s": compile_s, "import_s": T_IMPORTED - T_START,
-              "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
-              "inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"]),
-              "dynamo": {k: counters["stats"].get(k, 0) for k in ("unique_graphs", "calls_captured")},
-              "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    result = {
+        "model": args.model,
+        "device": args.device,
+        "mode": MODELS[args.model].mode,
+        **outcome,
+        "compile_s": compile_s,
+        "import_s": T_IMPORTED - T_START,
+        "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
+        "inductor": dict(counters["inductor"]),
+        "aot_autograd": dict(counters["aot_autograd"]),
+        "dynamo": {k: counters["stats"].get(k, 0) for k in ("unique_graphs", "calls_captured")},
+        "torch": torch.__version__,
+        "triton": getattr(triton, "__version__", None),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+    }
     from _new_machine import store_figures
 
     result.update(store_figures())

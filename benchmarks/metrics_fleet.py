@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _metrics_data import write_run  # noqa: E402
+from _metrics_data import write_run
 
 
 def _children_cpu() -> float:
@@ -33,8 +33,18 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "runs"
-        events = sum(write_run(root / f"job-{i:04d}", f"job-{i:04d}", args.steps, attempts=1 + i % 3,
-                               devices=2 ** (i % 7), seed=i, step_s=1.0) for i in range(args.runs))
+        events = sum(
+            write_run(
+                root / f"job-{i:04d}",
+                f"job-{i:04d}",
+                args.steps,
+                attempts=1 + i % 3,
+                devices=2 ** (i % 7),
+                seed=i,
+                step_s=1.0,
+            )
+            for i in range(args.runs)
+        )
         exe = Path(sys.executable).with_name("warmstart")
         dirs = sorted(str(p) for p in root.iterdir())
         for label, argv in ((f"{len(dirs):,} RUN_DIR arguments", dirs), ("one parent directory", [str(root)])):
@@ -44,8 +54,10 @@ def main() -> None:
             wall = time.perf_counter() - start
             assert proc.returncode == 0, proc.stderr
             fleet = json.loads(proc.stdout)
-            print(f"warmstart ett fleet ({label}): {fleet['jobs']:,} jobs, {events:,} events: {wall:.2f} s wall, "
-                  f"{_children_cpu() - cpu:.2f} s CPU; fleet ETT {fleet['ett_pct']:.1f}%")
+            print(
+                f"warmstart ett fleet ({label}): {fleet['jobs']:,} jobs, {events:,} events: {wall:.2f} s wall, "
+                f"{_children_cpu() - cpu:.2f} s CPU; fleet ETT {fleet['ett_pct']:.1f}%"
+            )
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _metrics_data import write_run  # noqa: E402
+from _metrics_data import write_run
 
-from warmstart.metrics.calculator import compute, load_runs  # noqa: E402
+from warmstart.metrics.calculator import compute, load_runs
 
 
 def main() -> None:
@@ -41,16 +41,20 @@ def main() -> None:
             proc = subprocess.run([str(exe), "ett", "report", str(run_dir), *flags], capture_output=True, text=True)
             wall = time.perf_counter() - start
             assert proc.returncode == 0, proc.stderr
-            print(f"warmstart ett report {flags[0] if flags else '(table)':8s} {n:,} events, {size / 1e6:.0f} MB: "
-                  f"{wall:.2f} s wall, {_children_cpu() - cpu_before:.2f} s CPU")
+            print(
+                f"warmstart ett report {flags[0] if flags else '(table)':8s} {n:,} events, {size / 1e6:.0f} MB: "
+                f"{wall:.2f} s wall, {_children_cpu() - cpu_before:.2f} s CPU"
+            )
         start = time.process_time()
         (run,) = load_runs([run_dir])
         read = time.process_time() - start
         start = time.process_time()
         result = compute(run)
         comp = time.process_time() - start
-        print(f"in process (CPU seconds): read {read:.2f} s, compute {comp:.2f} s; ETT {result.ett_pct:.1f}%, "
-              f"{len(result.attempts)} attempts, {len(result.ranks)} ranks")
+        print(
+            f"in process (CPU seconds): read {read:.2f} s, compute {comp:.2f} s; ETT {result.ett_pct:.1f}%, "
+            f"{len(result.attempts)} attempts, {len(result.ranks)} ranks"
+        )
 
 
 def _children_cpu() -> float:

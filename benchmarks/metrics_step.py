@@ -58,8 +58,12 @@ def main() -> None:
             with rec.span("eval"):
                 pass
 
-        rows = [("step(n)", rec.step), ("step(n, samples=512)", lambda i: rec.step(i, samples=512)),
-                ("checkpoint_committed(n)", rec.checkpoint_committed), ("with span(...)", span)]
+        rows = [
+            ("step(n)", rec.step),
+            ("step(n, samples=512)", lambda i: rec.step(i, samples=512)),
+            ("checkpoint_committed(n)", rec.checkpoint_committed),
+            ("with span(...)", span),
+        ]
         for name, fn in rows:
             costs = _per_call_us(fn, batches)
             median = statistics.median(costs) - empty
@@ -69,8 +73,10 @@ def main() -> None:
         if exporter is not None:
             exporter.stop()
             snap = exporter.snapshot
-            print(f"live exporter: last refresh saw {snap.steps if snap else 0:,} steps; "
-                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
+            print(
+                f"live exporter: last refresh saw {snap.steps if snap else 0:,} steps; "
+                f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB"
+            )
         # Serializing happens off the hot path, in the flusher thread; its throughput, measured alone:
         alone = Recorder(tmp, job="bench", rank=1, attempt=0, flush_interval_s=0)
         for i in range(200_000):
@@ -79,8 +85,11 @@ def main() -> None:
         alone.flush()
         took = time.perf_counter() - start
         alone.close()
-        print(f"flush: 200,000 events serialized and appended in {took:.2f} s "
-              f"({200_000 / took / 1e3:,.0f} k events/s, {took / 200_000 * 1e6:.1f} us each)")
+        print(
+            f"flush: 200,000 events serialized and appended in {took:.2f} s "
+            f"({200_000 / took / 1e3:,.0f} k events/s, {took / 200_000 * 1e6:.1f} us each)"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -45,12 +45,19 @@ def build(num_tables: int, world_size: int):
 
     rows = (20_000, 500_000, 4_000_000)
     dims = (32, 64, 128)
-    tables = [EmbeddingBagConfig(name=f"table_{i}", embedding_dim=dims[i % 3],
-                                 num_embeddings=rows[(i // 3) % 3] * (1 + i % 7),
-                                 feature_names=[f"feature_{i}"]) for i in range(num_tables)]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"table_{i}",
+            embedding_dim=dims[i % 3],
+            num_embeddings=rows[(i // 3) % 3] * (1 + i % 7),
+            feature_names=[f"feature_{i}"],
+        )
+        for i in range(num_tables)
+    ]
     module = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cuda"),
-                                       batch_size=BATCH_SIZE)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cuda"), batch_size=BATCH_SIZE
+    )
     return planner, module, [EmbeddingBagCollectionSharder()]
 
 
@@ -72,35 +79,63 @@ def machine(num_tables: int, world_size: int) -> dict:
     plan_key(planner, module, sharders)
     key_s = time.perf_counter() - key_start
     counts = {tier: counts.to_dict() for (tier, kind), counts in store.stats.items() if kind == "sharding_plan"}
-    return {"seconds": seconds, "key_s": key_s, "stats": counts, "plan": str(plan),
-            "source": "remote" if counts.get("remote", {}).get("hits") else
-                      "local" if counts.get("local", {}).get("hits") else "planner"}
+    return {
+        "seconds": seconds,
+        "key_s": key_s,
+        "stats": counts,
+        "plan": str(plan),
+        "source": "remote"
+        if counts.get("remote", {}).get("hits")
+        else "local"
+        if counts.get("local", {}).get("hits")
+        else "planner",
+    }
 
 
 def run_machine(directory: Path, url: str, num_tables: int, world_size: int) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
-    env.update(WARMSTART="1", WARMSTART_CACHE_URL=url, WARMSTART_SECRET=SECRET,
-               WARMSTART_CACHE_DIR=str(directory / "warmstart"), HOME=str(directory), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, "--machine", f"{num_tables}x{world_size}"], env=env,
-                          capture_output=True, text=True, timeout=3600)
+    env.update(
+        WARMSTART="1",
+        WARMSTART_CACHE_URL=url,
+        WARMSTART_SECRET=SECRET,
+        WARMSTART_CACHE_DIR=str(directory / "warmstart"),
+        HOME=str(directory),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, "--machine", f"{num_tables}x{world_size}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"machine {directory.name} failed:\n{proc.stderr[-3000:]}")
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def bench_case(num_tables: int, world_size: int, work: Path, url: str) -> dict:
     a = run_machine(work / f"{num_tables}x{world_size}-a", url, num_tables, world_size)
     b = run_machine(work / f"{num_tables}x{world_size}-b", url, num_tables, world_size)
     b_again = run_machine(work / f"{num_tables}x{world_size}-b", url, num_tables, world_size)
-    assert (a["source"], b["source"], b_again["source"]) == ("planner", "remote", "local"), \
-        (a["source"], b["source"], b_again["source"])
+    assert (a["source"], b["source"], b_again["source"]) == ("planner", "remote", "local"), (
+        a["source"],
+        b["source"],
+        b_again["source"],
+    )
     assert a["plan"] == b["plan"] == b_again["plan"], "a hit returned a different plan"
-    return {"tables": num_tables, "world_size": world_size, "plan_s": a["seconds"],
-            "hit_new_machine_s": b["seconds"], "hit_same_machine_s": b_again["seconds"], "key_s": b["key_s"],
-            "hit_new_machine_pct": 100 * b["seconds"] / a["seconds"],
-            "hit_same_machine_pct": 100 * b_again["seconds"] / a["seconds"]}
+    return {
+        "tables": num_tables,
+        "world_size": world_size,
+        "plan_s": a["seconds"],
+        "hit_new_machine_s": b["seconds"],
+        "hit_same_machine_s": b_again["seconds"],
+        "key_s": b["key_s"],
+        "hit_new_machine_pct": 100 * b["seconds"] / a["seconds"],
+        "hit_same_machine_pct": 100 * b_again["seconds"] / a["seconds"],
+    }
 
 
 def main() -> None:
@@ -135,17 +170,33 @@ def main() -> None:
         finally:
             redis.stop()
     table = Table(title="Sharding plan: planner vs cache hit (one run)")
-    for column in ("tables x ranks", "plan (s)", "hit, new machine (ms)", "% of plan", "hit, same machine (ms)",
-                   "% of plan", "key (ms)"):
+    for column in (
+        "tables x ranks",
+        "plan (s)",
+        "hit, new machine (ms)",
+        "% of plan",
+        "hit, same machine (ms)",
+        "% of plan",
+        "key (ms)",
+    ):
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(f"{r['tables']} x {r['world_size']}", f"{r['plan_s']:.2f}", f"{1000 * r['hit_new_machine_s']:.1f}",
-                      f"{r['hit_new_machine_pct']:.3f}%", f"{1000 * r['hit_same_machine_s']:.1f}",
-                      f"{r['hit_same_machine_pct']:.3f}%", f"{1000 * r['key_s']:.1f}")
+        table.add_row(
+            f"{r['tables']} x {r['world_size']}",
+            f"{r['plan_s']:.2f}",
+            f"{1000 * r['hit_new_machine_s']:.1f}",
+            f"{r['hit_new_machine_pct']:.3f}%",
+            f"{1000 * r['hit_same_machine_s']:.1f}",
+            f"{r['hit_same_machine_pct']:.3f}%",
+            f"{1000 * r['key_s']:.1f}",
+        )
     Console().print(table)
     if args.json:
-        args.json.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
-                                         "cases": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"machine": platform.platform(), "python": platform.python_version(), "cases": results}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

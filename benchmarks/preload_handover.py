@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _new_machine import MACHINE, finish  # noqa: E402
+from _new_machine import MACHINE, finish
 
 PROGRAMS = {
     "pass": "import time; print(time.time())",
@@ -61,44 +61,58 @@ def main() -> None:
     work.chmod(0o700)
     base = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
     base["WARMSTART_PRELOAD_SOCKET"] = str(work / "preload.sock")
-    envs = {"python": base, "warmstart": {**base, "WARMSTART": "1", "WARMSTART_PRELOAD": "0"},
-            "preloaded": {**base, "WARMSTART": "1"}}
+    envs = {
+        "python": base,
+        "warmstart": {**base, "WARMSTART": "1", "WARMSTART_PRELOAD": "0"},
+        "preloaded": {**base, "WARMSTART": "1"},
+    }
     console = Console(width=150)
     t = time.perf_counter()
     info = control.start(environ=base)
     preload_start_s = time.perf_counter() - t
-    out: dict = {"machine": MACHINE, "preload_start_s": preload_start_s, "preload_imports_s": info["imports_s"],
-                 "programs": {}}
+    out: dict = {
+        "machine": MACHINE,
+        "preload_start_s": preload_start_s,
+        "preload_imports_s": info["imports_s"],
+        "programs": {},
+    }
     try:
         with console.status("") as status:
             for label, code in PROGRAMS.items():
                 runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
                 repeats = args.repeats if label == "pass" else max(3, args.repeats // 3)
                 for r in range(repeats):
-                    for name in CONFIGS[r % 3:] + CONFIGS[:r % 3]:
+                    for name in CONFIGS[r % 3 :] + CONFIGS[: r % 3]:
                         status.update(f"{label}: {name} ({r + 1}/{repeats})")
                         runs[name].append(run(code, envs[name]))
                 out["programs"][label] = {
                     "runs": runs,
-                    "median": {n: {k: statistics.median(x[k] for x in runs[n]) for k in ("wall_s", "start_s")}
-                               for n in CONFIGS}}
+                    "median": {
+                        n: {k: statistics.median(x[k] for x in runs[n]) for k in ("wall_s", "start_s")} for n in CONFIGS
+                    },
+                }
         served = control.status(base["WARMSTART_PRELOAD_SOCKET"]) or {}
         out["served"], out["refused"] = served.get("served"), served.get("refused")
     finally:
         control.stop(base["WARMSTART_PRELOAD_SOCKET"])
 
-    table = Table(title=f"one process start, ms: medians ({args.repeats} rounds for pass, fewer for the imports)",
-                  title_justify="left")
+    table = Table(
+        title=f"one process start, ms: medians ({args.repeats} rounds for pass, fewer for the imports)",
+        title_justify="left",
+    )
     for column in ("program", "figure", *CONFIGS, "preloaded - warmstart", "preloaded / warmstart"):
         table.add_column(column, justify="left" if column in ("program", "figure") else "right")
     for label, result in out["programs"].items():
         m = result["median"]
         for key, name in (("wall_s", "whole process"), ("start_s", "until the program runs")):
             a, b = m["warmstart"][key], m["preloaded"][key]
-            table.add_row(label, name, *[f"{m[n][key] * 1000:.0f}" for n in CONFIGS], f"{(b - a) * 1000:+.0f}",
-                          f"{b / a:.3f}x")
-    console.print(f"preloader start-up (once, outside the figures): {preload_start_s:.1f} s "
-                  f"({info['imports_s']:.1f} s of imports); served {out['served']}, refused {out['refused']}")
+            table.add_row(
+                label, name, *[f"{m[n][key] * 1000:.0f}" for n in CONFIGS], f"{(b - a) * 1000:+.0f}", f"{b / a:.3f}x"
+            )
+    console.print(
+        f"preloader start-up (once, outside the figures): {preload_start_s:.1f} s "
+        f"({info['imports_s']:.1f} s of imports); served {out['served']}, refused {out['refused']}"
+    )
     finish(console, [table], out, args.json)
 
 

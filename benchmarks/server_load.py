@@ -42,8 +42,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from warmstart.config import parse_size  # noqa: E402
-from warmstart.server import Credentials, ServerOptions, start, stop  # noqa: E402
+from warmstart.config import parse_size
+from warmstart.server import Credentials, ServerOptions, start, stop
 
 _HEADER_KEY = 64  # bytes of the key name at the start of every payload
 _DIGEST = 32  # SHA-256 of the body, after the key
@@ -78,8 +78,11 @@ def corpus() -> bytes:
             if len(text) >= half:
                 break
         spec = importlib.util.find_spec("torch")
-        libs = sorted(Path(spec.origin).parent.joinpath("lib").glob("*.so*"), key=lambda p: -p.stat().st_size) \
-            if spec and spec.origin else []
+        libs = (
+            sorted(Path(spec.origin).parent.joinpath("lib").glob("*.so*"), key=lambda p: -p.stat().st_size)
+            if spec and spec.origin
+            else []
+        )
         binary = bytearray()
         for path in libs or [Path(sys.executable).resolve()]:
             with open(path, "rb") as handle:
@@ -99,7 +102,7 @@ def payload(key: str, size: int, compressible: bool) -> bytes:
     if compressible:
         data = corpus()
         offset = seed % (len(data) - body_len)
-        body = data[offset:offset + body_len]
+        body = data[offset : offset + body_len]
     else:
         body = np.random.default_rng(seed).integers(0, 256, body_len, dtype=np.uint8).tobytes()
     return key.encode().ljust(_HEADER_KEY) + hashlib.sha256(body).digest() + body
@@ -109,8 +112,8 @@ def verify(key: str, size: int, value: bytes) -> bool:
     """Whether ``value`` is exactly the payload written under ``key``."""
     if len(value) != size or value[:_HEADER_KEY].rstrip() != key.encode():
         return False
-    body = memoryview(value)[_HEADER_KEY + _DIGEST:]
-    return hashlib.sha256(body).digest() == value[_HEADER_KEY:_HEADER_KEY + _DIGEST]
+    body = memoryview(value)[_HEADER_KEY + _DIGEST :]
+    return hashlib.sha256(body).digest() == value[_HEADER_KEY : _HEADER_KEY + _DIGEST]
 
 
 # -- clients ------------------------------------------------------------------------------------
@@ -166,8 +169,12 @@ class _StoreClient:
 
     def error_kinds(self) -> dict[str, int]:
         c = self.tier.stats.get("remote", _KIND)
-        return {"errors": int(c.errors), "timeouts": int(c.timeouts), "rejected": int(c.rejected),
-                "dropped": int(c.dropped)}
+        return {
+            "errors": int(c.errors),
+            "timeouts": int(c.timeouts),
+            "rejected": int(c.rejected),
+            "dropped": int(c.dropped),
+        }
 
 
 class _RawClient:
@@ -351,20 +358,34 @@ def summarize(results: list[WorkerResult]) -> dict[str, float | int]:
     if any(r.t_sync for r in results):
         first = max(r.t_sync for r in results) - min(r.t0 for r in results)
         mixed = max(r.t1 for r in results) - min(r.t_mixed for r in results)
-        phases = {"write_round_mib_per_s": sum(r.bytes_first for r in results) / first / 2**20,
-                  "mixed_round_mib_per_s": sum(r.bytes - r.bytes_first for r in results) / mixed / 2**20}
+        phases = {
+            "write_round_mib_per_s": sum(r.bytes_first for r in results) / first / 2**20,
+            "mixed_round_mib_per_s": sum(r.bytes - r.bytes_first for r in results) / mixed / 2**20,
+        }
     return {
-        **phases, "wall_s": wall, "ops": ops, "client_cpu_s": sum(r.cpu_s for r in results),
-        "bytes": sum(r.bytes for r in results), "ops_per_s": ops / wall, "mib_per_s": sum(r.bytes for r in results) / wall / 2**20,
-        "p50_ms": pct(both, 50), "p99_ms": pct(both, 99),
-        "get_p50_ms": pct(gets, 50), "get_p99_ms": pct(gets, 99),
-        "put_p50_ms": pct(puts, 50), "put_p99_ms": pct(puts, 99),
-        "hits": sum(r.hits for r in results), "misses": sum(r.misses for r in results),
+        **phases,
+        "wall_s": wall,
+        "ops": ops,
+        "client_cpu_s": sum(r.cpu_s for r in results),
+        "bytes": sum(r.bytes for r in results),
+        "ops_per_s": ops / wall,
+        "mib_per_s": sum(r.bytes for r in results) / wall / 2**20,
+        "p50_ms": pct(both, 50),
+        "p99_ms": pct(both, 99),
+        "get_p50_ms": pct(gets, 50),
+        "get_p99_ms": pct(gets, 99),
+        "put_p50_ms": pct(puts, 50),
+        "put_p99_ms": pct(puts, 99),
+        "hits": sum(r.hits for r in results),
+        "misses": sum(r.misses for r in results),
         "corrupt": sum(r.corrupt for r in results),
-        "read_errors": sum(r.read_errors for r in results), "write_errors": sum(r.write_errors for r in results),
+        "read_errors": sum(r.read_errors for r in results),
+        "write_errors": sum(r.write_errors for r in results),
         "errors": sum(r.read_errors + r.write_errors for r in results),
-        "error_kinds": {name: sum(r.error_kinds.get(name, 0) for r in results)
-                        for name in ("errors", "timeouts", "rejected", "dropped")},
+        "error_kinds": {
+            name: sum(r.error_kinds.get(name, 0) for r in results)
+            for name in ("errors", "timeouts", "rejected", "dropped")
+        },
         "error_messages": sorted({m for r in results for m in r.error_messages}),
     }
 
@@ -397,8 +418,9 @@ def phase_throughput(args, workdir: Path, console) -> dict:
             cpu_before = _server_cpu(admin)
             results = _run_processes(
                 _throughput_worker,
-                lambda i: (side, url, key_file, run, i, plan[i], sizes, not args.random_payloads),
-                args.procs)
+                lambda i, side=side, run=run: (side, url, key_file, run, i, plan[i], sizes, not args.random_payloads),
+                args.procs,
+            )
             summary = summarize(results)
             summary["server_cpu_s"] = _server_cpu(admin) - cpu_before
             gib = summary["bytes"] / 2**30
@@ -413,7 +435,7 @@ def phase_throughput(args, workdir: Path, console) -> dict:
     # The i-th raw and store runs ran back to back: their ratio sees the same machine. The median of
     # these paired ratios is the figure; a shared machine's speed drifts between pairs (by 10% and
     # more on this one), which best-of-N per side would mix into the ratio.
-    pairs = list(zip(runs["raw"], runs["store"]))
+    pairs = list(zip(runs["raw"], runs["store"], strict=True))
     cost = lambda r: r["client_cpu_s_per_gib"] + r["server_cpu_s_per_gib"]  # noqa: E731
     paired = {
         "bytes": [s["mib_per_s"] / r["mib_per_s"] for r, s in pairs],
@@ -422,9 +444,13 @@ def phase_throughput(args, workdir: Path, console) -> dict:
         "mixed_round": [s["mixed_round_mib_per_s"] / r["mixed_round_mib_per_s"] for r, s in pairs],
         "cpu_bound": [cost(r) / cost(s) for r, s in pairs],
     }
-    return {"runs": runs, "best": best, "paired_ratios": paired,
-            **{f"ratio_{name}": float(np.median(values)) for name, values in paired.items()},
-            "payload_bytes_total_per_run": sum(sizes[k] for p in plan for op, k in p if op in ("put", "get"))}
+    return {
+        "runs": runs,
+        "best": best,
+        "paired_ratios": paired,
+        **{f"ratio_{name}": float(np.median(values)) for name, values in paired.items()},
+        "payload_bytes_total_per_run": sum(sizes[k] for p in plan for op, k in p if op in ("put", "get")),
+    }
 
 
 def phase_fill(args, workdir: Path, console) -> dict:
@@ -434,16 +460,23 @@ def phase_fill(args, workdir: Path, console) -> dict:
     console.log(f"fill: {args.procs} processes write {args.fill_factor}x maxmemory ({maxmemory / 2**20:.0f} MiB)")
     try:
         results = _run_processes(
-            _fill_worker, lambda i: (url, key_file, "fill", i, budget, args.min_size, args.max_size), args.procs)
+            _fill_worker, lambda i: (url, key_file, "fill", i, budget, args.min_size, args.max_size), args.procs
+        )
         info = admin.info()
         up = bool(admin.ping())
     finally:
         admin.close()
         stop(directory)
     summary = summarize(results)
-    return {"maxmemory": maxmemory, "written_bytes": sum(r.bytes for r in results), "server_up": up,
-            "evicted_keys": int(info["evicted_keys"]), "used_memory_peak": int(info["used_memory_peak"]),
-            "used_memory": int(info["used_memory"]), **summary}
+    return {
+        "maxmemory": maxmemory,
+        "written_bytes": sum(r.bytes for r in results),
+        "server_up": up,
+        "evicted_keys": int(info["evicted_keys"]),
+        "used_memory_peak": int(info["used_memory_peak"]),
+        "used_memory": int(info["used_memory"]),
+        **summary,
+    }
 
 
 def phase_cost(args, workdir: Path, console) -> dict:
@@ -463,7 +496,7 @@ def phase_cost(args, workdir: Path, console) -> dict:
     console.log(f"cost: {len(ops)} operations in one process, {args.cost_rounds} rounds per side")
     try:
         for n in range(args.cost_rounds):
-            for side in (("raw", "store") if n % 2 == 0 else ("store", "raw")):
+            for side in ("raw", "store") if n % 2 == 0 else ("store", "raw"):
                 admin.flushall()
                 client = _CLIENTS[side](url, key_file, f"cost{n}")
                 try:
@@ -485,17 +518,26 @@ def phase_cost(args, workdir: Path, console) -> dict:
 
     from warmstart.compile_cache import signing
 
-    tier = RemoteTier(url, keys=signing.load_key_file(key_file), namespace="steps")  # its codec settings; never connects
+    tier = RemoteTier(
+        url, keys=signing.load_key_file(key_file), namespace="steps"
+    )  # its codec settings; never connects
     steps = _store_steps(tier, values, [key for op, key in ops if op == "get"], total)
     tier.close()
     median = lambda xs: float(np.median(xs))  # noqa: E731
-    out = {side: {"client_s_per_gib": median([c for c, _ in rs]), "server_s_per_gib": median([s for _, s in rs])}
-           for side, rs in costs.items()}
+    out = {
+        side: {"client_s_per_gib": median([c for c, _ in rs]), "server_s_per_gib": median([s for _, s in rs])}
+        for side, rs in costs.items()
+    }
     for side in out:
         out[side]["total_s_per_gib"] = out[side]["client_s_per_gib"] + out[side]["server_s_per_gib"]
-    ratios = [(r[0] + r[1]) / (s[0] + s[1]) for r, s in zip(costs["raw"], costs["store"])]
-    return {**out, "store_steps_s_per_gib": steps, "ceiling_ratios": ratios, "ceiling": median(ratios),
-            "gib_per_round": total}
+    ratios = [(r[0] + r[1]) / (s[0] + s[1]) for r, s in zip(costs["raw"], costs["store"], strict=True)]
+    return {
+        **out,
+        "store_steps_s_per_gib": steps,
+        "ceiling_ratios": ratios,
+        "ceiling": median(ratios),
+        "gib_per_round": total,
+    }
 
 
 def _store_steps(tier, values: dict[str, bytes], reads: list[str], total_gib: float) -> dict:
@@ -523,19 +565,25 @@ def _store_steps(tier, values: dict[str, bytes], reads: list[str], total_gib: fl
     t0 = time.process_time()
     for key, (blob, compressed) in blobs.items():
         inline = blob if len(blob) <= tier._inline_bytes else b""
-        pointer = signing.Pointer(tier.namespace, "fx_graph", key, "" if inline else "0" * 64, len(blob),
-                                  0 if inline else 1, compressed, 0.0)
+        pointer = signing.Pointer(
+            tier.namespace, "fx_graph", key, "" if inline else "0" * 64, len(blob), 0 if inline else 1, compressed, 0.0
+        )
         records[key] = tier.keys.sign(pointer, inline)
     sign_s = time.process_time() - t0
     t0 = time.process_time()
     for key in reads:
         tier.keys.verify(records[key], namespace=tier.namespace, kind="fx_graph", key=key)
     verify_s = time.process_time() - t0
-    return {"compress": compress_s / total_gib, "digest_on_write": digest_put_s / total_gib,
-            "sign_on_write": sign_s / total_gib, "verify_on_read": verify_s / total_gib,
-            "us_per_sign": sign_s / len(blobs) * 1e6, "us_per_verify": verify_s / max(1, len(reads)) * 1e6,
-            "digest_and_decompress_on_read": read_s / total_gib,
-            "stored_fraction": sum(len(b) for b, _ in blobs.values()) / sum(len(v) for v in values.values())}
+    return {
+        "compress": compress_s / total_gib,
+        "digest_on_write": digest_put_s / total_gib,
+        "sign_on_write": sign_s / total_gib,
+        "verify_on_read": verify_s / total_gib,
+        "us_per_sign": sign_s / len(blobs) * 1e6,
+        "us_per_verify": verify_s / max(1, len(reads)) * 1e6,
+        "digest_and_decompress_on_read": read_s / total_gib,
+        "stored_fraction": sum(len(b) for b, _ in blobs.values()) / sum(len(v) for v in values.values()),
+    }
 
 
 def _server_cpu(admin) -> float:
@@ -559,54 +607,95 @@ def _print_throughput(out, args, t: dict) -> bool:
 
     best = t["best"]
     level = "off" if args.compress_level == "off" else _defaults.COMPRESS_LEVEL
-    table = Table(title=f"{args.procs} processes, values {args.min_size // 1024} KiB..{args.max_size // 2**20} MiB "
-                  f"({'random' if args.random_payloads else 'compiled code and Python source'}), store zstd level "
-                  f"{level}; each side's best of {args.repeats} runs", title_justify="left")
-    for col in ("", "MiB/s", "write round MiB/s", "3:1 round MiB/s", "client / server CPU s per GiB", "ops/s",
-                "p50 ms", "p99 ms", "get p50/p99 ms", "put p50/p99 ms", "errors", "corrupt", "misses"):
+    table = Table(
+        title=f"{args.procs} processes, values {args.min_size // 1024} KiB..{args.max_size // 2**20} MiB "
+        f"({'random' if args.random_payloads else 'compiled code and Python source'}), store zstd level "
+        f"{level}; each side's best of {args.repeats} runs",
+        title_justify="left",
+    )
+    for col in (
+        "",
+        "MiB/s",
+        "write round MiB/s",
+        "3:1 round MiB/s",
+        "client / server CPU s per GiB",
+        "ops/s",
+        "p50 ms",
+        "p99 ms",
+        "get p50/p99 ms",
+        "put p50/p99 ms",
+        "errors",
+        "corrupt",
+        "misses",
+    ):
         table.add_column(col, justify="left" if not col else "right")
     for side in ("raw", "store"):
         r = best[side]
-        table.add_row(side, f"{r['mib_per_s']:.0f}", f"{r['write_round_mib_per_s']:.0f}",
-                      f"{r['mixed_round_mib_per_s']:.0f}", f"{r['client_cpu_s_per_gib']:.1f} / {r['server_cpu_s_per_gib']:.1f}",
-                      f"{r['ops_per_s']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
-                      f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}", f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}",
-                      str(r["errors"]), str(r["corrupt"]), str(r["misses"]))
+        table.add_row(
+            side,
+            f"{r['mib_per_s']:.0f}",
+            f"{r['write_round_mib_per_s']:.0f}",
+            f"{r['mixed_round_mib_per_s']:.0f}",
+            f"{r['client_cpu_s_per_gib']:.1f} / {r['server_cpu_s_per_gib']:.1f}",
+            f"{r['ops_per_s']:.0f}",
+            f"{r['p50_ms']:.1f}",
+            f"{r['p99_ms']:.1f}",
+            f"{r['get_p50_ms']:.1f} / {r['get_p99_ms']:.1f}",
+            f"{r['put_p50_ms']:.1f} / {r['put_p99_ms']:.1f}",
+            str(r["errors"]),
+            str(r["corrupt"]),
+            str(r["misses"]),
+        )
     out.print(table)
     spread = lambda name: "/".join(f"{x * 100:.0f}" for x in t["paired_ratios"][name])  # noqa: E731
-    out.print(f"store / raw throughput, median of {len(t['paired_ratios']['bytes'])} back-to-back pairs "
-              f"(each pair's ratio in brackets): {t['ratio_bytes'] * 100:.0f}% overall ({spread('bytes')}), "
-              f"{t['ratio_ops'] * 100:.0f}% of ops; write round {t['ratio_write_round'] * 100:.0f}% ({spread('write_round')}), "
-              f"3:1 read/write round {t['ratio_mixed_round'] * 100:.0f}% ({spread('mixed_round')}); from CPU cost per GiB "
-              f"(client + server): {t['ratio_cpu_bound'] * 100:.0f}% ({spread('cpu_bound')})")
+    out.print(
+        f"store / raw throughput, median of {len(t['paired_ratios']['bytes'])} back-to-back pairs "
+        f"(each pair's ratio in brackets): {t['ratio_bytes'] * 100:.0f}% overall ({spread('bytes')}), "
+        f"{t['ratio_ops'] * 100:.0f}% of ops; "
+        f"write round {t['ratio_write_round'] * 100:.0f}% ({spread('write_round')}), "
+        f"3:1 read/write round {t['ratio_mixed_round'] * 100:.0f}% ({spread('mixed_round')}); from CPU cost per GiB "
+        f"(client + server): {t['ratio_cpu_bound'] * 100:.0f}% ({spread('cpu_bound')})"
+    )
     return all(best[s]["errors"] == 0 and best[s]["corrupt"] == 0 and best[s]["misses"] == 0 for s in best)
 
 
 def _print_cost(out, c: dict) -> None:
     from rich.table import Table
 
-    table = Table(title="CPU seconds per GiB moved, one client process, server otherwise idle (medians)",
-                  title_justify="left")
+    table = Table(
+        title="CPU seconds per GiB moved, one client process, server otherwise idle (medians)", title_justify="left"
+    )
     for col in ("", "client", "server", "total"):
         table.add_column(col, justify="left" if not col else "right")
     for side in ("raw", "store"):
         r = c[side]
-        table.add_row(side, f"{r['client_s_per_gib']:.2f}", f"{r['server_s_per_gib']:.2f}", f"{r['total_s_per_gib']:.2f}")
+        table.add_row(
+            side, f"{r['client_s_per_gib']:.2f}", f"{r['server_s_per_gib']:.2f}", f"{r['total_s_per_gib']:.2f}"
+        )
     steps = c["store_steps_s_per_gib"]
-    rest = (c["store"]["client_s_per_gib"] - steps["compress"] - steps["digest_on_write"] - steps["sign_on_write"]
-            - steps["digest_and_decompress_on_read"] - steps["verify_on_read"])
-    for name, value in (("  of which zstd compress (writes)", steps["compress"]),
-                        ("  of which BLAKE3 (writes)", steps["digest_on_write"]),
-                        (f"  of which Ed25519 signing (writes, {steps['us_per_sign']:.0f} us each)", steps["sign_on_write"]),
-                        ("  of which BLAKE3 + zstd decompress (reads)", steps["digest_and_decompress_on_read"]),
-                        (f"  of which Ed25519 verification (reads, {steps['us_per_verify']:.0f} us each)",
-                         steps["verify_on_read"]),
-                        ("  of which the rest (redis-py on fewer bytes, round trips)", rest)):
+    rest = (
+        c["store"]["client_s_per_gib"]
+        - steps["compress"]
+        - steps["digest_on_write"]
+        - steps["sign_on_write"]
+        - steps["digest_and_decompress_on_read"]
+        - steps["verify_on_read"]
+    )
+    for name, value in (
+        ("  of which zstd compress (writes)", steps["compress"]),
+        ("  of which BLAKE3 (writes)", steps["digest_on_write"]),
+        (f"  of which Ed25519 signing (writes, {steps['us_per_sign']:.0f} us each)", steps["sign_on_write"]),
+        ("  of which BLAKE3 + zstd decompress (reads)", steps["digest_and_decompress_on_read"]),
+        (f"  of which Ed25519 verification (reads, {steps['us_per_verify']:.0f} us each)", steps["verify_on_read"]),
+        ("  of which the rest (redis-py on fewer bytes, round trips)", rest),
+    ):
         table.add_row(name, f"{value:.2f}", "", "")
     out.print(table)
-    out.print(f"raw / store CPU per GiB: {c['ceiling'] * 100:.0f}% "
-              f"({'/'.join(f'{x * 100:.0f}' for x in c['ceiling_ratios'])}): the store's throughput ceiling where "
-              f"clients and server share the CPUs; stored bytes {steps['stored_fraction']:.2f} of the values")
+    out.print(
+        f"raw / store CPU per GiB: {c['ceiling'] * 100:.0f}% "
+        f"({'/'.join(f'{x * 100:.0f}' for x in c['ceiling_ratios'])}): the store's throughput ceiling where "
+        f"clients and server share the CPUs; stored bytes {steps['stored_fraction']:.2f} of the values"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -615,18 +704,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--procs", type=int, default=32, help="client processes")
     parser.add_argument("--writes", type=int, default=16, help="first-round writes per process")
-    parser.add_argument("--mixed", type=int, default=48, help="mixed ops per process after the barrier (3 reads : 1 write)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per side, in back-to-back pairs, alternating which goes first")
+    parser.add_argument(
+        "--mixed", type=int, default=48, help="mixed ops per process after the barrier (3 reads : 1 write)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs per side, in back-to-back pairs, alternating which goes first"
+    )
     parser.add_argument("--min-size", type=parse_size, default=parse_size("1KiB"))
     parser.add_argument("--max-size", type=parse_size, default=parse_size("8MiB"))
-    parser.add_argument("--random-payloads", action="store_true", help="incompressible payloads (worst case for the store)")
+    parser.add_argument(
+        "--random-payloads", action="store_true", help="incompressible payloads (worst case for the store)"
+    )
     parser.add_argument("--throughput-maxmemory", default="4GiB")
-    parser.add_argument("--fill-maxmemory", default="256MiB",
-                        help="the guide's sizing floor for 32 writers of up to 8 MiB values (32 x 8 MiB)")
+    parser.add_argument(
+        "--fill-maxmemory",
+        default="256MiB",
+        help="the guide's sizing floor for 32 writers of up to 8 MiB values (32 x 8 MiB)",
+    )
     parser.add_argument("--fill-factor", type=int, default=3)
-    parser.add_argument("--compress-level", default=None,
-                        help="experiment: override the store's zstd level (warmstart._defaults.COMPRESS_LEVEL), "
-                             "or 'off' to store values uncompressed, to measure what compression costs")
+    parser.add_argument(
+        "--compress-level",
+        default=None,
+        help="experiment: override the store's zstd level (warmstart._defaults.COMPRESS_LEVEL), "
+        "or 'off' to store values uncompressed, to measure what compression costs",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-fill", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
@@ -647,8 +748,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ws-server-bench-") as tmp:
         import os
 
-        report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
+        report = {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "cpus": os.cpu_count(),
+            "loadavg_before": os.getloadavg(),
+        }
         if not args.skip_throughput:
             report["throughput"] = phase_throughput(args, Path(tmp), console)
         if not args.skip_fill:
@@ -663,15 +767,19 @@ def main(argv: list[str] | None = None) -> int:
         ok = _print_throughput(out, args, report["throughput"])
     if "fill" in report:
         f = report["fill"]
-        out.print(f"fill: wrote {f['written_bytes'] / 2**20:.0f} MiB into maxmemory {f['maxmemory'] / 2**20:.0f} MiB; "
-                  f"server up: {f['server_up']}; evicted keys: {f['evicted_keys']}; peak memory "
-                  f"{f['used_memory_peak'] / 2**20:.0f} MiB; reads: {f['hits']} hits, {f['misses']} misses, "
-                  f"{f['read_errors']} errors, {f['corrupt']} corrupt; writes refused: {f['write_errors']}"
-                  + (f" ({'; '.join(f['error_messages'])})" if f["error_messages"] else ""))
+        out.print(
+            f"fill: wrote {f['written_bytes'] / 2**20:.0f} MiB into maxmemory {f['maxmemory'] / 2**20:.0f} MiB; "
+            f"server up: {f['server_up']}; evicted keys: {f['evicted_keys']}; peak memory "
+            f"{f['used_memory_peak'] / 2**20:.0f} MiB; reads: {f['hits']} hits, {f['misses']} misses, "
+            f"{f['read_errors']} errors, {f['corrupt']} corrupt; writes refused: {f['write_errors']}"
+            + (f" ({'; '.join(f['error_messages'])})" if f["error_messages"] else "")
+        )
     if "cost" in report:
         _print_cost(out, report["cost"])
-    out.print(f"machine: {report['cpus']} CPUs, 1-min load average {report['loadavg_before'][0]:.1f} before, "
-              f"{report['loadavg_after'][0]:.1f} after (other work on the machine skews both sides alike)")
+    out.print(
+        f"machine: {report['cpus']} CPUs, 1-min load average {report['loadavg_before'][0]:.1f} before, "
+        f"{report['loadavg_after'][0]:.1f} after (other work on the machine skews both sides alike)"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
     if "fill" in report:

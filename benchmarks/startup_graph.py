@@ -84,8 +84,12 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
         def __init__(self, device: torch.device) -> None:
             super().__init__()
             self.sparse_arch = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[k])
-                        for i, k in enumerate(keys)], device=device)
+                tables=[
+                    EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[k])
+                    for i, k in enumerate(keys)
+                ],
+                device=device,
+            )
             self.dense_over = DenseOver(device)
 
         def forward(self, batch) -> torch.Tensor:
@@ -94,8 +98,15 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
             return F.binary_cross_entropy_with_logits(logits, batch.labels.float())
 
     def build_loader(rank: int, world_size: int):
-        data = RandomRecDataset(keys=keys, batch_size=BATCH, hash_size=rows, ids_per_feature=3, num_dense=NUM_DENSE,
-                                manual_seed=rank, num_generated_batches=4)
+        data = RandomRecDataset(
+            keys=keys,
+            batch_size=BATCH,
+            hash_size=rows,
+            ids_per_feature=3,
+            num_dense=NUM_DENSE,
+            manual_seed=rank,
+            num_generated_batches=4,
+        )
         return torch.utils.data.DataLoader(data, batch_size=None, num_workers=2)
 
     def load_checkpoint(model: nn.Module, optimizer: None) -> int:
@@ -105,12 +116,22 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
 
     # Same shapes, dtypes and requires_grad as the real inputs (the pooled embeddings carry grad),
     # or TorchDynamo's guards would send the first real step to compile again.
-    warmup = CompileWarmup(build=DenseOver, example_inputs=lambda device: (
-        torch.randn(BATCH, NUM_DENSE, device=device),
-        torch.randn(BATCH, num_tables * DIM, device=device, requires_grad=True)))
-    spec = TorchRecStartup(build_model=Model, batch_size=BATCH, sharders=[EmbeddingBagCollectionSharder()],
-                           build_loader=build_loader, load_checkpoint=None if role == "setup" else load_checkpoint,
-                           compile_warmup=warmup, pg_timeout_s=300)
+    warmup = CompileWarmup(
+        build=DenseOver,
+        example_inputs=lambda device: (
+            torch.randn(BATCH, NUM_DENSE, device=device),
+            torch.randn(BATCH, num_tables * DIM, device=device, requires_grad=True),
+        ),
+    )
+    spec = TorchRecStartup(
+        build_model=Model,
+        batch_size=BATCH,
+        sharders=[EmbeddingBagCollectionSharder()],
+        build_loader=build_loader,
+        load_checkpoint=None if role == "setup" else load_checkpoint,
+        compile_warmup=warmup,
+        pg_timeout_s=300,
+    )
     graph = torchrec_startup_graph(spec)
     start = time.perf_counter()
     result = graph.run(sequential=role == "sequential")
@@ -133,11 +154,20 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
     ttfb_s = time.perf_counter() - start
     new_graphs = dynamo_utils.counters["stats"]["unique_graphs"] - graphs_before
     path, critical_s = result.critical_path()
-    out = {"rank": rank, "role": role, "ttfb_s": ttfb_s, "graph_s": graph_s, "first_step_s": first_step_s,
-           "critical_path": path, "critical_path_s": critical_s, "stages_sum_s": result.sequential_s,
-           "first_step_new_graphs": new_graphs, "loss": float(loss),
-           "plan_source": result["sharding_plan"].source if result["sharding_plan"] else None,
-           "timings": {n: [t.start, t.end, t.runs_on] for n, t in result.timings.items()}}
+    out = {
+        "rank": rank,
+        "role": role,
+        "ttfb_s": ttfb_s,
+        "graph_s": graph_s,
+        "first_step_s": first_step_s,
+        "critical_path": path,
+        "critical_path_s": critical_s,
+        "stages_sum_s": result.sequential_s,
+        "first_step_new_graphs": new_graphs,
+        "loss": float(loss),
+        "plan_source": result["sharding_plan"].source if result["sharding_plan"] else None,
+        "timings": {n: [t.start, t.end, t.runs_on] for n, t in result.timings.items()},
+    }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
@@ -150,12 +180,35 @@ def _torchrun(role: str, work: Path, run: str, args: argparse.Namespace) -> dict
     out = work / run
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"), OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2",
-               PYTHONWARNINGS="ignore", TMPDIR=str(work / "tmp"))
+    env.update(
+        TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"),
+        OMP_NUM_THREADS="1",
+        LOCAL_WORLD_SIZE="2",
+        PYTHONWARNINGS="ignore",
+        TMPDIR=str(work / "tmp"),
+    )
     (work / "tmp").mkdir(exist_ok=True)
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", __file__, "--rank-role", role,
-                           str(out), str(work / "checkpoint"), "--tables", str(args.tables), "--rows", str(args.rows)],
-                          env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            "--rank-role",
+            role,
+            str(out),
+            str(work / "checkpoint"),
+            "--tables",
+            str(args.tables),
+            "--rows",
+            str(args.rows),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{run} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads((out / "rank0.json").read_text())
@@ -181,8 +234,9 @@ def main() -> None:
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="startup-graph-bench-") as tmp, Progress(transient=True) as progress:
         work = Path(tmp)
-        plan = [("setup", "setup")] + [(role, f"{role}-{i}") for i in range(args.repeats)
-                                       for role in ("sequential", "graph")]
+        plan = [("setup", "setup")] + [
+            (role, f"{role}-{i}") for i in range(args.repeats) for role in ("sequential", "graph")
+        ]
         task = progress.add_task("start-up runs", total=len(plan))
         for role, name in plan:
             progress.update(task, description=f"torchrun x2: {name}")
@@ -192,25 +246,43 @@ def main() -> None:
             progress.advance(task)
 
     console = Console()
-    table = Table(title=f"Time to first batch, TorchRec job ({args.tables} tables x {args.rows} rows, 2 ranks, gloo), rank 0")
-    for column in ("run", "TTFB (s)", "start-up (s)", "first step (s)", "sum of stages (s)", "critical path (s)",
-                   "start-up / critical path"):
+    table = Table(
+        title=f"Time to first batch, TorchRec job ({args.tables} tables x {args.rows} rows, 2 ranks, gloo), rank 0"
+    )
+    for column in (
+        "run",
+        "TTFB (s)",
+        "start-up (s)",
+        "first step (s)",
+        "sum of stages (s)",
+        "critical path (s)",
+        "start-up / critical path",
+    ):
         table.add_column(column, justify="right")
     for r in runs:
-        table.add_row(r["role"], f"{r['ttfb_s']:.2f}", f"{r['graph_s']:.2f}", f"{r['first_step_s']:.2f}",
-                      f"{r['stages_sum_s']:.2f}", f"{r['critical_path_s']:.2f}",
-                      f"{r['graph_s'] / r['critical_path_s']:.2f}x" if r["role"] == "graph" else "-")
+        table.add_row(
+            r["role"],
+            f"{r['ttfb_s']:.2f}",
+            f"{r['graph_s']:.2f}",
+            f"{r['first_step_s']:.2f}",
+            f"{r['stages_sum_s']:.2f}",
+            f"{r['critical_path_s']:.2f}",
+            f"{r['graph_s'] / r['critical_path_s']:.2f}x" if r["role"] == "graph" else "-",
+        )
     console.print(table)
     seq = [r for r in runs if r["role"] == "sequential"]
     par = [r for r in runs if r["role"] == "graph"]
     summary = {
-        "ttfb_sequential_s": min(r["ttfb_s"] for r in seq), "ttfb_graph_s": min(r["ttfb_s"] for r in par),
+        "ttfb_sequential_s": min(r["ttfb_s"] for r in seq),
+        "ttfb_graph_s": min(r["ttfb_s"] for r in par),
         "graph_over_critical_path": max(r["graph_s"] / r["critical_path_s"] for r in par),
     }
     summary["ttfb_graph_over_sequential"] = summary["ttfb_graph_s"] / summary["ttfb_sequential_s"]
-    console.print(f"best TTFB: graph {summary['ttfb_graph_s']:.2f} s vs sequential {summary['ttfb_sequential_s']:.2f} s "
-                  f"({summary['ttfb_graph_over_sequential']:.2f}x); worst graph start-up / critical path "
-                  f"{summary['graph_over_critical_path']:.2f}x")
+    console.print(
+        f"best TTFB: graph {summary['ttfb_graph_s']:.2f} s vs sequential {summary['ttfb_sequential_s']:.2f} s "
+        f"({summary['ttfb_graph_over_sequential']:.2f}x); worst graph start-up / critical path "
+        f"{summary['graph_over_critical_path']:.2f}x"
+    )
     last = par[-1]
     stages = Table(title="Stages of the last graph run (rank 0; seconds from the start of graph.run())")
     for column in ("stage", "where", "start", "end", "seconds"):
@@ -220,9 +292,19 @@ def main() -> None:
     console.print(stages)
     console.print("critical path: " + " -> ".join(last["critical_path"]))
     if args.json:
-        args.json.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
-                                         "tables": args.tables, "rows": args.rows, "summary": summary, "runs": runs},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": platform.platform(),
+                    "python": platform.python_version(),
+                    "tables": args.tables,
+                    "rows": args.rows,
+                    "summary": summary,
+                    "runs": runs,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -37,19 +37,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _new_machine import JOB, MACHINE, finish, job_result, machine_env  # noqa: E402
+from _new_machine import JOB, MACHINE, finish, job_result, machine_env
 
 CONFIGS = ("cold", "torch local-warm", "warmstart", "warmstart, frames on", "warmstart, preloaded")
 WARM = CONFIGS[1:]
 SUMMARY = ("torch local-warm", "warmstart", "warmstart, frames on")  # the summary's columns
-PHASES = (("dynamo_tracing", "Dynamo tracing"), ("guards", "guards"), ("backend", "backend load/lookups"),
-          ("precompile_load", "precompile load"), ("first_run_and_rest", "first run/rest"))
+PHASES = (
+    ("dynamo_tracing", "Dynamo tracing"),
+    ("guards", "guards"),
+    ("backend", "backend load/lookups"),
+    ("precompile_load", "precompile load"),
+    ("first_run_and_rest", "first run/rest"),
+)
 
 
 def run(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> dict:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(JOB), "--model", model, *job_args], env=machine_env(machine, env),
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--model", model, *job_args],
+        env=machine_env(machine, env),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{model} on {machine.name} failed:\n{proc.stderr[-3000:]}")
@@ -103,8 +113,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,conv,attention,encoder")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each warm configuration (median reported)")
-    parser.add_argument("--no-preimport", action="store_true",
-                        help="jobs load torch's compiler modules inside the clock (shown as 'of which imports')")
+    parser.add_argument(
+        "--no-preimport",
+        action="store_true",
+        help="jobs load torch's compiler modules inside the clock (shown as 'of which imports')",
+    )
     parser.add_argument("--json", default=None, help="write all figures here")
     args = parser.parse_args()
     from rich.console import Console
@@ -125,15 +138,19 @@ def main() -> None:
     try:
         with console.status("") as status:
             for model in args.models.split(","):
-                out["models"][model] = bench_model(model, work, ws, job_args,
-                                                   lambda msg: status.update(f"compiling {msg}"), args.repeats)
+                out["models"][model] = bench_model(
+                    model, work, ws, job_args, lambda msg: status.update(f"compiling {msg}"), args.repeats
+                )
     finally:
         node.stop()
 
     tables = []
     for model, r in out["models"].items():
-        table = Table(title=f"{model}: compile + first step (forward and backward), seconds; warm configurations: "
-                            f"the run with the median total of {args.repeats}", title_justify="left")
+        table = Table(
+            title=f"{model}: compile + first step (forward and backward), seconds; warm configurations: "
+            f"the run with the median total of {args.repeats}",
+            title_justify="left",
+        )
         table.add_column("configuration")
         table.add_column("total s", justify="right")
         for _, label in PHASES:
@@ -145,9 +162,12 @@ def main() -> None:
         for name in CONFIGS:
             x = median_run(r[name])
             phases = x["phases"]
-            r["breakdown"][name] = {"compile_s": x["compile_s"], **{k: phases[k] for k, _ in PHASES},
-                                    "compiler_import": phases.get("compiler_import"),
-                                    "modules_loaded": x["modules_loaded"]["during_compile"]}
+            r["breakdown"][name] = {
+                "compile_s": x["compile_s"],
+                **{k: phases[k] for k, _ in PHASES},
+                "compiler_import": phases.get("compiler_import"),
+                "modules_loaded": x["modules_loaded"]["during_compile"],
+            }
             row = [name, f"{x['compile_s']:.2f}", *[f"{phases[k]:.2f}" for k, _ in PHASES]]
             if args.no_preimport:
                 row.append(f"{phases.get('compiler_import', 0.0):.2f}")
@@ -155,24 +175,45 @@ def main() -> None:
             table.add_row(*row)
         tables.append(table)
 
-    summary = Table(title=f"summary: compile + first step, seconds, median of {args.repeats}; shared cache filled by "
-                          "producers with frames on and off", title_justify="left")
+    summary = Table(
+        title=f"summary: compile + first step, seconds, median of {args.repeats}; shared cache filled by "
+        "producers with frames on and off",
+        title_justify="left",
+    )
     for column in ("model", "local-warm s", "ws s", "ws frames on s", "ws / local-warm", "frames on / local-warm"):
         summary.add_column(column, justify="left" if column == "model" else "right")
     summary.add_column("same loss", justify="center")
     for model, r in out["models"].items():
         t = {name: statistics.median(x["compile_s"] for x in r[name]) for name in SUMMARY}
         same = all(x["losses"] == r["cold"][0]["losses"] for name in WARM for x in r[name])
-        r["summary"] = {"seconds": t, "ws_over_local_warm": t["warmstart"] / t["torch local-warm"],
-                        "frames_on_over_local_warm": t["warmstart, frames on"] / t["torch local-warm"], "same_loss": same}
-        summary.add_row(model, *[f"{t[n]:.2f}" for n in SUMMARY],
-                        f"{r['summary']['ws_over_local_warm']:.2f}x", f"{r['summary']['frames_on_over_local_warm']:.2f}x",
-                        "yes" if same else "NO")
+        r["summary"] = {
+            "seconds": t,
+            "ws_over_local_warm": t["warmstart"] / t["torch local-warm"],
+            "frames_on_over_local_warm": t["warmstart, frames on"] / t["torch local-warm"],
+            "same_loss": same,
+        }
+        summary.add_row(
+            model,
+            *[f"{t[n]:.2f}" for n in SUMMARY],
+            f"{r['summary']['ws_over_local_warm']:.2f}x",
+            f"{r['summary']['frames_on_over_local_warm']:.2f}x",
+            "yes" if same else "NO",
+        )
     tables.append(summary)
-    starts = Table(title=f"the whole start: torch imported, compiler imported, compile + first step; seconds, median "
-                         f"of {args.repeats}", title_justify="left")
-    for column in ("model", "ws: imports s", "ws: total s", "preloaded: imports s", "preloaded: total s",
-                   "preloaded / ws", "preloader start-up s (apart)"):
+    starts = Table(
+        title=f"the whole start: torch imported, compiler imported, compile + first step; seconds, median "
+        f"of {args.repeats}",
+        title_justify="left",
+    )
+    for column in (
+        "model",
+        "ws: imports s",
+        "ws: total s",
+        "preloaded: imports s",
+        "preloaded: total s",
+        "preloaded / ws",
+        "preloader start-up s (apart)",
+    ):
         starts.add_column(column, justify="left" if column == "model" else "right")
     for model, r in out["models"].items():
         totals = {}
@@ -181,13 +222,21 @@ def main() -> None:
             total = statistics.median(x["import_s"] + x["compiler_import_s"] + x["compile_s"] for x in r[name])
             totals[name] = (imports, total)
         startup = statistics.median(x["preload_start_s"] for x in r["warmstart, preloaded"])
-        r["whole_start"] = {"imports_s": {n: v[0] for n, v in totals.items()},
-                            "total_s": {n: v[1] for n, v in totals.items()},
-                            "preloaded_over_ws": totals["warmstart, preloaded"][1] / totals["warmstart"][1],
-                            "preload_start_s": startup}
-        starts.add_row(model, f"{totals['warmstart'][0]:.2f}", f"{totals['warmstart'][1]:.2f}",
-                       f"{totals['warmstart, preloaded'][0]:.2f}", f"{totals['warmstart, preloaded'][1]:.2f}",
-                       f"{r['whole_start']['preloaded_over_ws']:.2f}x", f"{startup:.1f}")
+        r["whole_start"] = {
+            "imports_s": {n: v[0] for n, v in totals.items()},
+            "total_s": {n: v[1] for n, v in totals.items()},
+            "preloaded_over_ws": totals["warmstart, preloaded"][1] / totals["warmstart"][1],
+            "preload_start_s": startup,
+        }
+        starts.add_row(
+            model,
+            f"{totals['warmstart'][0]:.2f}",
+            f"{totals['warmstart'][1]:.2f}",
+            f"{totals['warmstart, preloaded'][0]:.2f}",
+            f"{totals['warmstart, preloaded'][1]:.2f}",
+            f"{r['whole_start']['preloaded_over_ws']:.2f}x",
+            f"{startup:.1f}",
+        )
     tables.append(starts)
     finish(console, tables, out, args.json)
 

@@ -31,8 +31,9 @@ def require_prometheus() -> str:
         return path
     reason = "prometheus not found on PATH: install it (apt-get install prometheus) or run `make test`"
     if in_ci():
-        pytest.fail(f"{reason}; CI is set, where `make test` installs it, so this is an error, not a skip",
-                    pytrace=False)
+        pytest.fail(
+            f"{reason}; CI is set, where `make test` installs it, so this is an error, not a skip", pytrace=False
+        )
     pytest.skip(reason)
 
 
@@ -62,9 +63,16 @@ class PrometheusServer:
         config_file.write_text(json.dumps(config, indent=1))
         with open(self.workdir / "prometheus.log", "wb") as log:
             self.proc = subprocess.Popen(
-                [binary, f"--config.file={config_file}", f"--storage.tsdb.path={self.workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    binary,
+                    f"--config.file={config_file}",
+                    f"--storage.tsdb.path={self.workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             self._wait_ready()
         except BaseException:

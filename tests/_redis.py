@@ -25,6 +25,7 @@ CLUSTER_BUS_OFFSET = 10000  # a Cluster node also listens on port + 10000
 
 # -- the redis-server binary -------------------------------------------------------------------
 
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
@@ -37,8 +38,9 @@ def require_redis_binary(name: str = "redis-server") -> str:
         return path
     reason = f"{name} not found on PATH: install it (apt-get install redis-server) or run `make test`"
     if in_ci():
-        pytest.fail(f"{reason}; CI is set, where `make test` installs it, so this is an error, not a skip",
-                    pytrace=False)
+        pytest.fail(
+            f"{reason}; CI is set, where `make test` installs it, so this is an error, not a skip", pytrace=False
+        )
     pytest.skip(reason)
 
 
@@ -48,6 +50,7 @@ def require_redis_server() -> str:
 
 
 # -- ports -------------------------------------------------------------------------------------
+
 
 def port_is_free(port: int) -> bool:
     """Nothing listens on 127.0.0.1:``port`` (a port in TIME_WAIT counts as free, as for redis-server)."""
@@ -86,6 +89,7 @@ def closed_port_url() -> str:
 
 # -- nodes and clusters ------------------------------------------------------------------------
 
+
 def _wait_ping(node: "RedisNode", timeout: float = 10.0, password: str | None = None) -> None:
     import redis
 
@@ -105,7 +109,9 @@ def _wait_ping(node: "RedisNode", timeout: float = 10.0, password: str | None = 
             if node.proc is not None and node.proc.poll() is not None:
                 log = node.workdir / "redis.log"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise RuntimeError(f"redis-server on port {node.port} exited with {node.proc.returncode}:\n{tail}")
+                raise RuntimeError(
+                    f"redis-server on port {node.port} exited with {node.proc.returncode}:\n{tail}"
+                ) from None
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
@@ -129,8 +135,22 @@ class RedisNode:
     def start(self) -> "RedisNode":
         binary = require_redis_server()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.workdir), "--logfile", "redis.log", *self.extra]
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            "redis.log",
+            *self.extra,
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             _wait_ping(self)
@@ -183,12 +203,30 @@ class RedisCluster:
         base = free_port_block(self.size, bus=True)
         for i in range(self.size):
             node = RedisNode(self.workdir / f"node{i}", port=base + i)
-            node.extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                          "--cluster-node-timeout", "2000"]
+            node.extra = [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+            ]
             self.nodes.append(node)
             node.start()
-        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         deadline = time.monotonic() + 20  # hang guard for forming the cluster, not a speed check
         for node in self.nodes:
             client = redis.Redis(port=node.port)

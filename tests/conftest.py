@@ -17,12 +17,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _redis import RedisCluster, RedisNode, in_ci  # noqa: E402
+from _redis import RedisCluster, RedisNode, in_ci
 
 # A preloader the developer runs must not run the suite's programs: tests of the preloader start
 # their own and say so in their processes' environment.
 os.environ["WARMSTART_PRELOAD"] = "0"
-from _prometheus import PrometheusServer  # noqa: E402
+from _prometheus import PrometheusServer
 
 
 def pytest_report_header(config) -> str:

@@ -45,6 +45,7 @@ def _prose(text: str) -> str:
 
 # -- commands --------------------------------------------------------------------------------------------
 
+
 def _commands(inline: bool = True) -> Iterator[tuple[Path, int, str]]:
     """Every ``warmstart NOUN ...`` command line shown: lines of shell blocks (``$ `` lines of console
     blocks) and, with ``inline``, inline code that starts with ``warmstart``."""
@@ -102,8 +103,11 @@ def _check_command(line: str) -> list[str]:
 
 
 def test_every_command_and_option_in_the_docs_exists():
-    problems = [f"{path.relative_to(ROOT)}:{line}: {problem} ({text})"
-                for path, line, text in _commands() for problem in _check_command(text)]
+    problems = [
+        f"{path.relative_to(ROOT)}:{line}: {problem} ({text})"
+        for path, line, text in _commands()
+        for problem in _check_command(text)
+    ]
     assert problems == []
 
 
@@ -115,6 +119,7 @@ def test_the_command_check_can_fail():
 
 
 # -- Python names ----------------------------------------------------------------------------------------
+
 
 def _resolve(dotted: str) -> object:
     """``warmstart.a.b.C.d`` imported as far as it is a module, then looked up attribute by attribute.
@@ -133,7 +138,7 @@ def _resolve(dotted: str) -> object:
             continue
         for attr in parts[i:]:
             if not hasattr(obj, attr):
-                raise LookupError(f"{'.'.join(parts[:parts.index(attr)])} has no attribute {attr!r}")
+                raise LookupError(f"{'.'.join(parts[: parts.index(attr)])} has no attribute {attr!r}")
             obj = getattr(obj, attr)
         return obj
     raise LookupError(f"no module {parts[0]!r}")
@@ -158,15 +163,23 @@ def _returned_classes(target: object) -> list[type]:
         hint = typing.get_type_hints(target).get("return")
     except Exception:
         return []
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+    options = (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
         else (hint,)
+    )
     return [c for c in options if inspect.isclass(c) and c is not type(None)]
 
 
 # What the examples call their objects when they use one without building it.
-_CONVENTIONAL = {"checkpointer": "warmstart.checkpoint.Checkpointer", "ckpt": "warmstart.checkpoint.Checkpointer",
-                 "rec": "warmstart.metrics.recorder.Recorder", "recorder": "warmstart.metrics.recorder.Recorder",
-                 "store": "warmstart.compile_cache.tiered.TieredStore", "exporter": "warmstart.metrics.live.Exporter"}
+_CONVENTIONAL = {
+    "checkpointer": "warmstart.checkpoint.Checkpointer",
+    "ckpt": "warmstart.checkpoint.Checkpointer",
+    "rec": "warmstart.metrics.recorder.Recorder",
+    "recorder": "warmstart.metrics.recorder.Recorder",
+    "store": "warmstart.compile_cache.tiered.TieredStore",
+    "exporter": "warmstart.metrics.live.Exporter",
+}
 
 
 class _Example(ast.NodeVisitor):
@@ -207,8 +220,9 @@ class _Example(ast.NodeVisitor):
         if isinstance(node.value, ast.Name) and node.value.id in self.instances:
             for cls in self.instances[node.value.id]:
                 if not hasattr(cls, node.attr):
-                    self.problems.append((node.lineno, f"{node.value.id}.{node.attr}: {cls.__name__} has no "
-                                                       f"attribute {node.attr!r}"))
+                    self.problems.append(
+                        (node.lineno, f"{node.value.id}.{node.attr}: {cls.__name__} has no attribute {node.attr!r}")
+                    )
 
     def _callee(self, func: ast.expr) -> object | None:
         if isinstance(func, ast.Name):
@@ -269,9 +283,11 @@ def test_every_python_name_keyword_and_method_in_the_docs_exists(path):
 
 def test_the_python_check_can_fail(tmp_path, monkeypatch):
     doc = tmp_path / "doc.md"
-    doc.write_text("Call `warmstart.metrics.nothing_here()` or `warmstart.enable(colour=1)`.\n\n```python\n"
-                   "from warmstart.checkpoint import Checkpointer\n\nckpt = Checkpointer('/ckpt', keep=3)\n"
-                   "ckpt.save_async(10)\n```\n\n```python\nfuture = checkpointer.save_async(step)\n```\n")
+    doc.write_text(
+        "Call `warmstart.metrics.nothing_here()` or `warmstart.enable(colour=1)`.\n\n```python\n"
+        "from warmstart.checkpoint import Checkpointer\n\nckpt = Checkpointer('/ckpt', keep=3)\n"
+        "ckpt.save_async(10)\n```\n\n```python\nfuture = checkpointer.save_async(step)\n```\n"
+    )
     monkeypatch.setattr(Path, "relative_to", lambda self, other: self)
     problems = _python_problems(doc)
     assert any(":1: warmstart.metrics.nothing_here" in p for p in problems), problems
@@ -281,6 +297,7 @@ def test_the_python_check_can_fail(tmp_path, monkeypatch):
 
 
 # -- environment variables -------------------------------------------------------------------------------
+
 
 def test_every_variable_in_the_docs_is_read_by_the_code():
     source = "\n".join(p.read_text() for p in (ROOT / "warmstart").rglob("*.py"))
@@ -296,13 +313,17 @@ def test_every_variable_in_the_docs_is_read_by_the_code():
 
 # -- the ETT commands, run ---------------------------------------------------------------------------------
 
+
 def _ett_examples() -> list[tuple[str, list[str]]]:
     """Each ``warmstart ett`` command of the docs' shell blocks, as ``where`` and its words."""
     out = []
     for path, line, text in _commands(inline=False):
         words = text.split("#")[0].split()
-        if len(words) > 2 and words[1] == "ett" and not any(w.startswith("[") or w.isupper() or "…" in w
-                                                            for w in words[2:]):
+        if (
+            len(words) > 2
+            and words[1] == "ett"
+            and not any(w.startswith("[") or w.isupper() or "…" in w for w in words[2:])
+        ):
             out.append((f"{path.relative_to(ROOT)}:{line}", words[1:]))
     return out
 
@@ -317,11 +338,14 @@ def test_every_ett_command_in_the_docs_runs(tmp_path, where, words):
     run = tmp_path / "run"
     t = 1_714_500_000.0  # 2024-04-30, before the dates the examples name
     events = [{"ts": t, "job": "job-42", "attempt": 0, "rank": 0, "event": "attempt_start", "devices": 8}]
-    events += [{"ts": t + 10 + i, "job": "job-42", "attempt": 0, "rank": 0, "event": "step", "step": i}
-               for i in range(30)]
-    events += [{"ts": t + 25, "job": "job-42", "attempt": 0, "rank": 0, "event": "checkpoint_committed", "step": 14},
-               {"ts": t + 40, "job": "job-42", "attempt": 0, "rank": 0, "event": "train_end"},
-               {"ts": t + 41, "job": "job-42", "attempt": 0, "rank": 0, "event": "attempt_end"}]
+    events += [
+        {"ts": t + 10 + i, "job": "job-42", "attempt": 0, "rank": 0, "event": "step", "step": i} for i in range(30)
+    ]
+    events += [
+        {"ts": t + 25, "job": "job-42", "attempt": 0, "rank": 0, "event": "checkpoint_committed", "step": 14},
+        {"ts": t + 40, "job": "job-42", "attempt": 0, "rank": 0, "event": "train_end"},
+        {"ts": t + 41, "job": "job-42", "attempt": 0, "rank": 0, "event": "attempt_end"},
+    ]
     write_events(run / "events-r0-a0.jsonl", events)
     command = cli.commands["ett"].commands[words[1]]
     takes_value = {opt for p in command.params if isinstance(p, click.Option) and not p.is_flag for opt in p.opts}

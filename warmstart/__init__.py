@@ -14,11 +14,22 @@ __version__ = "0.1.0"
 __all__ = ["enable", "__version__"]
 
 
-def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None = None,
-           cache_size: str | None = None, mode: str | None = None, secret: str | None = None,
-           secret_file: str | os.PathLike | None = None, key_file: str | os.PathLike | None = None,
-           namespace: str | None = None, compile_wait_s: float | None = None, max_wait_s: float | None = None,
-           dynamo: bool | None = None, run_dir: str | os.PathLike | None = None, job_id: str | None = None) -> None:
+def enable(
+    *,
+    cache_url: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    cache_size: str | None = None,
+    mode: str | None = None,
+    secret: str | None = None,
+    secret_file: str | os.PathLike | None = None,
+    key_file: str | os.PathLike | None = None,
+    namespace: str | None = None,
+    compile_wait_s: float | None = None,
+    max_wait_s: float | None = None,
+    dynamo: bool | None = None,
+    run_dir: str | os.PathLike | None = None,
+    job_id: str | None = None,
+) -> None:
     """Turn warmstart on in this process and the processes it starts.
 
     Arguments beat environment variables, which beat defaults. They are exported to the
@@ -39,9 +50,21 @@ def enable(*, cache_url: str | None = None, cache_dir: str | os.PathLike | None 
     from warmstart.config import enable_environment, ensure_job_id, job_identity
 
     env = enable_environment(  # checks everything before changing anything
-        os.environ, cache_url=cache_url, cache_dir=cache_dir, cache_size=cache_size, mode=mode, secret=secret,
-        secret_file=secret_file, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s,
-        max_wait_s=max_wait_s, dynamo=None if dynamo is None else int(bool(dynamo)), run_dir=run_dir, job_id=job_id)
+        os.environ,
+        cache_url=cache_url,
+        cache_dir=cache_dir,
+        cache_size=cache_size,
+        mode=mode,
+        secret=secret,
+        secret_file=secret_file,
+        key_file=key_file,
+        namespace=namespace,
+        compile_wait_s=compile_wait_s,
+        max_wait_s=max_wait_s,
+        dynamo=None if dynamo is None else int(bool(dynamo)),
+        run_dir=run_dir,
+        job_id=job_id,
+    )
     os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
     identity = job_identity(os.environ)
     # The PGO state is named before an id is generated: a generated id is new on every run, and

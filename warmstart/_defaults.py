@@ -19,14 +19,18 @@ REMOTE_MIN_BYTES_PER_S = 16 * 1024**2  # 16 MiB/s: a 150 MB value may take 2 s +
 # its probe passes only a PING that is fast.
 REMOTE_SLOW_SHARE = 0.25
 REMOTE_SLOW_IN_A_ROW = 3
-LOCAL_BACKGROUND_BYTES = 8 * 1024**2  # local writes of values this large (a 155 MB precompiled header) go to the background writer
+LOCAL_BACKGROUND_BYTES = (
+    8 * 1024**2
+)  # local writes of values this large (a 155 MB precompiled header) go to the background writer
 WRITER_NICE = 10  # the background writer's niceness (Linux, per thread): below the compile, still moving
 WRITE_QUEUE_BYTES = 256 * 1024**2  # background writes held in memory at most (256 MiB); more are dropped
 LOCAL_LOCK_TIMEOUT_S = 1.0  # the local tier's SQLite lock wait; past it the tier is off for the process
 EXIT_FLUSH_S = 5.0  # at exit, background writes get at most this many seconds, then are dropped
 
 CHUNK_BYTES = 8 * 1024**2  # remote values are split into chunks of at most this size
-COMPRESS_LEVEL = -3  # zstd fast level: artifacts to ~0.36 of their size, decompressed 2x as fast as level 1 (docs/bench/server.md)
+COMPRESS_LEVEL = (
+    -3
+)  # zstd fast level: artifacts to ~0.36 of their size, decompressed 2x as fast as level 1 (docs/bench/server.md)
 INLINE_BYTES = 64 * 1024  # values up to this size (after compression) live in their signed pointer record
 REMOTE_TTL_S = 30 * 24 * 3600  # remote entries expire after 30 days unless touched by LRU first
 

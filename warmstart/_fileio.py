@@ -1,7 +1,8 @@
-"""Writing small files atomically with an exact mode (secrets 0600, public keys 0644).
+"""Writing small files atomically with an exact mode (secrets 0600, public keys 0644, tools 0755).
 
-Neutral ground: both ``warmstart.server`` (passwords, URLs, ACL) and ``warmstart.compile_cache``
-(``signing.generate_key_pair``) write such files, and the cache must not import the server.
+The one place warmstart writes a file that a reader may open at any moment: the server (passwords,
+URLs, ACL), the compile cache (keys, stats, Triton's kernels, wrapped compilers, the last run's
+name). Neutral ground, so the cache need not import the server.
 """
 
 from __future__ import annotations

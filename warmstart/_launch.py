@@ -52,7 +52,7 @@ def process_start_ts() -> float | None:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read()
         # Fields after the command name, which may itself hold spaces and parentheses: field 3 onwards.
-        fields = stat[stat.rindex(b")") + 2:].split()
+        fields = stat[stat.rindex(b")") + 2 :].split()
         started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, seconds after boot
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
         return time.time() - age

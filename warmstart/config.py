@@ -3,7 +3,8 @@
 :class:`Settings` holds what a job's cache and metrics need; :func:`job_identity` the few fields
 that say which job, rank and attempt a process belongs to (read on their own so that recording
 events never depends on the cache's settings); :func:`metrics_settings` where live metrics go;
-:func:`server_settings` what ``warmstart server`` reads. Explicit arguments to :func:`warmstart.enable` beat environment variables, which beat the defaults in
+:func:`server_settings` what ``warmstart server`` reads. Explicit arguments to :func:`warmstart.enable` beat
+environment variables, which beat the defaults in
 ``_defaults.py``. Parsing is pure (``Settings.from_env(environ)``) so it is tested without touching
 the process environment. Every bad value raises :class:`~warmstart.errors.ConfigError` whose message
 is one line naming the variable, the value and what is accepted.
@@ -28,11 +29,20 @@ URL_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kib": 1024,
+    "kb": 1000,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "mb": 1000**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "gb": 1000**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+    "tb": 1000**4,
 }
 _SIZE_ACCEPTED = "a size such as 10GiB, 512MiB, 2GB or a number of bytes"
 
@@ -60,8 +70,7 @@ def validate_cache_url(url: str, variable: str = "WARMSTART_CACHE_URL") -> str:
         ConfigError: unknown scheme, missing host, a port that is not a number, or a query option
             that is unknown or has a bad value (the message shows the URL with its password redacted).
     """
-    accepted = ("redis://[user:pass@]host:port[/db], rediss://... (TLS) or "
-                "redis+cluster://host:port[,host:port...]")
+    accepted = "redis://[user:pass@]host:port[/db], rediss://... (TLS) or redis+cluster://host:port[,host:port...]"
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -69,8 +78,9 @@ def validate_cache_url(url: str, variable: str = "WARMSTART_CACHE_URL") -> str:
     if parts.scheme not in URL_SCHEMES or not parts.netloc:
         raise ConfigError(variable, redact_url(url), accepted)
     if "@" in parts.query or "@" in parts.fragment:  # the password holds a '?' or '#': never echo a part of it
-        raise ConfigError(variable, redact_url(url), accepted + ", with a '?' or '#' in the password "
-                          "percent-encoded (%3F, %23)")
+        raise ConfigError(
+            variable, redact_url(url), accepted + ", with a '?' or '#' in the password percent-encoded (%3F, %23)"
+        )
     hosts = parts.netloc.rsplit("@", 1)[-1]
     for hostport in hosts.split(","):
         host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "6379")
@@ -211,10 +221,15 @@ def job_identity(environ: Mapping[str, str] | None = None) -> JobIdentity:
         attempt = _env_int(env, "WARMSTART_ATTEMPT", 0, minimum=0)
     else:
         attempt = _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0)
-    return JobIdentity(enabled=env.get("WARMSTART", "") == "1", job_id=job_id,
-                       run_dir=Path(run_dir).expanduser() if run_dir else None,
-                       rank=_env_int(env, "RANK", 0, minimum=-1), attempt=attempt,
-                       quiet_errors=quiet_errors(env), given_job_id=env.get("WARMSTART_JOB_ID", ""))
+    return JobIdentity(
+        enabled=env.get("WARMSTART", "") == "1",
+        job_id=job_id,
+        run_dir=Path(run_dir).expanduser() if run_dir else None,
+        rank=_env_int(env, "RANK", 0, minimum=-1),
+        attempt=attempt,
+        quiet_errors=quiet_errors(env),
+        given_job_id=env.get("WARMSTART_JOB_ID", ""),
+    )
 
 
 def metrics_on(environ: Mapping[str, str] | None = None) -> bool:
@@ -294,8 +309,11 @@ def server_settings(environ: Mapping[str, str] | None = None) -> ServerSettings:
     else:
         base = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
         directory = Path(base) / "warmstart" / "server"
-    return ServerSettings(dir=directory, redis_server=env.get("WARMSTART_REDIS_SERVER", "").strip() or None,
-                          redis_cli=env.get("WARMSTART_REDIS_CLI", "").strip() or None)
+    return ServerSettings(
+        dir=directory,
+        redis_server=env.get("WARMSTART_REDIS_SERVER", "").strip() or None,
+        redis_cli=env.get("WARMSTART_REDIS_CLI", "").strip() or None,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -337,11 +355,20 @@ def metrics_settings(environ: Mapping[str, str] | None = None) -> MetricsSetting
     ranks = env.get("WARMSTART_METRICS_RANKS", "").strip().lower() or "0"
     if ranks not in ("0", "all"):
         raise ConfigError("WARMSTART_METRICS_RANKS", env["WARMSTART_METRICS_RANKS"], "0 (rank 0 only) or all")
-    interval_s = _env_seconds(env, "WARMSTART_METRICS_INTERVAL_S", _defaults.METRICS_INTERVAL_S, zero_ok=False,
-                              accepted="seconds, a number greater than 0")
-    return MetricsSettings(port=port or None, textfile=Path(textfile_raw).expanduser() if textfile_raw else None,
-                           all_ranks=ranks == "all", interval_s=interval_s,
-                           local_rank=_env_int(env, "LOCAL_RANK", 0, minimum=0))
+    interval_s = _env_seconds(
+        env,
+        "WARMSTART_METRICS_INTERVAL_S",
+        _defaults.METRICS_INTERVAL_S,
+        zero_ok=False,
+        accepted="seconds, a number greater than 0",
+    )
+    return MetricsSettings(
+        port=port or None,
+        textfile=Path(textfile_raw).expanduser() if textfile_raw else None,
+        all_ranks=ranks == "all",
+        interval_s=interval_s,
+        local_rank=_env_int(env, "LOCAL_RANK", 0, minimum=0),
+    )
 
 
 #: ``warmstart.enable()``'s keyword arguments and the variables they set.
@@ -435,7 +462,9 @@ class Settings:
             validate_cache_url(url)
         size_raw = env.get("WARMSTART_CACHE_SIZE", "").strip()
         cache_size = parse_size(size_raw) if size_raw else _defaults.CACHE_SIZE_BYTES
-        cache_dir = Path(env["WARMSTART_CACHE_DIR"]).expanduser() if env.get("WARMSTART_CACHE_DIR") else _default_cache_dir(env)
+        cache_dir = (
+            Path(env["WARMSTART_CACHE_DIR"]).expanduser() if env.get("WARMSTART_CACHE_DIR") else _default_cache_dir(env)
+        )
         shared_raw = env.get("WARMSTART_CACHE_DIR_SHARED", "")
         if shared_raw not in ("", "0", "1"):
             raise ConfigError("WARMSTART_CACHE_DIR_SHARED", shared_raw, "1 (shared on purpose), 0 or unset (private)")
@@ -444,16 +473,34 @@ class Settings:
         namespace = env.get("WARMSTART_NAMESPACE", "").strip()
         if namespace and not re.fullmatch(r"[A-Za-z0-9._\-]+", namespace):
             raise ConfigError("WARMSTART_NAMESPACE", namespace, "letters, digits, '.', '_' and '-'")
-        compile_wait_s = _env_seconds(env, "WARMSTART_COMPILE_WAIT_S", _defaults.COMPILE_WAIT_S, zero_ok=True,
-                                      accepted="seconds, a number >= 0 (0 turns waiting off)")
-        max_wait_s = _env_seconds(env, "WARMSTART_MAX_WAIT_S", _defaults.MAX_WAIT_S, zero_ok=True,
-                                  accepted="seconds, a number >= 0 (0: never wait on the cache)")
+        compile_wait_s = _env_seconds(
+            env,
+            "WARMSTART_COMPILE_WAIT_S",
+            _defaults.COMPILE_WAIT_S,
+            zero_ok=True,
+            accepted="seconds, a number >= 0 (0 turns waiting off)",
+        )
+        max_wait_s = _env_seconds(
+            env,
+            "WARMSTART_MAX_WAIT_S",
+            _defaults.MAX_WAIT_S,
+            zero_ok=True,
+            accepted="seconds, a number >= 0 (0: never wait on the cache)",
+        )
         dynamo_frames = dynamo_frames_setting(env)
         job = job_identity(env)
         values: dict[str, object] = dict(
-            enabled=enabled_raw == "1", cache_url=url, cache_dir=cache_dir, cache_dir_shared=shared_raw == "1",
+            enabled=enabled_raw == "1",
+            cache_url=url,
+            cache_dir=cache_dir,
+            cache_dir_shared=shared_raw == "1",
             cache_size=cache_size,
-            mode=mode, secret=secret, key_file=key_file, namespace=namespace, compile_wait_s=compile_wait_s, job=job,
+            mode=mode,
+            secret=secret,
+            key_file=key_file,
+            namespace=namespace,
+            compile_wait_s=compile_wait_s,
+            job=job,
             max_wait_s=max_wait_s,
             dynamo_frames=dynamo_frames,
         )
@@ -503,8 +550,9 @@ def _check_key_file(env: Mapping[str, str]) -> Path | None:
     try:
         data = path.read_bytes()[:65536]
     except OSError as exc:
-        raise ConfigError("WARMSTART_KEY_FILE", raw, f"{accepted}; it cannot be read "
-                          f"({exc.strerror or type(exc).__name__})") from None
+        raise ConfigError(
+            "WARMSTART_KEY_FILE", raw, f"{accepted}; it cannot be read ({exc.strerror or type(exc).__name__})"
+        ) from None
     if not re.search(rb"-----BEGIN (PRIVATE|PUBLIC) KEY-----", data):
         raise ConfigError("WARMSTART_KEY_FILE", raw, accepted)
     return path

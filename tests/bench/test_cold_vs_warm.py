@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 from _redis import require_redis_server
 
-REFERENCE_KEYS = ("e2e_s", "ett_pct", "time_to_start_s", "time_to_recover_s", "compile_s", "sharding_plan_s",
-                 "checkpoint_blocking_s", "run_dir")
+REFERENCE_KEYS = (
+    "e2e_s",
+    "ett_pct",
+    "time_to_start_s",
+    "time_to_recover_s",
+    "compile_s",
+    "sharding_plan_s",
+    "checkpoint_blocking_s",
+    "run_dir",
+)
 STEPS, FAIL_AT, EVERY = 10, 7, 3  # checkpoints after steps 2 and 5; the failure at 7 loses step 6
 
 
@@ -23,9 +31,31 @@ def bench(tmp_path_factory):
     require_redis_server()  # the bench starts its own cache server
     tmp = tmp_path_factory.mktemp("bench")
     out_json, out_html, work = tmp / "bench.json", tmp / "bench.html", tmp / "work"
-    cmd = [sys.executable, "-m", "warmstart", "bench", "cold-vs-warm", "--steps", str(STEPS), "--tables", "8",
-           "--batch-size", "64", "--checkpoint-every", str(EVERY), "--fail-at-step", str(FAIL_AT),
-           "--work-dir", str(work), "--json", str(out_json), "--html", str(out_html), "--timeout", "600"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "warmstart",
+        "bench",
+        "cold-vs-warm",
+        "--steps",
+        str(STEPS),
+        "--tables",
+        "8",
+        "--batch-size",
+        "64",
+        "--checkpoint-every",
+        str(EVERY),
+        "--fail-at-step",
+        str(FAIL_AT),
+        "--work-dir",
+        str(work),
+        "--json",
+        str(out_json),
+        "--html",
+        str(out_html),
+        "--timeout",
+        "600",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(out_json.read_text()), out_html.read_text(), work, done.stdout
@@ -51,8 +81,12 @@ def test_json_has_the_reference_keys_and_buckets_sum(bench):
 def test_each_run_projected_onto_its_own_scale_gives_its_measured_ett(bench):
     data, _, _, _ = bench
     for name in ("baseline", "cold", "warm"):
-        done = subprocess.run([sys.executable, "-m", "warmstart", "ett", "project", data[name]["run_dir"], "--json"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "warmstart", "ett", "project", data[name]["run_dir"], "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         (projection,) = json.loads(done.stdout)
         assert projection["inputs"]["failures_from"] == "run" and projection["devices"] == 2, name
@@ -87,8 +121,10 @@ def test_fresh_machines_miss_and_the_shared_cache_hits(bench):
     base = data["baseline"]["compile_counters"]
     assert base["fxgraph_cache_miss"] > 0
     for attempt in (0, 1):
-        reports = [json.loads(p.read_text())["compile_counters"]
-                   for p in (work / "baseline" / "runs").glob(f"startup-r*-a{attempt}.json")]
+        reports = [
+            json.loads(p.read_text())["compile_counters"]
+            for p in (work / "baseline" / "runs").glob(f"startup-r*-a{attempt}.json")
+        ]
         graphs = max(r["fxgraph_cache_hit"] + r["fxgraph_cache_miss"] for r in reports)
         assert sum(r["fxgraph_cache_miss"] for r in reports) >= graphs, reports
     # warm: nothing is compiled, on both attempts: every graph comes from the server cold filled

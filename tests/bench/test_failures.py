@@ -73,13 +73,22 @@ def test_reference_job_loader_completes_on_a_bench_machine_under_a_long_caller_t
     root = short_tmp_root()
     try:
         env = {**os.environ, "TORCHELASTIC_RESTART_COUNT": "1", "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([*launcher_args(tmp_path / "machines", root), "-c", _LOADER], env=env,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [*launcher_args(tmp_path / "machines", root), "-c", _LOADER],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"TMPDIR {root}/attempt-1" in done.stdout
         assert "AF_UNIX path too long" not in done.stderr
         assert sorted(p.name for p in (tmp_path / "machines" / "attempt-1").iterdir()) == [
-            "home", "inductor", "triton", "warmstart-cache"]
+            "home",
+            "inductor",
+            "triton",
+            "warmstart-cache",
+        ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -109,8 +118,12 @@ def test_watchdog_dumps_the_stacks_and_names_the_stalled_stage(tmp_path):
     # waits for it forever at the first collective and no ETT event comes any more.
     work = tmp_path / "work"
     run_dir = (work / "baseline" / "runs").resolve()
-    options = BenchOptions(job=JobConfig(steps=10, tables=4, batch_size=32, checkpoint_every=3, fail_at_step=7),
-                           work_dir=work, timeout_s=300, stall_timeout_s=8)
+    options = BenchOptions(
+        job=JobConfig(steps=10, tables=4, batch_size=32, checkpoint_every=3, fail_at_step=7),
+        work_dir=work,
+        timeout_s=300,
+        stall_timeout_s=8,
+    )
     stopped: list[int] = []
 
     def stop_rank_1() -> None:
@@ -133,8 +146,11 @@ def test_watchdog_dumps_the_stacks_and_names_the_stalled_stage(tmp_path):
     message = str(caught.value)
     log = work / "baseline" / "job.log"
     assert "\n" not in message
-    assert re.fullmatch(r"baseline: attempt 0 recorded no ETT event for 8 s \(last stage: rank 0 .+, rank 1 .+\); "
-                        r"dumped every rank's Python stacks into the log and stopped it \(log: .+\)", message), message
+    assert re.fullmatch(
+        r"baseline: attempt 0 recorded no ETT event for 8 s \(last stage: rank 0 .+, rank 1 .+\); "
+        r"dumped every rank's Python stacks into the log and stopped it \(log: .+\)",
+        message,
+    ), message
     assert message.endswith(f"(log: {log.resolve()})")
     text = log.read_text(errors="replace")
     # faulthandler's dump of both ranks (the stopped one was continued to dump)
@@ -147,14 +163,25 @@ def test_watchdog_dumps_the_stacks_and_names_the_stalled_stage(tmp_path):
 def test_last_stage_names_each_rank_of_the_attempt(tmp_path):
     from warmstart.metrics.events import write_events
 
-    write_events(tmp_path / "events-r0-a1.jsonl", [
-        {"ts": 1.0, "job": "j", "attempt": 1, "rank": 0, "event": "attempt_start"},
-        {"ts": 2.0, "job": "j", "attempt": 1, "rank": 0, "event": "begin", "span": "data_loader_init"}])
-    write_events(tmp_path / "events-r1-a0.jsonl", [
-        {"ts": 1.0, "job": "j", "attempt": 0, "rank": 1, "event": "step", "step": 4}])
-    (tmp_path / "events-r1-a1.jsonl").write_text('{"ts": 1.5, "job": "j", "attempt": 1, "rank": 1, "event": "end", '
-                                                 '"span": "process_group_init"}\n{"ts": 1.6, "jo')
+    write_events(
+        tmp_path / "events-r0-a1.jsonl",
+        [
+            {"ts": 1.0, "job": "j", "attempt": 1, "rank": 0, "event": "attempt_start"},
+            {"ts": 2.0, "job": "j", "attempt": 1, "rank": 0, "event": "begin", "span": "data_loader_init"},
+        ],
+    )
+    write_events(
+        tmp_path / "events-r1-a0.jsonl", [{"ts": 1.0, "job": "j", "attempt": 0, "rank": 1, "event": "step", "step": 4}]
+    )
+    (tmp_path / "events-r1-a1.jsonl").write_text(
+        '{"ts": 1.5, "job": "j", "attempt": 1, "rank": 1, "event": "end", '
+        '"span": "process_group_init"}\n{"ts": 1.6, "jo'
+    )
     assert cold_vs_warm._last_stages(tmp_path, 2, None) == (
-        1, "rank 0 in data_loader_init, rank 1 after process_group_init")
+        1,
+        "rank 0 in data_loader_init, rank 1 after process_group_init",
+    )
     assert cold_vs_warm._last_stages(tmp_path, 3, 0) == (
-        0, "rank 0 no event yet, rank 1 in step 4, rank 2 no event yet")
+        0,
+        "rank 0 no event yet, rank 1 in step 4, rank 2 no event yet",
+    )

@@ -25,36 +25,71 @@ HAS_CUDA = torch.cuda.is_available()
 
 def job(values: list[float], digest: str = "d0", compile_s: float = 10.0, **extra) -> dict:
     """A job's RESULT as gpu_job.py prints it (the fields the table reads)."""
-    return {"model": "inductor", "device": "cuda", "loss": values[0], "values": values, "digest": digest,
-            "compile_s": compile_s, "inductor": {}, "aot_autograd": {},
-            "dynamo": {"unique_graphs": 1, "calls_captured": 5}, **extra}
+    return {
+        "model": "inductor",
+        "device": "cuda",
+        "loss": values[0],
+        "values": values,
+        "digest": digest,
+        "compile_s": compile_s,
+        "inductor": {},
+        "aot_autograd": {},
+        "dynamo": {"unique_graphs": 1, "calls_captured": 5},
+        **extra,
+    }
 
 
 def counts(hits: int = 0, misses: int = 0) -> dict:
-    return {"hits": hits, "misses": misses, "writes": 0, "errors": 0, "timeouts": 0, "rejected": 0, "dropped": 0,
-            "bytes_read": 0, "bytes_written": 0, "read_s": 0.0, "saved_s": 0.0}
+    return {
+        "hits": hits,
+        "misses": misses,
+        "writes": 0,
+        "errors": 0,
+        "timeouts": 0,
+        "rejected": 0,
+        "dropped": 0,
+        "bytes_read": 0,
+        "bytes_written": 0,
+        "read_s": 0.0,
+        "saved_s": 0.0,
+    }
 
 
 COLD = job([0.5, 12.0, 30.0, 4.0, 2.5], digest="abc", compile_s=40.0)
 
 
 def four_jobs(new_machine: dict | None = None) -> dict[str, dict]:
-    new = new_machine or job(COLD["values"], digest="abc", compile_s=2.0,
-                             store={"local": {"fx_graph": counts(misses=2)},
-                                    "remote": {"fx_graph": counts(hits=2), "triton_kernel": counts(hits=3),
-                                               "autotune": counts(misses=1)}},
-                             dynamo={"unique_graphs": 0, "calls_captured": 0})
-    return {"cold": COLD, "torch local-warm": job(COLD["values"], digest="abc", compile_s=5.0),
-            "warmstart producer": job(COLD["values"], digest="abc", compile_s=41.0), "warmstart new machine": new}
+    new = new_machine or job(
+        COLD["values"],
+        digest="abc",
+        compile_s=2.0,
+        store={
+            "local": {"fx_graph": counts(misses=2)},
+            "remote": {"fx_graph": counts(hits=2), "triton_kernel": counts(hits=3), "autotune": counts(misses=1)},
+        },
+        dynamo={"unique_graphs": 0, "calls_captured": 0},
+    )
+    return {
+        "cold": COLD,
+        "torch local-warm": job(COLD["values"], digest="abc", compile_s=5.0),
+        "warmstart producer": job(COLD["values"], digest="abc", compile_s=41.0),
+        "warmstart new machine": new,
+    }
 
 
 # -- without CUDA --------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the machine without CUDA")
 def test_without_cuda_prints_one_line_and_starts_nothing(tmp_path):
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120,
-                          env={**_env(), "TMPDIR": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_env(), "TMPDIR": str(tmp_path)},
+    )
     elapsed = time.monotonic() - t0
     assert done.returncode == 0, done.stderr
     assert done.stdout == gpu_check.NO_CUDA + "\n"
@@ -70,6 +105,7 @@ def test_unknown_model_is_refused_before_anything_runs(capsys):
 
 
 # -- the table's parts ----------------------------------------------------------------------------
+
 
 def test_compare_exact_close_and_differs():
     assert gpu_check.compare(COLD, job(COLD["values"], digest="abc")) == "exact"
@@ -130,27 +166,39 @@ def test_a_failed_job_fails_the_model_and_the_rest_still_shows():
 
 
 def test_no_hits_on_the_new_machine_is_called_out():
-    results = four_jobs(job(COLD["values"], digest="abc", compile_s=39.0, store={"remote": {"fx_graph": counts(misses=2)}}))
+    results = four_jobs(
+        job(COLD["values"], digest="abc", compile_s=39.0, store={"remote": {"fx_graph": counts(misses=2)}})
+    )
     assert "NO shared-cache hits" in gpu_check.table_row(gpu_check.summarize("inductor", results))[7]
 
 
 def test_dynamo_frames_notes_show_what_dynamo_traced():
-    new = job(COLD["values"], digest="abc", compile_s=1.0, store={"remote": {"dynamo_frames": counts(hits=1)}},
-              dynamo={"unique_graphs": 0, "calls_captured": 0})
+    new = job(
+        COLD["values"],
+        digest="abc",
+        compile_s=1.0,
+        store={"remote": {"dynamo_frames": counts(hits=1)}},
+        dynamo={"unique_graphs": 0, "calls_captured": 0},
+    )
     notes = gpu_check.table_row(gpu_check.summarize("dynamo-frames", four_jobs(new)))[7]
     assert "dynamo_frames 1" in notes and "graphs Dynamo traced: cold 1, new machine 0" in notes
 
 
 def test_stats_of_all_processes_win_over_the_job_s_own():
-    result = job([1.0], store={"remote": {"fx_graph": counts(hits=1)}},
-                 store_all_processes={"remote": {"fx_graph": counts(hits=1), "triton_kernel": counts(hits=4)}})
+    result = job(
+        [1.0],
+        store={"remote": {"fx_graph": counts(hits=1)}},
+        store_all_processes={"remote": {"fx_graph": counts(hits=1), "triton_kernel": counts(hits=4)}},
+    )
     assert gpu_check.remote_hits(result) == {"fx_graph": 1, "triton_kernel": 4}
     assert gpu_check.remote_hits(job([1.0])) == {}
 
 
 def test_skipped_models_and_plan():
     assert gpu_check.plan(["inductor", "user-triton", "cudagraphs"], "cuda") == (
-        ["inductor", "user-triton", "cudagraphs"], {})
+        ["inductor", "user-triton", "cudagraphs"],
+        {},
+    )
     to_run, skipped = gpu_check.plan(list(gpu_check.DEFAULT_MODELS), "cpu")
     assert to_run == ["inductor", "dynamo-frames"]
     assert set(skipped) == {"user-triton", "max-autotune", "cudagraphs"}
@@ -162,6 +210,7 @@ def test_skipped_models_and_plan():
 
 # -- end to end --------------------------------------------------------------------------------
 
+
 def _env() -> dict[str, str]:
     import os
 
@@ -171,8 +220,13 @@ def _env() -> dict[str, str]:
 def _run_check(tmp_path: Path, args: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
     require_redis_server()  # the script starts its own
     out = tmp_path / "check.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True, text=True,
-                          timeout=timeout, env={**_env(), "TMPDIR": str(tmp_path), "COLUMNS": "200"})
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**_env(), "TMPDIR": str(tmp_path), "COLUMNS": "200"},
+    )
     assert done.returncode == 0, f"gpu_check failed:\n{done.stdout[-4000:]}\n{done.stderr[-3000:]}"
     return done, json.loads(out.read_text())
 

@@ -42,7 +42,7 @@ def test_batches_look_like_click_logs(tables):
     assert kjt.keys() == [t.feature for t in tables]
     assert set(batch.labels.unique().tolist()) == {0.0, 1.0}
     assert 0.05 < batch.labels.mean().item() < 0.6  # a click-through rate, not a coin flip
-    for table, jt in zip(tables, kjt.to_dict().values()):
+    for table, jt in zip(tables, kjt.to_dict().values(), strict=True):
         ids = jt.values().numpy()
         assert ids.min() >= 0 and ids.max() < table.num_embeddings
         assert abs(jt.lengths().float().mean().item() - table.mean_pooling) < 0.5
@@ -70,8 +70,12 @@ def test_config_round_trips_through_flags_and_rejects_bad_values():
 
 
 def test_cli_rejects_a_failure_step_past_the_end():
-    done = subprocess.run([sys.executable, "-m", "warmstart", "bench", "cold-vs-warm", "--steps", "10",
-                           "--fail-at-step", "12"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "warmstart", "bench", "cold-vs-warm", "--steps", "10", "--fail-at-step", "12"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "--fail-at-step" in done.stderr and "--steps" in done.stderr
 
@@ -105,20 +109,32 @@ def test_bench_page_shows_the_figures_then_the_report_of_each_run(tmp_path):
         run_dir = tmp_path / name
         run_dir.mkdir()
         t0 = 1_700_000_000.0
-        events = [("attempt_start", 0, {"devices": 2}), ("begin", 0, {"span": "compile"}),
-                  ("end", 5 - i, {"span": "compile"}), ("step", 6, {"step": 0}), ("step", 7, {"step": 1}),
-                  ("train_end", 8, {}), ("attempt_end", 9, {})]
-        write_events(run_dir / "events-r0-a0.jsonl", [{"ts": t0 + t, "job": f"{name}-job", "attempt": 0, "rank": 0,
-                                                       "event": kind, **fields} for kind, t, fields in events])
+        events = [
+            ("attempt_start", 0, {"devices": 2}),
+            ("begin", 0, {"span": "compile"}),
+            ("end", 5 - i, {"span": "compile"}),
+            ("step", 6, {"step": 0}),
+            ("step", 7, {"step": 1}),
+            ("train_end", 8, {}),
+            ("attempt_end", 9, {}),
+        ]
+        write_events(
+            run_dir / "events-r0-a0.jsonl",
+            [
+                {"ts": t0 + t, "job": f"{name}-job", "attempt": 0, "rank": 0, "event": kind, **fields}
+                for kind, t, fields in events
+            ],
+        )
         (result,) = compute_runs([run_dir])
-        results[name] = ConfigResult(name=name, run_dir=run_dir, log_path=run_dir / "job.log", wall_s=9.0,
-                                     result=result, startup=[], cache={})
+        results[name] = ConfigResult(
+            name=name, run_dir=run_dir, log_path=run_dir / "job.log", wall_s=9.0, result=result, startup=[], cache={}
+        )
     page = render_page(results)
     assert page.startswith("<!DOCTYPE html>") and "<title>warmstart bench cold-vs-warm</title>" in page
-    table = page[page.index('<table class="intro">'):page.index("</table>")]
+    table = page[page.index('<table class="intro">') : page.index("</table>")]
     assert all(f"<th>{html.escape(h)}</th>" in table for h in ("figure", *CONFIGS, "warm / baseline"))
     assert "<td>compile (s)</td><td>5.00</td><td>4.00</td><td>3.00</td><td>0.60x</td>" in table
     # The report of the three runs comes after the table, in the same page.
-    report = page[page.index("</table>"):]
+    report = page[page.index("</table>") :]
     assert "Plotly" in page and report.count('<section class="run">') == 3
     assert [report.index(f"{name}-job") for name in CONFIGS] == sorted(report.index(f"{name}-job") for name in CONFIGS)

@@ -67,8 +67,9 @@ def main() -> None:
     if how == "kill":
         start = time.monotonic()
         ckpt.close()
-        report.update(close_s=time.monotonic() - start, failures=ckpt.failures,
-                      last_committed_step=ckpt.last_committed_step)
+        report.update(
+            close_s=time.monotonic() - start, failures=ckpt.failures, last_committed_step=ckpt.last_committed_step
+        )
         # close() freed the checkpointer's own group; with the default one gone too, no gloo thread is left.
         report["gloo_threads_at_exit"] = release_process_groups()
     Path(out, "report.json").write_text(json.dumps(report))

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -44,8 +43,12 @@ class Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-                    for i in range(TABLES)], device=torch.device("meta"))
+            tables=[
+                EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+                for i in range(TABLES)
+            ],
+            device=torch.device("meta"),
+        )
         self.mlp = torch.nn.Sequential(torch.nn.Linear(TABLES * DIM + 4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
     def forward(self, kjt: KeyedJaggedTensor, dense: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -83,13 +86,24 @@ def build(rank: int, world: int) -> tuple[DistributedModelParallel, CombinedOpti
     model = Model()
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05})
     sharder = EmbeddingBagCollectionSharder()
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
-        model.ebc, {f"t{i}": table_wise(rank=i % world) for i in range(TABLES)},
-        local_size=world, world_size=world, device_type="cpu", sharder=sharder)})
+    plan = ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                model.ebc,
+                {f"t{i}": table_wise(rank=i % world) for i in range(TABLES)},
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+                sharder=sharder,
+            )
+        }
+    )
     env = ShardingEnv(world, rank, dist.group.WORLD, output_dtensor=True)
     dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder], device=torch.device("cpu"))
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9),
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -130,8 +144,14 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--on-error", default="raise")
     p.add_argument("--ballast-kb", type=int, default=0, help="extra rank-local state, KiB per rank")
-    p.add_argument("--ballast-kb-after", type=int, nargs=2, default=None, metavar=("STEP", "KB"),
-                   help="from STEP on, the extra state is KB KiB per rank (checkpoints grow)")
+    p.add_argument(
+        "--ballast-kb-after",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("STEP", "KB"),
+        help="from STEP on, the extra state is KB KiB per rank (checkpoints grow)",
+    )
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank while it writes the save of this step")
     args = p.parse_args()
@@ -147,16 +167,28 @@ def main() -> None:
     loader = Batches(rank)
     ballast = torch.arange(args.ballast_kb * 256, dtype=torch.float32) + rank
     tripwire = Tripwire()
-    state = {"model": dmp, "optim": optimizer, "loader": RankLocal(loader), "ballast": RankLocal({"t": ballast}),
-             "tripwire": RankLocal({"wire": tripwire})}
+    state = {
+        "model": dmp,
+        "optim": optimizer,
+        "loader": RankLocal(loader),
+        "ballast": RankLocal({"t": ballast}),
+        "tripwire": RankLocal({"wire": tripwire}),
+    }
     random.seed(10 + rank)
     np.random.seed(20 + rank)
     torch.manual_seed(30 + rank)
 
     ckpt = Checkpointer(args.dir, mode=args.mode, keep=args.keep, on_error=args.on_error)
     resumed = ckpt.load_latest(state)
-    report = {"rank": rank, "attempt": attempt, "seen_at_start": seen, "resumed": resumed,
-              "position": loader.position, "saved": [], "failures": 0}
+    report = {
+        "rank": rank,
+        "attempt": attempt,
+        "seen_at_start": seen,
+        "resumed": resumed,
+        "position": loader.position,
+        "saved": [],
+        "failures": 0,
+    }
     (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
 
     for step in range(0 if resumed is None else resumed + 1, args.steps):

@@ -22,8 +22,9 @@ import pytest
 def _mount_tmpfs(target: Path, options: str) -> bool:
     target.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-                              capture_output=True, timeout=10)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0

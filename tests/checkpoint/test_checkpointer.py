@@ -149,11 +149,17 @@ def test_plain_optimizer_is_refused(tmp_path: Path) -> None:
         Checkpointer(tmp_path, recorder=NullRecorder()).save(0, {"optim": optimizer})
 
 
-@pytest.mark.parametrize("kwargs, variable", [
-    ({"mode": "fast"}, "mode"), ({"keep": 0}, "keep"), ({"on_error": "ignore"}, "on_error"),
-    ({"commit_timeout_s": 0}, "commit_timeout_s"), ({"commit_timeout_s": float("inf")}, "commit_timeout_s"),
-    ({"commit_timeout_s": "60"}, "commit_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, variable",
+    [
+        ({"mode": "fast"}, "mode"),
+        ({"keep": 0}, "keep"),
+        ({"on_error": "ignore"}, "on_error"),
+        ({"commit_timeout_s": 0}, "commit_timeout_s"),
+        ({"commit_timeout_s": float("inf")}, "commit_timeout_s"),
+        ({"commit_timeout_s": "60"}, "commit_timeout_s"),
+    ],
+)
 def test_bad_settings(tmp_path: Path, kwargs: dict, variable: str) -> None:
     with pytest.raises(ConfigError, match=variable) as info:
         Checkpointer(tmp_path, recorder=NullRecorder(), **kwargs)
@@ -222,8 +228,13 @@ def test_adaptive_interval_follows_young_formula(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         AdaptiveInterval(mtbf_s=0)
 
-    ckpt = Checkpointer(tmp_path, mode="sync", recorder=NullRecorder(), save_rng=False,
-                        interval=AdaptiveInterval(mtbf_s=3600.0, first_steps=3, max_steps=4))
+    ckpt = Checkpointer(
+        tmp_path,
+        mode="sync",
+        recorder=NullRecorder(),
+        save_rng=False,
+        interval=AdaptiveInterval(mtbf_s=3600.0, first_steps=3, max_steps=4),
+    )
     saved = [step for step in range(12) if ckpt.maybe_save(step, {"t": {"x": torch.ones(2)}})]
     ckpt.close()
     # 3 steps to the first save and 3 more (its blocking time is not known yet when the next save

@@ -38,15 +38,35 @@ def _stopped(pid: int) -> bool:
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_rank0_exits_within_the_commit_timeout_when_its_peer_is_lost(tmp_path: Path, how: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WARMSTART_RUN_DIR=str(tmp_path / "events"),
-               WARMSTART_JOB_ID="dead-peer", PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        WARMSTART_RUN_DIR=str(tmp_path / "events"),
+        WARMSTART_JOB_ID="dead-peer",
+        PYTHONWARNINGS="ignore",
+    )
     env.pop("WARMSTART", None)
     port, ckpt_dir = str(free_port()), tmp_path / "ckpt"
     procs = []
     for rank in (0, 1):
         log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(rank), port, str(tmp_path), str(ckpt_dir), how,
-                                       str(COMMIT_TIMEOUT_S)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKER),
+                    str(rank),
+                    port,
+                    str(tmp_path),
+                    str(ckpt_dir),
+                    how,
+                    str(COMMIT_TIMEOUT_S),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     rank0, rank1 = procs
     try:
         deadline = time.monotonic() + 120  # start-up (torch imports) and the first, committed save
@@ -57,8 +77,10 @@ def test_rank0_exits_within_the_commit_timeout_when_its_peer_is_lost(tmp_path: P
         try:  # hang guard, not a speed check: before, rank 0 waited out gloo's 30 min default timeout
             rank0.wait(timeout=BOUND_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 still running {BOUND_S:g} s after rank 1 was lost:\n"
-                        + (tmp_path / "rank0.log").read_text()[-3000:])
+            pytest.fail(
+                f"rank 0 still running {BOUND_S:g} s after rank 1 was lost:\n"
+                + (tmp_path / "rank0.log").read_text()[-3000:]
+            )
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -77,8 +99,12 @@ def test_rank0_exits_within_the_commit_timeout_when_its_peer_is_lost(tmp_path: P
     if how == "kill":
         assert report["failures"] == 1 and report["last_committed_step"] == 0
         assert report["gloo_threads_at_exit"] == 0  # close() destroyed and let go of its own gloo group
-    committed = [e.step for path in (tmp_path / "events").glob("events-r0-a*.jsonl") for e in read_events(path)
-                 if e.event == "checkpoint_committed"]
+    committed = [
+        e.step
+        for path in (tmp_path / "events").glob("events-r0-a*.jsonl")
+        for e in read_events(path)
+        if e.event == "checkpoint_committed"
+    ]
     assert committed == [0]
     found = latest_committed(ckpt_dir)
     assert found is not None and found.step == 0

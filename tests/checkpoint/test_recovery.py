@@ -26,15 +26,33 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 STEPS, SAVE_EVERY, KILL_AT = 12, 3, 8  # saves after steps 2, 5, 8, 11; the write of step 8 is killed
 
 
-def torchrun(out: Path, ckpt_dir: Path, *args: str, restarts: int = 0,
-             preexec: Callable[[], None] | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WARMSTART_RUN_DIR=str(out / "events"), WARMSTART_JOB_ID="ckpt-test",
-               # torchrun shares its rendezvous TCPStore with the workers; after a restart a late rank 0
-               # can be sent its previous attempt's gloo address (pytorch/pytorch#135712; see
-               # test_torchrun_restart.py).
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), str(TRAIN),
-           "--dir", str(ckpt_dir), "--out", str(out), *args]
+def torchrun(
+    out: Path, ckpt_dir: Path, *args: str, restarts: int = 0, preexec: Callable[[], None] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        WARMSTART_RUN_DIR=str(out / "events"),
+        WARMSTART_JOB_ID="ckpt-test",
+        # torchrun shares its rendezvous TCPStore with the workers; after a restart a late rank 0
+        # can be sent its previous attempt's gloo address (pytorch/pytorch#135712; see
+        # test_torchrun_restart.py).
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        str(TRAIN),
+        "--dir",
+        str(ckpt_dir),
+        "--out",
+        str(out),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
 
 
@@ -70,8 +88,9 @@ def committed_events(out: Path) -> dict[int, list[int]]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run (process-based async saves) to compare against."""
     out = tmp_path_factory.mktemp("reference")
-    done = torchrun(out, out / "ckpt", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-                    "--mode", "async-process")
+    done = torchrun(
+        out, out / "ckpt", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--mode", "async-process"
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return out
 
@@ -81,8 +100,21 @@ def test_sigkill_mid_async_save_resumes_from_previous_commit(reference: Path, tm
     ckpt_dir = tmp_path / "ckpt"
     # The killed rank dies inside the background write (see _train.Tripwire), after its data file is
     # opened and before it reports the write to the coordinator: deterministic, no timing involved.
-    done = torchrun(tmp_path, ckpt_dir, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--mode", "async-thread",
-                    "--kill-rank", str(kill_rank), "--kill-at", str(KILL_AT), restarts=1)
+    done = torchrun(
+        tmp_path,
+        ckpt_dir,
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--mode",
+        "async-thread",
+        "--kill-rank",
+        str(kill_rank),
+        "--kill-at",
+        str(KILL_AT),
+        restarts=1,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "exitcode: -9" in done.stderr  # the rank really died of SIGKILL
     rep = reports(tmp_path)
@@ -93,8 +125,9 @@ def test_sigkill_mid_async_save_resumes_from_previous_commit(reference: Path, tm
         assert second["saved"] == [8, 11] and second["committed"] == 11 and second["position"] == STEPS
     if kill_rank == 0:
         # Nobody was left to clean up: the partial folder of step 8 was there at the restart, and ignored.
-        assert any(name.startswith("step_000000008.") and name.endswith(".partial")
-                   for name in rep[(0, 1)]["seen_at_start"])
+        assert any(
+            name.startswith("step_000000008.") and name.endswith(".partial") for name in rep[(0, 1)]["seen_at_start"]
+        )
     assert [c.step for c in committed_checkpoints(ckpt_dir)] == [8, 11]
     assert not list(ckpt_dir.glob("*.partial"))
     events = committed_events(tmp_path)
@@ -111,9 +144,22 @@ def test_sigkill_mid_async_save_resumes_from_previous_commit(reference: Path, tm
 @pytest.mark.parametrize("on_error", ["continue", "raise"])
 def test_full_volume(full_disk, tmp_path: Path, on_error: str) -> None:
     # Step 2's checkpoint is small; from step 3 on each rank holds 4 MiB more: nothing after fits.
-    done = torchrun(tmp_path / "out", full_disk.path, "--steps", "9", "--save-every", str(SAVE_EVERY),
-                    "--keep", "1", "--on-error", on_error, "--ballast-kb-after", "3", "4096",
-                    preexec=full_disk.preexec())
+    done = torchrun(
+        tmp_path / "out",
+        full_disk.path,
+        "--steps",
+        "9",
+        "--save-every",
+        str(SAVE_EVERY),
+        "--keep",
+        "1",
+        "--on-error",
+        on_error,
+        "--ballast-kb-after",
+        "3",
+        "4096",
+        preexec=full_disk.preexec(),
+    )
     where = f"checkpoint of step 5 was not saved in {full_disk.path}: {full_disk.errno_text}"
     lines = [line for line in done.stderr.splitlines() if "was not saved in" in line]
     if on_error == "continue":
@@ -126,8 +172,10 @@ def test_full_volume(full_disk, tmp_path: Path, on_error: str) -> None:
         assert done.returncode != 0
         # Every rank stops with the same one-line error (torchrun prefixes each line with "[rankN]: ").
         for rank in (0, 1):
-            assert any(line.startswith(f"[rank{rank}]: warmstart.checkpoint.checkpointer.CheckpointError: {where}")
-                       for line in lines), lines
+            assert any(
+                line.startswith(f"[rank{rank}]: warmstart.checkpoint.checkpointer.CheckpointError: {where}")
+                for line in lines
+            ), lines
     latest = latest_committed(full_disk.path)
     assert latest is not None and latest.step == 2 and [c.step for c in committed_checkpoints(full_disk.path)] == [2]
     assert FileSystemReader(latest.path).read_metadata().state_dict_metadata  # the earlier checkpoint is readable

@@ -25,8 +25,13 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 def test_restart_with_late_rank0_and_unshared_store() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    done = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(PROBE)],
-                          env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(PROBE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "exitcode: -9" in output  # attempt 0 really lost rank 1

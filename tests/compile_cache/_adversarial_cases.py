@@ -54,6 +54,7 @@ def _lin(seed: int) -> nn.Linear:
 
 # -- class and function attributes ----------------------------------------------------------------
 
+
 class ScaledNet(nn.Module):
     K = 2.0
 
@@ -168,6 +169,7 @@ def _(cond):
 
 # -- function defaults ------------------------------------------------------------------------------
 
+
 def with_default(x, s=2.0):
     return x * s
 
@@ -203,6 +205,7 @@ def _(cond):
 
 
 # -- constants in other modules ---------------------------------------------------------------------
+
 
 def calls_helper(x):
     return helper.shifted(x) * 0.5
@@ -246,6 +249,7 @@ def _(cond):
 
 # -- process state ------------------------------------------------------------------------------------
 
+
 def reads_argv_length(x):
     return x * len(sys.argv)
 
@@ -257,6 +261,7 @@ def _argv(cond):
     def restore():
         for item in added:
             sys.argv.remove(item)
+
     return restore
 
 
@@ -286,6 +291,7 @@ def _(cond):
 
 
 # -- torch flags and global state ---------------------------------------------------------------------
+
 
 def reads_mkldnn_flag(x):
     return x * 2.0 if torch.backends.mkldnn.enabled else x * 3.0
@@ -340,6 +346,7 @@ def _(cond):
 
 
 # -- hooks -----------------------------------------------------------------------------------------------
+
 
 class Hooked(nn.Module):
     def __init__(self, seed: int):
@@ -413,6 +420,7 @@ def _(cond):
 def _only_on(module_type):
     def hook(module, inputs, output):
         return output * 3.0 if isinstance(module, module_type) else output
+
     return hook
 
 
@@ -448,6 +456,7 @@ def _(cond):
     def restore():
         global SCALE
         SCALE = 2.0
+
     return Case(reads_own_global, (_x(),), teardown=restore)
 
 
@@ -462,9 +471,11 @@ def _(cond):
 
 # -- more that a frame can read: closures, partials, arguments, module state ------------------------
 
+
 def make_scaler(s):
     def scaler(x):
         return x * s + 0.25
+
     return scaler
 
 

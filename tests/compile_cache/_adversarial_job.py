@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+import torch
+from torch._dynamo.utils import counters
 
-import _adversarial_cases as cases  # noqa: E402
+import _adversarial_cases as cases
 
 
 class _Said(logging.Handler):
@@ -85,8 +85,11 @@ def run_case(name: str, cond: str) -> dict:
         out, grads = _run(compiled, case.args, case.backward)
         original = case.target
         expected, expected_grads = _run(original, case.args, case.backward)
-        same = _same(out, expected) and len(grads) == len(expected_grads) and all(
-            _same(g, e) for g, e in zip(grads, expected_grads))
+        same = (
+            _same(out, expected)
+            and len(grads) == len(expected_grads)
+            and all(_same(g, e) for g, e in zip(grads, expected_grads, strict=True))
+        )
         error = None
     except Exception:
         same, error = False, traceback.format_exc()[-1500:]
@@ -97,9 +100,16 @@ def run_case(name: str, cond: str) -> dict:
             case.teardown()
     read = _frames_reads() - reads
     traced_now = counters["stats"].get("unique_graphs", 0) - traced
-    return {"family": family, "same": same, "installed": read >= 1 and traced_now == 0, "frames_reads": read,
-            "traced": traced_now, "must_trace": case.must_trace, "error": error,
-            "said": [line for line in _said.lines if "compiled frames" in line]}
+    return {
+        "family": family,
+        "same": same,
+        "installed": read >= 1 and traced_now == 0,
+        "frames_reads": read,
+        "traced": traced_now,
+        "must_trace": case.must_trace,
+        "error": error,
+        "said": [line for line in _said.lines if "compiled frames" in line],
+    }
 
 
 def main() -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from _adversarial_job import run_case  # noqa: E402
-from _adversarial_cases import CASES, Case, _x, case  # noqa: E402
+from _adversarial_job import run_case
+from _adversarial_cases import CASES, Case, _x, case
 
 
 def times_rank(x):
@@ -36,7 +36,7 @@ def initialized(x):
 def my_rows(x):
     rows = x.shape[0] // dist.get_world_size()
     rank = dist.get_rank()
-    return x[rank * rows:(rank + 1) * rows] * 2.0
+    return x[rank * rows : (rank + 1) * rows] * 2.0
 
 
 def rank0_branch(x):
@@ -45,8 +45,13 @@ def rank0_branch(x):
     return x - 1.0
 
 
-RANK_CASES = {"get_rank": times_rank, "get_world_size": times_world, "is_initialized": initialized,
-              "rank_shard": my_rows, "rank0_branch": rank0_branch}
+RANK_CASES = {
+    "get_rank": times_rank,
+    "get_world_size": times_world,
+    "is_initialized": initialized,
+    "rank_shard": my_rows,
+    "rank0_branch": rank0_branch,
+}
 for _name, _function in RANK_CASES.items():
     case(_name, "torch.distributed")(lambda cond, f=_function: Case(f, (torch.ones(4, 4) if f is my_rows else _x(),)))
 

@@ -36,8 +36,12 @@ def main() -> None:
     import frames_model
 
     torch.manual_seed(0)
-    model = {"net": frames_model.Net, "broken": frames_model.Broken, "stack": frames_model.Stack,
-             "callee": frames_model.Callee}[args.model]()
+    model = {
+        "net": frames_model.Net,
+        "broken": frames_model.Broken,
+        "stack": frames_model.Stack,
+        "callee": frames_model.Callee,
+    }[args.model]()
     x = torch.randn(12 if args.variant == "shape" else 8, 16)
     variant = args.variant
     if variant == "global":
@@ -84,8 +88,16 @@ def main() -> None:
         extra["other_backend_calls"] = len(calls)
     from torch._dynamo.utils import counters
 
-    result = {"same": bool(same), "loss": float(out.detach().double().pow(2).sum()), "traced": counters["stats"].get("unique_graphs", 0), "frames_hits": 0,
-              "frames_misses": 0, "frames_writes": 0, "frames_rejected": 0, **extra}
+    result = {
+        "same": bool(same),
+        "loss": float(out.detach().double().pow(2).sum()),
+        "traced": counters["stats"].get("unique_graphs", 0),
+        "frames_hits": 0,
+        "frames_misses": 0,
+        "frames_writes": 0,
+        "frames_rejected": 0,
+        **extra,
+    }
     from warmstart.compile_cache import get_store
 
     store = get_store()
@@ -111,7 +123,9 @@ def _same(compiled, eager: nn.Module, x: torch.Tensor, out: torch.Tensor | None 
     expected = eager(x)
     expected.pow(2).mean().backward()
     return torch.allclose(out, expected, atol=1e-5, rtol=1e-5) and all(
-        torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5) for a, b in zip(model.parameters(), eager.parameters()))
+        torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+        for a, b in zip(model.parameters(), eager.parameters(), strict=True)
+    )
 
 
 def _install_waits_for_dynamo(frames_model, x: torch.Tensor, others: list) -> bool:

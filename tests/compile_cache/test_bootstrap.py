@@ -23,16 +23,21 @@ def test_hook_does_nothing_when_unset():
 def test_hook_activates_without_importing_torch():
     # torch's remote-cache switches are never exported (children without warmstart would inherit them):
     # they are set in torch's config when it is imported.
-    proc = _python("import os, sys; print('warmstart' in sys.modules, 'torch' in sys.modules, "
-                   "os.environ.get('TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE'), os.environ['TORCH_COMPILE_JOB_ID'][:10])",
-                   WARMSTART="1")
+    proc = _python(
+        "import os, sys; print('warmstart' in sys.modules, 'torch' in sys.modules, "
+        "os.environ.get('TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE'), os.environ['TORCH_COMPILE_JOB_ID'][:10])",
+        WARMSTART="1",
+    )
     assert proc.stdout.split() == ["True", "False", "None", "warmstart:"], proc.stderr
 
 
 def test_hook_installs_torch_backends_on_import():
-    proc = _python("import torch._inductor.remote_cache as rc; "
-                   "print(rc.RemoteFxGraphCache.backend_override_cls.args, "
-                   "rc.RemoteDynamoPGOCache.backend_override_cls.args)", WARMSTART="1")
+    proc = _python(
+        "import torch._inductor.remote_cache as rc; "
+        "print(rc.RemoteFxGraphCache.backend_override_cls.args, "
+        "rc.RemoteDynamoPGOCache.backend_override_cls.args)",
+        WARMSTART="1",
+    )
     assert proc.stdout.strip() == "('fx_graph',) ('pgo',)", proc.stderr
 
 
@@ -46,17 +51,22 @@ def test_bad_setting_is_one_line_and_the_program_still_runs():
 
 def test_bad_job_identity_is_said_once_per_job():
     # A bad RANK fails the job identity itself: whether to stay quiet must not depend on parsing it.
-    proc = _python("import subprocess, sys; print('ran'); subprocess.run([sys.executable, '-c', 'print(1)'])",
-                   WARMSTART="1", RANK="zero")
+    proc = _python(
+        "import subprocess, sys; print('ran'); subprocess.run([sys.executable, '-c', 'print(1)'])",
+        WARMSTART="1",
+        RANK="zero",
+    )
     assert proc.stdout.split() == ["ran", "1"]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "RANK='zero'" in lines[0], proc.stderr
 
 
 def test_enable_keeps_torchruns_run_id_out_of_the_pgo_job_id():
-    proc = _python("import os, warmstart; warmstart.enable(); "
-                   "print(os.environ.get('WARMSTART_JOB_ID'), os.environ['TORCH_COMPILE_JOB_ID'])",
-                   TORCHELASTIC_RUN_ID="elastic-1")
+    proc = _python(
+        "import os, warmstart; warmstart.enable(); "
+        "print(os.environ.get('WARMSTART_JOB_ID'), os.environ['TORCH_COMPILE_JOB_ID'])",
+        TORCHELASTIC_RUN_ID="elastic-1",
+    )
     job_id, pgo = proc.stdout.split()
     assert job_id == "None" and pgo.startswith("warmstart:") and pgo != "warmstart:elastic-1", proc.stderr
     proc = _python("import os, warmstart; warmstart.enable(job_id='run-7'); print(os.environ['TORCH_COMPILE_JOB_ID'])")
@@ -87,15 +97,18 @@ def test_enable_exports_settings_to_children(tmp_path):
     proc = _python(
         "import os, subprocess, sys, warmstart; warmstart.enable(cache_dir=%r, namespace='team-a'); "
         "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"WARMSTART\"], "
-        "os.environ[\"WARMSTART_NAMESPACE\"], os.environ[\"WARMSTART_JOB_ID\"][:4])'], "
-        "capture_output=True, text=True).stdout.strip())" % str(tmp_path))
+        'os.environ["WARMSTART_NAMESPACE"], os.environ["WARMSTART_JOB_ID"][:4])\'], '
+        "capture_output=True, text=True).stdout.strip())" % str(tmp_path)
+    )
     assert proc.stdout.strip() == "1 team-a job-", proc.stderr
 
 
 def test_enable_rejects_bad_arguments_before_changing_anything():
-    proc = _python("import os, warmstart\n"
-                   "try:\n    warmstart.enable(mode='sometimes')\nexcept ValueError as e:\n    print(e)\n"
-                   "print(os.environ.get('WARMSTART'))")
+    proc = _python(
+        "import os, warmstart\n"
+        "try:\n    warmstart.enable(mode='sometimes')\nexcept ValueError as e:\n    print(e)\n"
+        "print(os.environ.get('WARMSTART'))"
+    )
     out = proc.stdout.strip().splitlines()
     assert out[0] == "WARMSTART_CACHE_MODE='sometimes' is not valid: expected one of rw, ro, off"
     assert out[1] == "None"
@@ -109,7 +122,8 @@ def test_cli_bad_setting_exit_2(monkeypatch):
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "warmstart: WARMSTART_CACHE_URL='http://cache:6379' is not valid: expected redis://[user:pass@]host:port[/db], "
-        "rediss://... (TLS) or redis+cluster://host:port[,host:port...]"]
+        "rediss://... (TLS) or redis+cluster://host:port[,host:port...]"
+    ]
 
 
 # -- the PGO job id: one per entry script or module --------------------------------------------
@@ -120,8 +134,9 @@ _PRINT_JOB_ID = "import os, torch\nprint('JOB', torch.compiler.config.job_id, os
 def _job_id(tmp_path, *args: str, cwd=None, **env: str) -> str:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCH_COMPILE"))}
     base.update(WARMSTART="1", WARMSTART_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path), **env)
-    proc = subprocess.run([sys.executable, *args], env=base, cwd=cwd or tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, *args], env=base, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("JOB ")]
     _, in_torch, in_env = line.split()
@@ -166,8 +181,13 @@ def test_entry_point_parsing_of_interpreter_command_lines():
     from warmstart.compile_cache.torch_hooks import _entry_from_command_line as entry
 
     assert entry(["-m", "pkg.train", "--lr", "3"]) == "pkg.train"
-    assert entry(["-Im", "pkg.train"]) == entry(["-mpkg.train"]) == entry(["-X", "dev", "-W", "error", "-m", "pkg.train"]) \
-        == entry(["-Xdev", "--check-hash-based-pycs", "never", "-B", "-m", "pkg.train"]) == "pkg.train"
+    assert (
+        entry(["-Im", "pkg.train"])
+        == entry(["-mpkg.train"])
+        == entry(["-X", "dev", "-W", "error", "-m", "pkg.train"])
+        == entry(["-Xdev", "--check-hash-based-pycs", "never", "-B", "-m", "pkg.train"])
+        == "pkg.train"
+    )
     assert entry(["/a/b/train.py", "-m", "x"]) == entry(["-u", "train.py"]) == "train.py"
     assert entry(["-c", "print(1)", "x"]) == "-c print(1)" != entry(["-c", "print(2)"])
     assert entry(["-"]) == "-" and entry([]) is None and entry(["-i"]) is None

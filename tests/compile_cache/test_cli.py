@@ -14,8 +14,13 @@ from warmstart.config import Settings
 
 
 def _env(url: str, tmp_path, secret: str = "cli-secret") -> dict[str, str]:
-    return {"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_SECRET": secret,
-            "WARMSTART_CACHE_DIR": str(tmp_path / "cache"), "WARMSTART_NAMESPACE": "cli"}
+    return {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": url,
+        "WARMSTART_SECRET": secret,
+        "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
+        "WARMSTART_NAMESPACE": "cli",
+    }
 
 
 def _invoke(args: list[str], env: dict[str, str]):
@@ -31,8 +36,9 @@ def test_doctor_passes_and_leaves_nothing_behind(redis_node, tmp_path):
 
 
 def test_doctor_reports_entries_signed_with_another_secret(redis_node, tmp_path):
-    store = open_store(Settings.from_env(_env(redis_node.url, tmp_path / "a", secret="team-secret")),
-                       persist_stats=False)
+    store = open_store(
+        Settings.from_env(_env(redis_node.url, tmp_path / "a", secret="team-secret")), persist_stats=False
+    )
     for i in range(3):
         store.put("fx_graph", f"k{i}", b"graph" * 100, sync=True)
     store.close()
@@ -48,8 +54,7 @@ def test_doctor_json_has_stable_keys_and_what_it_found(redis_node, tmp_path):
     data = json.loads(result.stdout)
     assert list(data) == ["ok", "checks", "namespace", "key_id", "key_id_entries", "other_key_ids"]
     assert data["ok"] is True
-    assert all(set(c) == {"name", "status", "detail"} and c["status"] in ("ok", "warn", "fail")
-               for c in data["checks"])
+    assert all(set(c) == {"name", "status", "detail"} and c["status"] in ("ok", "warn", "fail") for c in data["checks"])
     assert {c["name"]: c["status"] for c in data["checks"]}["round trip"] == "ok"
     assert data["namespace"]["id"].startswith("v") and data["namespace"]["components"]["user"] == "cli"
     assert data["key_id"] and data["key_id_entries"] == 0 and data["other_key_ids"] == {}
@@ -122,15 +127,22 @@ def test_clear_remote_with_a_verify_only_key_deletes_nothing(redis_node, tmp_pat
     from warmstart.compile_cache.signing import generate_key_pair
 
     generate_key_pair(tmp_path / "signing.key", tmp_path / "verify.pub")
-    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_KEY_FILE": str(tmp_path / "signing.key"),
-           "WARMSTART_CACHE_DIR": str(tmp_path / "cache"), "WARMSTART_NAMESPACE": "cli"}
+    env = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": redis_node.url,
+        "WARMSTART_KEY_FILE": str(tmp_path / "signing.key"),
+        "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
+        "WARMSTART_NAMESPACE": "cli",
+    }
     writer = open_store(Settings.from_env(env))
     writer.put("fx_graph", "k", b"graph", sync=True)
     writer.close()
     keys_before = sorted(redis.Redis.from_url(redis_node.url).scan_iter("ws:*"))
     assert keys_before
 
-    refused = _invoke(["cache", "clear", "--local", "--remote"], dict(env, WARMSTART_KEY_FILE=str(tmp_path / "verify.pub")))
+    refused = _invoke(
+        ["cache", "clear", "--local", "--remote"], dict(env, WARMSTART_KEY_FILE=str(tmp_path / "verify.pub"))
+    )
     assert refused.exit_code == 2, refused.output
     assert "is a public key, which can only read and verify" in refused.output
     assert sorted(redis.Redis.from_url(redis_node.url).scan_iter("ws:*")) == keys_before

@@ -45,16 +45,30 @@ def _job(machine: Path, model_dir: Path, model: str, variant: str = "base", **en
     for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
         (machine / sub).mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-               WARMSTART_CACHE_DIR=str(machine / "warmstart"), WARMSTART_RUN_DIR=str(machine / "runs"),
-               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", WARMSTART="1", WARMSTART_DYNAMO="1")
+    env.update(
+        HOME=str(machine / "home"),
+        TMPDIR=str(machine / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
+        WARMSTART_RUN_DIR=str(machine / "runs"),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+        WARMSTART="1",
+        WARMSTART_DYNAMO="1",
+    )
     env.update(env_extra)
     # Each machine works in a directory of its own (torch's configs hold paths such as the working
     # directory's: they must not be part of the key).
-    proc = subprocess.run([sys.executable, str(JOB), str(model_dir), "--model", model, "--variant", variant], env=env,
-                          capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=machine)
+    proc = subprocess.run(
+        [sys.executable, str(JOB), str(model_dir), "--model", model, "--variant", variant],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        cwd=machine,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
     result["log"] = [line for line in proc.stderr.splitlines() if "warmstart" in line]
     return result
 
@@ -72,9 +86,15 @@ def shared_cache(tmp_path_factory):
     models = _model_dir(root, "models")
     producer = {"WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(root / "signing.key")}
     with ThreadPoolExecutor(max_workers=2) as pool:  # one machine, two jobs at a time: the cold compiles dominate
-        cold = dict(zip(MODELS, pool.map(lambda model: _job(root / "producer", models, model, **producer), MODELS)))
-    yield {"root": root, "models": models, "cold": cold,
-           "reader": {"WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(root / "verify.pub")}}
+        cold = dict(
+            zip(MODELS, pool.map(lambda model: _job(root / "producer", models, model, **producer), MODELS), strict=True)
+        )
+    yield {
+        "root": root,
+        "models": models,
+        "cold": cold,
+        "reader": {"WARMSTART_CACHE_URL": node.url, "WARMSTART_KEY_FILE": str(root / "verify.pub")},
+    }
     node.stop()
     shutil.rmtree(root, ignore_errors=True)
 
@@ -125,8 +145,9 @@ def test_a_model_whose_frames_only_partly_qualify(shared_cache):
     assert result["loss"] == shared_cache["cold"]["broken"]["loss"]
 
 
-@pytest.mark.parametrize("variants", [("global", "flag", "builtin", "shape", "dtype", "attribute", "submodule",
-                                       "torch-config")])
+@pytest.mark.parametrize(
+    "variants", [("global", "flag", "builtin", "shape", "dtype", "attribute", "submodule", "torch-config")]
+)
 def test_no_stale_frame_when_what_it_reads_changed(shared_cache, variants):
     results = _machines(shared_cache, {v: (shared_cache["models"], "net", v) for v in variants})
     for variant, result in results.items():
@@ -139,8 +160,10 @@ def test_no_stale_frame_when_a_line_of_code_changed(shared_cache):
     forward = _model_dir(root, "forward-edited", ("* self.scale\n", "* self.scale * 2.0\n"))
     helper = _model_dir(root, "helper-edited", ("return x * SCALE + 1.0", "return x * SCALE - 1.0"))
     held = _model_dir(root, "held-edited", ("return x * 0.5", "return x * 0.25"))
-    results = _machines(shared_cache, {"forward": (forward, "net", "base"), "helper": (helper, "net", "base"),
-                                       "held": (held, "net", "base")})
+    results = _machines(
+        shared_cache,
+        {"forward": (forward, "net", "base"), "helper": (helper, "net", "base"), "held": (held, "net", "base")},
+    )
     for name, result in results.items():
         assert result["same"] and result["traced"] >= 1, (name, result)
     # The edited forward has another key. The entry is found for an edited global function and for
@@ -155,8 +178,13 @@ def test_no_stale_frame_when_a_line_of_code_changed(shared_cache):
 @pytest.mark.parametrize("setting", ["0", ""])
 def test_compiled_frames_are_off_unless_warmstart_dynamo_is_1(shared_cache, setting):
     root = shared_cache["root"]
-    result = _job(root / f"machine-off{setting}", shared_cache["models"], "net", WARMSTART_DYNAMO=setting,
-                  **shared_cache["reader"])
+    result = _job(
+        root / f"machine-off{setting}",
+        shared_cache["models"],
+        "net",
+        WARMSTART_DYNAMO=setting,
+        **shared_cache["reader"],
+    )
     assert result["same"]
     assert result["frames_hits"] == 0 and result["frames_misses"] == 0 and result["traced"] == 1
 
@@ -191,9 +219,17 @@ def test_an_entry_torch_cannot_load_costs_one_warning_and_a_trace(shared_cache, 
     from warmstart.config import Settings
 
     url = shared_cache["reader"]["WARMSTART_CACHE_URL"]
-    writer = open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_CACHE_DIR":
-                                           str(tmp_path / "writer"), "WARMSTART_KEY_FILE":
-                                           str(shared_cache["root"] / "signing.key")}), persist_stats=False)
+    writer = open_store(
+        Settings.from_env(
+            {
+                "WARMSTART": "1",
+                "WARMSTART_CACHE_URL": url,
+                "WARMSTART_CACHE_DIR": str(tmp_path / "writer"),
+                "WARMSTART_KEY_FILE": str(shared_cache["root"] / "signing.key"),
+            }
+        ),
+        persist_stats=False,
+    )
     client = redis.Redis.from_url(url)
     keys = [name.decode().rsplit(":", 1)[1] for name in client.scan_iter("ws:*:p:dynamo_frames:*")]
     originals = {key: writer.get("dynamo_frames", key).value for key in keys}
@@ -250,9 +286,17 @@ def test_a_load_that_fails_midway_leaves_no_entry_behind(shared_cache, tmp_path)
     from warmstart.config import Settings
 
     url = shared_cache["reader"]["WARMSTART_CACHE_URL"]
-    writer = open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_CACHE_DIR":
-                                           str(tmp_path / "writer"), "WARMSTART_KEY_FILE":
-                                           str(shared_cache["root"] / "signing.key")}), persist_stats=False)
+    writer = open_store(
+        Settings.from_env(
+            {
+                "WARMSTART": "1",
+                "WARMSTART_CACHE_URL": url,
+                "WARMSTART_CACHE_DIR": str(tmp_path / "writer"),
+                "WARMSTART_KEY_FILE": str(shared_cache["root"] / "signing.key"),
+            }
+        ),
+        persist_stats=False,
+    )
     client = redis.Redis.from_url(url)
     originals = {}
     for name in client.scan_iter("ws:*:p:dynamo_frames:*"):
@@ -267,7 +311,9 @@ def test_a_load_that_fails_midway_leaves_no_entry_behind(shared_cache, tmp_path)
             writer.put("dynamo_frames", key, pickle.dumps(stored, protocol=pickle.HIGHEST_PROTOCOL), sync=True)
     assert originals
     try:
-        result = _job(shared_cache["root"] / "machine-midway", shared_cache["models"], "stack", **shared_cache["reader"])
+        result = _job(
+            shared_cache["root"] / "machine-midway", shared_cache["models"], "stack", **shared_cache["reader"]
+        )
     finally:
         for key, value in originals.items():
             writer.put("dynamo_frames", key, value, sync=True)
@@ -282,15 +328,30 @@ def test_a_job_read_from_standard_input_compiles_twice(tmp_path):
     """torch's package reads the source of every function a frame inlines, and code read from
     standard input has none: that frame is not packaged, and neither the job that compiles it nor
     the next one on the same machine fails."""
-    source = ("import torch\n"
-              "def helper(x):\n    return x.cos() + 1\n"
-              "def f(x):\n    return helper(x) * 2\n"
-              "x = torch.arange(4.0)\n"
-              "print('RESULT', bool(torch.equal(torch.compile(f)(x), f(x))))\n")
+    source = (
+        "import torch\n"
+        "def helper(x):\n    return x.cos() + 1\n"
+        "def f(x):\n    return helper(x) * 2\n"
+        "x = torch.arange(4.0)\n"
+        "print('RESULT', bool(torch.equal(torch.compile(f)(x), f(x))))\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(WARMSTART="1", WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               WARMSTART_RUN_DIR=str(tmp_path / "runs"), TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1")
+    env.update(
+        WARMSTART="1",
+        WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        WARMSTART_RUN_DIR=str(tmp_path / "runs"),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+    )
     for attempt in range(2):
-        proc = subprocess.run([sys.executable, "-"], input=source, env=env, capture_output=True, text=True,
-                              timeout=HANG_GUARD_S, cwd=tmp_path)
+        proc = subprocess.run(
+            [sys.executable, "-"],
+            input=source,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0 and "RESULT True" in proc.stdout, (attempt, proc.stderr[-3000:])

@@ -18,28 +18,42 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "benchmarks" / "compile_job.py"
 
-REMOTE_SWITCHES = ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
-                   "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE",
-                   "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE")
+REMOTE_SWITCHES = (
+    "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE",
+    "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
+    "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO",
+    "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE",
+    "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE",
+)
 
 
 def machine_env(tmp: Path, **extra: str) -> dict[str, str]:
     """A fresh "machine": empty HOME, TMPDIR and caches; no warmstart or torch switches inherited."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE", "TORCH_DYNAMO", "TRITON"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE", "TORCH_DYNAMO", "TRITON"))
+    }
     for name in ("home", "tmp"):
         (tmp / name).mkdir(parents=True, exist_ok=True)
-    env.update(HOME=str(tmp / "home"), TMPDIR=str(tmp / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
-               WARMSTART_CACHE_DIR=str(tmp / "warmstart"), WARMSTART_RUN_DIR=str(tmp / "runs"),
-               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1",
-               TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
+    env.update(
+        HOME=str(tmp / "home"),
+        TMPDIR=str(tmp / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+        WARMSTART_CACHE_DIR=str(tmp / "warmstart"),
+        WARMSTART_RUN_DIR=str(tmp / "runs"),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+        TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
+    )
     env.update(extra)
     return env
 
 
 def run_python(code: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -48,10 +62,15 @@ def test_warmstart_off_child_never_reaches_torchs_redis(redis_node, tmp_path):
     """A WARMSTART=1 job compiles (into warmstart's store), then starts a WARMSTART=0 child that
     compiles on a fresh machine while torch's Redis variables name a plain redis-server: that server
     must stay empty. Before the fix the child inherited TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=1 & co."""
-    env = machine_env(tmp_path / "parent", WARMSTART="1", TORCHINDUCTOR_REDIS_HOST="127.0.0.1",
-                      TORCHINDUCTOR_REDIS_PORT=str(redis_node.port))
+    env = machine_env(
+        tmp_path / "parent",
+        WARMSTART="1",
+        TORCHINDUCTOR_REDIS_HOST="127.0.0.1",
+        TORCHINDUCTOR_REDIS_PORT=str(redis_node.port),
+    )
     child = machine_env(tmp_path / "child")  # its own fresh directories; torch's Redis variables come from env
-    proc = run_python(f"""
+    proc = run_python(
+        f"""
         import json, os, runpy, subprocess, sys
         sys.argv = [{str(JOB)!r}, "--model", "tiny"]
         runpy.run_path({str(JOB)!r}, run_name="__main__")  # this process compiles, with warmstart
@@ -62,17 +81,19 @@ def test_warmstart_off_child_never_reaches_torchs_redis(redis_node, tmp_path):
                                      functorch_config.enable_remote_autograd_cache,
                                      dynamo_config.automatic_dynamic_remote_pgo]))
         print("ENV " + json.dumps(sorted(k for k in {list(REMOTE_SWITCHES)!r} if k in os.environ)))
-        env = dict(os.environ, WARMSTART="0", HOME={child['HOME']!r}, TMPDIR={child['TMPDIR']!r},
-                   TORCHINDUCTOR_CACHE_DIR={child['TORCHINDUCTOR_CACHE_DIR']!r})
+        env = dict(os.environ, WARMSTART="0", HOME={child["HOME"]!r}, TMPDIR={child["TMPDIR"]!r},
+                   TORCHINDUCTOR_CACHE_DIR={child["TORCHINDUCTOR_CACHE_DIR"]!r})
         child = subprocess.run([sys.executable, {str(JOB)!r}, "--model", "tiny"], env=env,
                                capture_output=True, text=True)
         sys.stderr.write(child.stderr[-3000:])
         assert child.returncode == 0, "child failed"
         print("CHILD " + child.stdout.strip().splitlines()[-1])
-    """, env)
+    """,
+        env,
+    )
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines() if " " in line}
     parent = json.loads(lines["RESULT"])
-    child_result = json.loads(lines["CHILD"][len("RESULT "):])
+    child_result = json.loads(lines["CHILD"][len("RESULT ") :])
 
     assert redis.Redis.from_url(redis_node.url).dbsize() == 0  # the child never used torch's Redis backend
     assert json.loads(lines["ENV"]) == []  # nothing exported for children to inherit ...
@@ -88,7 +109,8 @@ def test_compile_workers_see_the_switches_and_warmstarts_backend(tmp_path):
     """Inductor's compile workers are new Python processes started with the parent's environment
     (WARMSTART=1 included): they run the start-up hook and switch the caches on themselves."""
     probe = tmp_path / "ws_probe_mod.py"
-    probe.write_text(textwrap.dedent("""
+    probe.write_text(
+        textwrap.dedent("""
         import os
 
         def probe():
@@ -102,9 +124,11 @@ def test_compile_workers_see_the_switches_and_warmstarts_backend(tmp_path):
                     "backend": rc.RemoteFxGraphCache.backend_override_cls.args[0],
                     "store": get_store() is not None,
                     "env": "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE" in os.environ}
-    """))
+    """)
+    )
     env = machine_env(tmp_path, WARMSTART="1")
-    proc = run_python(f"""
+    proc = run_python(
+        f"""
         import json, os, sys
         sys.path.insert(0, {str(tmp_path)!r})
         import ws_probe_mod
@@ -116,24 +140,38 @@ def test_compile_workers_see_the_switches_and_warmstarts_backend(tmp_path):
         finally:
             pool.shutdown()
         print("PARENT " + json.dumps(ws_probe_mod.probe()))
-    """, env)
-    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-             if line.startswith(("WORKER ", "PARENT "))}
+    """,
+        env,
+    )
+    lines = {
+        line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith(("WORKER ", "PARENT "))
+    }
     worker, parent = lines["WORKER"], lines["PARENT"]
     assert worker["pid"] != parent["pid"]
     for seen in (worker, parent):
-        assert seen == {"pid": seen["pid"], "fx": True, "autograd": True, "backend": "fx_graph", "store": True,
-                        "env": False}
+        assert seen == {
+            "pid": seen["pid"],
+            "fx": True,
+            "autograd": True,
+            "backend": "fx_graph",
+            "store": True,
+            "env": False,
+        }
 
 
 def test_the_users_explicit_choice_wins(tmp_path):
     """TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=0 from the user keeps the FX graph remote cache off."""
     env = machine_env(tmp_path, WARMSTART="1", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="0")
-    proc = run_python("""
+    proc = run_python(
+        """
         import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
         print(inductor_config.fx_graph_remote_cache, functorch_config.enable_remote_autograd_cache)
-    """, env)
+    """,
+        env,
+    )
     assert proc.stdout.split() == ["False", "True"]
 
 
@@ -141,7 +179,8 @@ def test_switches_hold_in_every_thread(tmp_path):
     """torch keeps a value set with setattr per thread context: the switches must hold in threads
     other than the one that first imported the config (a compile warm-up thread, then training)."""
     env = machine_env(tmp_path, WARMSTART="1")
-    proc = run_python("""
+    proc = run_python(
+        """
         import threading
 
         seen = []
@@ -158,7 +197,9 @@ def test_switches_hold_in_every_thread(tmp_path):
         threading.Thread(target=read).start()  # a thread started afterwards
         import time; time.sleep(0.5)
         print(seen)
-    """, env)
+    """,
+        env,
+    )
     assert proc.stdout.strip() == "[(True, True), (True, True), (True, True)]"
 
 
@@ -166,7 +207,8 @@ def test_switches_set_when_torch_was_imported_before_enable(tmp_path):
     """``warmstart.enable()`` after ``import torch``: the config modules are already loaded, and are
     switched on in place; an explicit in-code choice made before is kept."""
     env = machine_env(tmp_path)
-    proc = run_python("""
+    proc = run_python(
+        """
         import os
         import torch
         import torch._dynamo.config as dynamo_config
@@ -177,7 +219,9 @@ def test_switches_set_when_torch_was_imported_before_enable(tmp_path):
         warmstart.enable()
         print(inductor_config.fx_graph_remote_cache, functorch_config.enable_remote_autograd_cache,
               dynamo_config.automatic_dynamic_remote_pgo, "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE" in os.environ)
-    """, env)
+    """,
+        env,
+    )
     assert proc.stdout.split() == ["True", "False", "True", "False"]
 
 
@@ -185,7 +229,8 @@ def test_switches_go_off_again_if_warmstarts_backend_cannot_be_installed(tmp_pat
     """Were torch's remote-cache hook to change, a switch left on would send this very process to
     torch's Redis backend: warmstart turns off what it turned on, and says so once."""
     env = machine_env(tmp_path, WARMSTART="1")
-    proc = run_python("""
+    proc = run_python(
+        """
         from warmstart.compile_cache import torch_hooks
 
         def broken(remote_cache):
@@ -199,6 +244,8 @@ def test_switches_go_off_again_if_warmstarts_backend_cannot_be_installed(tmp_pat
         import torch._functorch.config as functorch_config
         print(before, inductor_config.fx_graph_remote_cache, functorch_config.enable_remote_autograd_cache,
               dynamo_config.automatic_dynamic_remote_pgo, rc.RemoteFxGraphCache.backend_override_cls)
-    """, env)
+    """,
+        env,
+    )
     assert proc.stdout.split() == ["True", "None", "None", "None", "None"]
     assert proc.stderr.count("could not hook torch._inductor.remote_cache") == 1

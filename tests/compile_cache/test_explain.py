@@ -25,8 +25,12 @@ KEYS = [f"graph-{i}" for i in range(5)]
 
 
 def _env(url: str, cache_dir, *, secret: str = "team-secret", namespace: str = "") -> dict[str, str]:
-    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": url, "WARMSTART_SECRET": secret,
-           "WARMSTART_CACHE_DIR": str(cache_dir)}
+    env = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": url,
+        "WARMSTART_SECRET": secret,
+        "WARMSTART_CACHE_DIR": str(cache_dir),
+    }
     if namespace:
         env["WARMSTART_NAMESPACE"] = namespace
     return env
@@ -52,8 +56,7 @@ def _second_machine(env: dict[str, str], run_dir, monkeypatch, *, all_miss: bool
 
 def test_other_namespace_names_the_one_component_that_differs(redis_node, tmp_path, monkeypatch):
     _fill(_env(redis_node.url, tmp_path / "a", namespace="team-a"), {k: os.urandom(2000) for k in KEYS})
-    settings = _second_machine(_env(redis_node.url, tmp_path / "b", namespace="team-b"), tmp_path / "run",
-                               monkeypatch)
+    settings = _second_machine(_env(redis_node.url, tmp_path / "b", namespace="team-b"), tmp_path / "run", monkeypatch)
     assert {m["reason"] for m in read_misses(tmp_path / "run")} == {ABSENT}  # what the job itself saw
 
     result = explain(settings, tmp_path / "run")
@@ -66,8 +69,9 @@ def test_other_namespace_names_the_one_component_that_differs(redis_node, tmp_pa
 
 def test_other_secret_is_other_key_id(redis_node, tmp_path, monkeypatch):
     _fill(_env(redis_node.url, tmp_path / "a", secret="writers-secret"), {k: os.urandom(2000) for k in KEYS})
-    settings = _second_machine(_env(redis_node.url, tmp_path / "b", secret="another-secret"), tmp_path / "run",
-                               monkeypatch)
+    settings = _second_machine(
+        _env(redis_node.url, tmp_path / "b", secret="another-secret"), tmp_path / "run", monkeypatch
+    )
     result = explain(settings, tmp_path / "run")
     assert result.reasons == {OTHER_KEY_ID: len(KEYS)}
     assert result.namespace_diff == []  # same machine, same namespace: only the key differs
@@ -77,8 +81,10 @@ def test_other_secret_is_other_key_id(redis_node, tmp_path, monkeypatch):
 @pytest.fixture
 def small_server(tmp_path_factory):
     """A redis-server that evicts least recently used keys past 3 MB, as a full cache server does."""
-    node = RedisNode(tmp_path_factory.mktemp("small"), extra=["--maxmemory", "3mb", "--maxmemory-policy",
-                                                              "allkeys-lru", "--maxmemory-samples", "10"]).start()
+    node = RedisNode(
+        tmp_path_factory.mktemp("small"),
+        extra=["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10"],
+    ).start()
     yield node
     node.stop()
 
@@ -100,8 +106,9 @@ def test_evicted_blobs(small_server, tmp_path, monkeypatch):
     assert int(client.info("stats")["evicted_keys"]) >= 2
     assert all(client.exists(name) for name in pointers)
 
-    settings = _second_machine(_env(small_server.url, tmp_path / "b"), tmp_path / "run", monkeypatch,
-                               all_miss=False)  # entries whose blob survived are hits
+    settings = _second_machine(
+        _env(small_server.url, tmp_path / "b"), tmp_path / "run", monkeypatch, all_miss=False
+    )  # entries whose blob survived are hits
     result = explain(settings, tmp_path / "run")
     assert result.reasons.get(EVICTED, 0) >= 1, result.reasons
     assert set(result.reasons) <= {EVICTED, ABSENT}
@@ -139,9 +146,25 @@ def test_no_misses_is_an_answer(tmp_path, monkeypatch):
 @pytest.fixture
 def old_acl_server(tmp_path_factory):
     """A server whose writer may not touch the registry (an ACL from before it existed)."""
-    node = RedisNode(tmp_path_factory.mktemp("old-acl"), extra=[
-        "--user", "default", "off",
-        "--user", "writer", "on", ">pw", "~ws:*", "+@all", "-hset", "-hdel", "-hlen", "-hkeys", "-hgetall"]).start()
+    node = RedisNode(
+        tmp_path_factory.mktemp("old-acl"),
+        extra=[
+            "--user",
+            "default",
+            "off",
+            "--user",
+            "writer",
+            "on",
+            ">pw",
+            "~ws:*",
+            "+@all",
+            "-hset",
+            "-hdel",
+            "-hlen",
+            "-hkeys",
+            "-hgetall",
+        ],
+    ).start()
     yield node
     node.stop()
 

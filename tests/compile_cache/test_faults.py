@@ -37,6 +37,7 @@ def _warnings(caplog, text: str) -> list[str]:
 
 # -- 1. opening the store ------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _immutable(path: Path):
     """``path`` made unwritable even for root (``chattr +i``); plain permissions otherwise."""
@@ -76,15 +77,20 @@ LOCAL_FAULTS = ["corrupt_db", "file", "unwritable"]
 
 
 @pytest.mark.parametrize("fault", LOCAL_FAULTS)
-def test_unusable_cache_dir_turns_the_local_tier_off_with_one_warning(fault, redis_node, fresh_machine, tmp_path,
-                                                                       monkeypatch, caplog):
+def test_unusable_cache_dir_turns_the_local_tier_off_with_one_warning(
+    fault, redis_node, fresh_machine, tmp_path, monkeypatch, caplog
+):
     with bad_cache_dir(fault, tmp_path) as cache_dir:
         monkeypatch.setenv("WARMSTART", "1")
         monkeypatch.setenv("WARMSTART_CACHE_DIR", str(cache_dir))
         assert get_store() is None  # local only, and that is off: no store, no exception
         # With a remote tier the store is remote-only, and works.
-        env = {"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(cache_dir), "WARMSTART_CACHE_URL": redis_node.url,
-               "WARMSTART_SECRET": SECRET.decode()}
+        env = {
+            "WARMSTART": "1",
+            "WARMSTART_CACHE_DIR": str(cache_dir),
+            "WARMSTART_CACHE_URL": redis_node.url,
+            "WARMSTART_SECRET": SECRET.decode(),
+        }
         for _ in range(3):
             store = open_store(Settings.from_env(env), persist_stats=False)
             assert store.local is None and store.remote is not None
@@ -97,8 +103,9 @@ def test_unusable_cache_dir_turns_the_local_tier_off_with_one_warning(fault, red
 
 
 def test_a_database_damaged_while_in_use_turns_the_local_tier_off(tmp_path, caplog):
-    store = open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "c")}),
-                       persist_stats=False)
+    store = open_store(
+        Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "c")}), persist_stats=False
+    )
     store.put("fx_graph", "k", b"v" * 100)
     store.local._cache.close()
     (tmp_path / "c" / "store" / "cache.db").write_bytes(b"garbage" * 1000)
@@ -157,14 +164,16 @@ def test_compile_jobs_finish_through_every_store_fault(tmp_path):
             assert stderr.count("disabled in this process") == 1 and "hunter2" not in stderr
         else:
             with bad_cache_dir(fault, tmp_path) as cache_dir:
-                result, stderr = run_job(machine, "tiny", secret=None,
-                                         extra_env={"WARMSTART_CACHE_DIR": str(cache_dir)})
+                result, stderr = run_job(
+                    machine, "tiny", secret=None, extra_env={"WARMSTART_CACHE_DIR": str(cache_dir)}
+                )
             assert stderr.count("local cache tier off") == 1, stderr[-2000:]
         assert result["losses"]["tiny"] == pytest.approx(expected, rel=1e-5), fault
         assert "Traceback" not in stderr, stderr[-3000:]
 
 
 # -- 2. a deadline for the whole operation -------------------------------------------------------
+
 
 class DripServer:
     """A TCP server on 127.0.0.1 that answers each request with a valid-looking RESP reply, one
@@ -247,6 +256,7 @@ def test_a_write_to_a_dripping_server_costs_one_deadline(drip_server):
 
 # -- 3. a dead Redis Cluster ---------------------------------------------------------------------
 
+
 def _look_up(tier: RemoteTier, n: int = 21):
     """``n`` lookups, every one a miss; the tier's counts for them."""
     for i in range(n):
@@ -299,6 +309,7 @@ def test_a_stopped_cluster_node_costs_one_timeout_then_the_breaker_opens(lone_cl
 
 
 # -- 4. the background write queue ---------------------------------------------------------------
+
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_queued_writes_are_bounded_in_bytes_and_exit_waits_a_bounded_time(redis_node, caplog):
@@ -368,13 +379,15 @@ _THREADS_SCRIPT = textwrap.dedent("""
 
 def test_many_threads_share_one_remote_tier(redis_node):
     # In a child process: a compressor shared across threads crashes the interpreter.
-    proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, redis_node.url], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADS_SCRIPT, redis_node.url], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "BAD 0 " in proc.stdout, proc.stdout
 
 
 # -- 7. chunks at predictable keys ---------------------------------------------------------------
+
 
 def test_planted_chunks_are_repaired_and_oversize_ones_never_fetched(redis_node):
     writer = RemoteTier(redis_node.url, secret=SECRET, namespace="pl", chunk_bytes=64 * 1024)

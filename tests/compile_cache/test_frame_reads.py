@@ -123,6 +123,11 @@ def test_every_fold_dynamo_makes_is_recorded_by_name_or_known_to_be_pure():
     """A fold that can be neither recorded nor skipped would leave its frames unpackaged."""
     from torch._dynamo.variables.torch import constant_fold_functions, constant_fold_functions_need_guards
 
-    unnamed = [f for f in constant_fold_functions if f not in constant_fold_functions_need_guards
-               and f not in frame_reads.pure_folds() and global_identity(f) is None]
+    unnamed = [
+        f
+        for f in constant_fold_functions
+        if f not in constant_fold_functions_need_guards
+        and f not in frame_reads.pure_folds()
+        and global_identity(f) is None
+    ]
     assert unnamed == []

@@ -51,10 +51,20 @@ def _environment(cache: dict, machine: Path, key: str, **extra: str) -> dict:
     for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
         (machine / sub).mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-               WARMSTART_CACHE_DIR=str(machine / "warmstart"), WARMSTART_RUN_DIR=str(machine / "runs"),
-               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", WARMSTART="1", WARMSTART_DYNAMO="1",
-               WARMSTART_CACHE_URL=cache["url"], WARMSTART_KEY_FILE=cache[key], **extra)
+    env.update(
+        HOME=str(machine / "home"),
+        TMPDIR=str(machine / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
+        WARMSTART_RUN_DIR=str(machine / "runs"),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+        WARMSTART="1",
+        WARMSTART_DYNAMO="1",
+        WARMSTART_CACHE_URL=cache["url"],
+        WARMSTART_KEY_FILE=cache[key],
+        **extra,
+    )
     return env
 
 
@@ -65,20 +75,39 @@ def _results(proc: subprocess.CompletedProcess) -> list[dict]:
 
 def _single(cache: dict, name: str, condition: str, key: str, cases: list[str] = ()) -> dict:
     machine = cache["root"] / name
-    proc = subprocess.run([sys.executable, str(HERE / "_adversarial_job.py"), *cases], cwd=machine.parent, text=True,
-                          env=_environment(cache, machine, key, ADVERSARIAL_CONDITION=condition),
-                          capture_output=True, timeout=HANG_GUARD_S)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_adversarial_job.py"), *cases],
+        cwd=machine.parent,
+        text=True,
+        env=_environment(cache, machine, key, ADVERSARIAL_CONDITION=condition),
+        capture_output=True,
+        timeout=HANG_GUARD_S,
+    )
     return _results(proc)[0]
 
 
 def _torchrun(cache: dict, name: str, ranks: int, **extra: str) -> dict:
     machine = cache["root"] / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-port", str(random.randint(20000, 40000)), str(HERE / "_adversarial_ranks.py")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-port",
+        str(random.randint(20000, 40000)),
+        str(HERE / "_adversarial_ranks.py"),
+    ]
     results = machine / "results"
     results.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(command, cwd=machine.parent, text=True, capture_output=True, timeout=HANG_GUARD_S,
-                          env=_environment(cache, machine, "writer", ADVERSARIAL_RESULTS=str(results), **extra))
+    proc = subprocess.run(
+        command,
+        cwd=machine.parent,
+        text=True,
+        capture_output=True,
+        timeout=HANG_GUARD_S,
+        env=_environment(cache, machine, "writer", ADVERSARIAL_RESULTS=str(results), **extra),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = {int(path.stem[4:]): json.loads(path.read_text()) for path in results.glob("rank*.json")}
     assert sorted(found) == list(range(ranks)), proc.stdout[-2000:]
@@ -89,8 +118,11 @@ def _verdicts(new: dict, control: dict) -> tuple[list[str], list[str]]:
     """(cases that computed something plain torch would not, or installed frames they must not),
     (cases whose control installed nothing though their frames are packaged)."""
     wrong = [name for name, r in new.items() if not r["same"] or (r["must_trace"] and r["installed"]) or r["error"]]
-    vacuous = [name for name, r in control.items()
-               if name not in NOT_PACKAGED and (not r["installed"] or not r["same"] or r["error"])]
+    vacuous = [
+        name
+        for name, r in control.items()
+        if name not in NOT_PACKAGED and (not r["installed"] or not r["same"] or r["error"])
+    ]
     return wrong, vacuous
 
 
@@ -98,8 +130,10 @@ def _table(title: str, new: dict, control: dict) -> str:
     rows = [f"{title}: {len(new)} cases", f"{'case':36} {'family':22} {'new machine':24} control"]
     for name, r in new.items():
         c = control[name]
-        rows.append(f"{name:36} {r['family']:22} {'same' if r['same'] else 'WRONG':5} "
-                    f"{'installed' if r['installed'] else 'traced':18} {'installed' if c['installed'] else 'traced'}")
+        rows.append(
+            f"{name:36} {r['family']:22} {'same' if r['same'] else 'WRONG':5} "
+            f"{'installed' if r['installed'] else 'traced':18} {'installed' if c['installed'] else 'traced'}"
+        )
     return "\n".join(rows)
 
 
@@ -109,13 +143,17 @@ def test_single_process_cases(cache):
 
     names = list(CASES)
     with ThreadPoolExecutor(max_workers=2) as pool:  # two producers on one machine, half the cases each
-        halves = pool.map(lambda args: _single(cache, *args), [("producer-a", "x", "writer", names[0::2]),
-                                                                ("producer-b", "x", "writer", names[1::2])])
+        halves = pool.map(
+            lambda args: _single(cache, *args),
+            [("producer-a", "x", "writer", names[0::2]), ("producer-b", "x", "writer", names[1::2])],
+        )
         producer = {name: result for half in halves for name, result in half.items()}
     assert sorted(producer) == sorted(names)
     assert all(r["same"] and not r["error"] for r in producer.values()), producer
     with ThreadPoolExecutor(max_workers=2) as pool:
-        new, control = pool.map(lambda args: _single(cache, *args), [("new", "y", "reader"), ("control", "x", "reader")])
+        new, control = pool.map(
+            lambda args: _single(cache, *args), [("new", "y", "reader"), ("control", "x", "reader")]
+        )
     print(_table("compiled frames, adversarial cases", new, control))
     wrong, vacuous = _verdicts(new, control)
     assert not wrong, {name: new[name] for name in wrong}
@@ -128,8 +166,9 @@ def test_single_process_cases(cache):
     assert families <= refused, families - refused
     # A refusal is one line that names what differs.
     for name in ("class_attribute_in_function", "argv_length", "backends_flag", "global_module_hook"):
-        assert len(new[name]["said"]) == 1 and " is " in new[name]["said"][0] and ", was " in new[name]["said"][0], \
-            new[name]["said"]
+        assert len(new[name]["said"]) == 1 and " is " in new[name]["said"][0] and ", was " in new[name]["said"][0], new[
+            name
+        ]["said"]
 
 
 def test_rank_dependent_cases(cache):

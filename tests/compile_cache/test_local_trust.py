@@ -23,8 +23,11 @@ def _open(cache_dir, shared: bool = False):
 
 
 def _refusals(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and "local cache tier off" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "local cache tier off" in r.getMessage()
+    ]
 
 
 def test_a_directory_warmstart_creates_is_private(tmp_path):
@@ -79,8 +82,12 @@ def test_a_refused_directory_still_leaves_the_remote_tier(redis_node, tmp_path):
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
     cache_dir.chmod(0o777)
-    env = {"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(cache_dir), "WARMSTART_CACHE_URL": redis_node.url,
-           "WARMSTART_SECRET": "s"}
+    env = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_DIR": str(cache_dir),
+        "WARMSTART_CACHE_URL": redis_node.url,
+        "WARMSTART_SECRET": "s",
+    }
     store = open_store(Settings.from_env(env))
     assert store.local is None and store.remote is not None
     assert store.stats_file is None  # nothing is written into a directory others control
@@ -97,8 +104,12 @@ def test_namespaces_sharing_a_directory_never_read_each_others_entries(tmp_path)
     from warmstart.config import Settings
 
     def store(namespace: str):
-        return open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
-                                             "WARMSTART_NAMESPACE": namespace}), persist_stats=False)
+        return open_store(
+            Settings.from_env(
+                {"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache"), "WARMSTART_NAMESPACE": namespace}
+            ),
+            persist_stats=False,
+        )
 
     team_a, team_b = store("team-a"), store("team-b")
     try:

@@ -88,8 +88,12 @@ def test_a_record_of_the_other_scheme_is_rejected(key_pair):
 
 def test_openssl_keys_load(tmp_path):
     private, public = tmp_path / "k.pem", tmp_path / "k.pub"
-    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(private)], check=True, capture_output=True)
-    subprocess.run(["openssl", "pkey", "-in", str(private), "-pubout", "-out", str(public)], check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(private)], check=True, capture_output=True
+    )
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(private), "-pubout", "-out", str(public)], check=True, capture_output=True
+    )
     signer, verifier = signing.load_key_file(private), signing.load_key_file(public)
     assert signer.key_id == verifier.key_id
     assert _verify(verifier, signer.sign(POINTER, b"hello"))[1] == b"hello"
@@ -107,16 +111,28 @@ def _openssl(tmp_path, name: str, *args: str):
     return path
 
 
-@pytest.mark.parametrize("make, found", [
-    (lambda d: d / "missing.pem", "cannot be read"),
-    (lambda d: _file(d, "empty", ""), "no PEM block"),
-    (lambda d: _file(d, "text", "hello\nworld\n"), "no PEM block"),
-    (lambda d: _openssl(d, "rsa.pem", "genpkey", "-algorithm", "rsa", "-pkeyopt", "rsa_keygen_bits:1024"), "RSA private key"),
-    (lambda d: _openssl(d, "enc.pem", "genpkey", "-algorithm", "ed25519", "-aes256", "-pass", "pass:x"), "encrypted"),
-    (lambda d: _file(d, "bad64", "-----BEGIN PRIVATE KEY-----\n!!!\n-----END PRIVATE KEY-----\n"), "not valid base64"),
-    (lambda d: _file(d, "cert", "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n"), "CERTIFICATE"),
-    (lambda d: d, "cannot be read"),  # a directory
-])
+@pytest.mark.parametrize(
+    "make, found",
+    [
+        (lambda d: d / "missing.pem", "cannot be read"),
+        (lambda d: _file(d, "empty", ""), "no PEM block"),
+        (lambda d: _file(d, "text", "hello\nworld\n"), "no PEM block"),
+        (
+            lambda d: _openssl(d, "rsa.pem", "genpkey", "-algorithm", "rsa", "-pkeyopt", "rsa_keygen_bits:1024"),
+            "RSA private key",
+        ),
+        (
+            lambda d: _openssl(d, "enc.pem", "genpkey", "-algorithm", "ed25519", "-aes256", "-pass", "pass:x"),
+            "encrypted",
+        ),
+        (
+            lambda d: _file(d, "bad64", "-----BEGIN PRIVATE KEY-----\n!!!\n-----END PRIVATE KEY-----\n"),
+            "not valid base64",
+        ),
+        (lambda d: _file(d, "cert", "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n"), "CERTIFICATE"),
+        (lambda d: d, "cannot be read"),  # a directory
+    ],
+)
 def test_malformed_key_file_is_one_line_config_error(tmp_path, make, found):
     path = make(tmp_path)
     with pytest.raises(ConfigError) as excinfo:
@@ -183,8 +199,12 @@ def test_verify_only_job_never_writes(redis_node, key_pair, caplog):
 
 def test_verify_only_key_makes_a_read_only_remote_tier(redis_node, key_pair, tmp_path, caplog):
     caplog.set_level("INFO", logger="warmstart")
-    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_KEY_FILE": str(key_pair[1]),
-           "WARMSTART_CACHE_DIR": str(tmp_path / "ro")}
+    env = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": redis_node.url,
+        "WARMSTART_KEY_FILE": str(key_pair[1]),
+        "WARMSTART_CACHE_DIR": str(tmp_path / "ro"),
+    }
     store = open_store(Settings.from_env(env), persist_stats=False)
     assert isinstance(store.remote, ReadOnly) and not isinstance(store.local, ReadOnly)
     store.put("fx_graph", "k", b"x" * 5000, sync=True)
@@ -214,7 +234,9 @@ def test_hmac_and_ed25519_jobs_keep_apart(redis_node, key_pair):
     assert hm.keys.scheme == "hmac-sha256" and hm.key_id == signing.key_id(b"team-secret")
     assert ed_writer.put("fx_graph", "ed", b"e" * 2000) and hm.put("fx_graph", "hm", b"h" * 2000)
     assert hm.get("fx_graph", "hm").value == b"h" * 2000 and ed_reader.get("fx_graph", "ed").value == b"e" * 2000
-    assert hm.get("fx_graph", "ed").value is None and ed_reader.get("fx_graph", "hm").value is None  # misses, not rejections
+    assert (
+        hm.get("fx_graph", "ed").value is None and ed_reader.get("fx_graph", "hm").value is None
+    )  # misses, not rejections
     assert hm.stats.get("remote", "fx_graph").rejected == 0 == ed_reader.stats.get("remote", "fx_graph").rejected
     # Even a record planted under the other's key id is refused.
     client = redis.Redis.from_url(redis_node.url)
@@ -232,14 +254,22 @@ def test_remote_tier_takes_keys_or_secret():
 
 
 def test_open_store_prefers_the_key_file(redis_node, key_pair, tmp_path):
-    base = {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_SECRET": "hmac",
-            "WARMSTART_CACHE_DIR": str(tmp_path / "a")}
+    base = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": redis_node.url,
+        "WARMSTART_SECRET": "hmac",
+        "WARMSTART_CACHE_DIR": str(tmp_path / "a"),
+    }
     hmac_store = open_store(Settings.from_env(base), persist_stats=False)
     assert hmac_store.remote.keys.scheme == "hmac-sha256"
-    ed_store = open_store(Settings.from_env(dict(base, WARMSTART_KEY_FILE=str(key_pair[1]),
-                                                 WARMSTART_CACHE_DIR=str(tmp_path / "b"))), persist_stats=False)
+    ed_store = open_store(
+        Settings.from_env(dict(base, WARMSTART_KEY_FILE=str(key_pair[1]), WARMSTART_CACHE_DIR=str(tmp_path / "b"))),
+        persist_stats=False,
+    )
     assert ed_store.remote.keys.scheme == "ed25519" and not ed_store.remote.keys.can_sign
     key_only = {k: v for k, v in base.items() if k != "WARMSTART_SECRET"}
-    store = open_store(Settings.from_env(dict(key_only, WARMSTART_KEY_FILE=str(key_pair[0]),
-                                              WARMSTART_CACHE_DIR=str(tmp_path / "c"))), persist_stats=False)
+    store = open_store(
+        Settings.from_env(dict(key_only, WARMSTART_KEY_FILE=str(key_pair[0]), WARMSTART_CACHE_DIR=str(tmp_path / "c"))),
+        persist_stats=False,
+    )
     assert store.remote.keys.can_sign and store.remote.key_id == ed_store.remote.key_id

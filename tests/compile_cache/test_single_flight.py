@@ -153,8 +153,9 @@ _HOLDER = textwrap.dedent("""
 
 
 def _holder_process(env: dict[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, KIND, KEY], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, KIND, KEY], env={**os.environ, **env}, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 

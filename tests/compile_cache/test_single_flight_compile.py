@@ -27,28 +27,44 @@ HANG_GUARD_S = 300
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(HANG_GUARD_S)]
 
 
-def _start(machine: Path, url: str, *, compiler_dir: Path | None = None, model: str = "tiny",
-           key_file: Path | None = None) -> subprocess.Popen:
+def _start(
+    machine: Path, url: str, *, compiler_dir: Path | None = None, model: str = "tiny", key_file: Path | None = None
+) -> subprocess.Popen:
     for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
         (machine / sub).mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-               WARMSTART_CACHE_DIR=str(machine / "warmstart"), WARMSTART_RUN_DIR=str(machine / "runs"),
-               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
-               WARMSTART="1", WARMSTART_CACHE_URL=url, WARMSTART_SECRET=SECRET)
+    env.update(
+        HOME=str(machine / "home"),
+        TMPDIR=str(machine / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
+        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
+        WARMSTART_RUN_DIR=str(machine / "runs"),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+        TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
+        WARMSTART="1",
+        WARMSTART_CACHE_URL=url,
+        WARMSTART_SECRET=SECRET,
+    )
     if compiler_dir is not None:
         env["PATH"] = f"{compiler_dir}{os.pathsep}{env['PATH']}"
     if key_file is not None:
         del env["WARMSTART_SECRET"]
         env["WARMSTART_KEY_FILE"] = str(key_file)
-    return subprocess.Popen([sys.executable, str(JOB), "--model", model], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(JOB), "--model", model],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _result(proc: subprocess.Popen) -> dict:
     out, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, err[-3000:]
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
 
 
 def _compiler(tmp_path: Path, *, sleep_s: int, fail: bool) -> Path:
@@ -58,8 +74,9 @@ def _compiler(tmp_path: Path, *, sleep_s: int, fail: bool) -> Path:
     directory.mkdir()
     real = "/usr/bin/g++"
     action = 'echo "injected compiler failure" >&2; exit 1' if fail else f'exec {real} "$@"'
-    (directory / "g++").write_text(f'#!/bin/sh\ncase " $* " in *".main.cpp "*) sleep {sleep_s}; {action};; esac\n'
-                                   f'exec {real} "$@"\n')
+    (directory / "g++").write_text(
+        f'#!/bin/sh\ncase " $* " in *".main.cpp "*) sleep {sleep_s}; {action};; esac\nexec {real} "$@"\n'
+    )
     (directory / "g++").chmod(0o755)
     return directory
 
@@ -148,4 +165,3 @@ def test_a_lease_planted_on_every_entry_costs_a_new_machine_nothing(redis_node, 
     assert not result["counters"].get("waits"), result["counters"]
     assert result["counters"].get("leases_ignored", 0) >= 1, result["counters"]
     assert new_s < cold_s + 15, (new_s, cold_s)  # a bound from the failure table, not a speed check
-

@@ -139,16 +139,22 @@ def test_pointer_cannot_be_replayed_under_another_key(redis_node):
 
 
 def test_missing_secret_refuses_remote_tier_with_one_warning(redis_node, tmp_path, caplog):
-    settings = Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url,
-                                  "WARMSTART_CACHE_DIR": str(tmp_path)})
+    settings = Settings.from_env(
+        {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_CACHE_DIR": str(tmp_path)}
+    )
     store = open_store(settings, persist_stats=False)
     assert store.remote is None and store.local is not None
     assert any("no WARMSTART_SECRET" in r.message for r in caplog.records)
 
 
 def test_read_only_mode_never_writes(redis_node, tmp_path):
-    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_SECRET": "s",
-           "WARMSTART_CACHE_DIR": str(tmp_path / "ro"), "WARMSTART_CACHE_MODE": "ro"}
+    env = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": redis_node.url,
+        "WARMSTART_SECRET": "s",
+        "WARMSTART_CACHE_DIR": str(tmp_path / "ro"),
+        "WARMSTART_CACHE_MODE": "ro",
+    }
     store = open_store(Settings.from_env(env), persist_stats=False)
     store.put("fx_graph", "k", b"x" * 1000, sync=True)
     store.put("fx_graph", "k2", b"y" * 1000)
@@ -204,8 +210,7 @@ def test_local_size_limit_holds(tmp_path):
 
 
 def test_cluster_hits(redis_cluster, tmp_path):
-    writer = TieredStore(LocalTier(tmp_path / "a", 1 << 30), _remote(redis_cluster.url, ns="cl",
-                                                                      chunk_bytes=32 * 1024))
+    writer = TieredStore(LocalTier(tmp_path / "a", 1 << 30), _remote(redis_cluster.url, ns="cl", chunk_bytes=32 * 1024))
     payloads = {f"k{i}": os.urandom(100_000) for i in range(10)}
     for key, value in payloads.items():
         writer.put("fx_graph", key, value)
@@ -253,7 +258,9 @@ def test_stats_merge_across_processes(tmp_path):
     assert total.counters_dict() == {"recompiles": 3}
 
 
-@pytest.mark.parametrize("option,stored_smaller", [("compress=off", False), ("compress=-5", True), ("compress=9", True)])
+@pytest.mark.parametrize(
+    "option,stored_smaller", [("compress=off", False), ("compress=-5", True), ("compress=9", True)]
+)
 def test_compression_is_a_url_option_and_readers_handle_any(redis_node, option, stored_smaller):
     value = b"def forward(self, x):\n    return torch.relu(x)\n" * 20_000  # ~1 MB of generated code
     writer = _remote(f"{redis_node.url}?{option}")
@@ -283,8 +290,7 @@ def test_remote_reads_are_cache_fetch_spans_in_the_ett_events(redis_node, tmp_pa
     monkeypatch.setenv("WARMSTART_JOB_ID", "fetch-spans")
     try:
         _remote(redis_node.url).put("fx_graph", "k", b"graph" * 10_000)
-        store = TieredStore(LocalTier(tmp_path / "local", 1 << 30), _remote(redis_node.url),
-                            observers=[CacheSpans()])
+        store = TieredStore(LocalTier(tmp_path / "local", 1 << 30), _remote(redis_node.url), observers=[CacheSpans()])
         rec = get_recorder()
         rec.attempt_start()
         assert store.get("fx_graph", "k").value == b"graph" * 10_000  # remote: one span
@@ -295,9 +301,9 @@ def test_remote_reads_are_cache_fetch_spans_in_the_ett_events(redis_node, tmp_pa
         rec.attempt_end()
         rec.flush()
         store.close()
-        lines = [json.loads(l) for f in (tmp_path / "run").rglob("*.jsonl") for l in f.read_text().splitlines()]
-        fetches = [l for l in lines if l.get("span") == "cache_fetch"]
-        assert [(l["event"], l["bucket"]) for l in fetches] == [("begin", "compile"), ("end", "compile")]
+        events = [json.loads(text) for f in (tmp_path / "run").rglob("*.jsonl") for text in f.read_text().splitlines()]
+        fetches = [e for e in events if e.get("span") == "cache_fetch"]
+        assert [(e["event"], e["bucket"]) for e in fetches] == [("begin", "compile"), ("end", "compile")]
         result = compute(load_runs([tmp_path / "run"])[0])
         assert result.buckets["compile"] > 0
     finally:
@@ -325,18 +331,23 @@ def test_a_large_value_is_written_locally_off_the_callers_path(tmp_path, monkeyp
 
     from warmstart import _defaults
 
-    store = open_store(Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}),
-                       persist_stats=False)
+    store = open_store(
+        Settings.from_env({"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}), persist_stats=False
+    )
     callers = []
     original = store.local.put
-    monkeypatch.setattr(store.local, "put", lambda *a, **k: callers.append(threading.current_thread().name)
-                        or original(*a, **k))
+    monkeypatch.setattr(
+        store.local, "put", lambda *a, **k: callers.append(threading.current_thread().name) or original(*a, **k)
+    )
     try:
         value = os.urandom(_defaults.LOCAL_BACKGROUND_BYTES + 1)
         assert store.put("cpp_object", "pch", value) and store.put("cpp_object", "small", b"x")
         assert store.flush(timeout=60)
         assert store.local.get("cpp_object", "pch").value == value
-        assert callers == ["warmstart-cache-writer", "MainThread"] or callers == ["MainThread", "warmstart-cache-writer"]
+        assert callers == ["warmstart-cache-writer", "MainThread"] or callers == [
+            "MainThread",
+            "warmstart-cache-writer",
+        ]
         writer = next(t for t in threading.enumerate() if t.name == "warmstart-cache-writer")
         assert os.getpriority(os.PRIO_PROCESS, writer.native_id) >= _defaults.WRITER_NICE
     finally:

@@ -24,16 +24,31 @@ JOB = ROOT / "benchmarks" / "compile_job.py"
 SECRET = "integration-secret"
 
 
-def run_job(tmp: Path, *models: str, url: str | None = None, secret: str | None = SECRET, extra_env=None,
-            extra_args=(), pch: bool = False, warmstart: bool = True) -> tuple[dict, str]:
+def run_job(
+    tmp: Path,
+    *models: str,
+    url: str | None = None,
+    secret: str | None = SECRET,
+    extra_env=None,
+    extra_args=(),
+    pch: bool = False,
+    warmstart: bool = True,
+) -> tuple[dict, str]:
     """Run the compile job on a fresh "machine" under ``tmp``; return its result and stderr."""
     tmp.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(HOME=str(tmp / "home"), TMPDIR=str(tmp / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
-               TRITON_CACHE_DIR=str(tmp / "triton"), WARMSTART_CACHE_DIR=str(tmp / "warmstart"),
-               WARMSTART_RUN_DIR=str(tmp / "runs"), WARMSTART_DYNAMO="0",
-               TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1",
-               TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1" if pch else "0")
+    env.update(
+        HOME=str(tmp / "home"),
+        TMPDIR=str(tmp / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+        TRITON_CACHE_DIR=str(tmp / "triton"),
+        WARMSTART_CACHE_DIR=str(tmp / "warmstart"),
+        WARMSTART_RUN_DIR=str(tmp / "runs"),
+        WARMSTART_DYNAMO="0",
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+        TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1" if pch else "0",
+    )
     (tmp / "tmp").mkdir(exist_ok=True)
     if warmstart:
         env["WARMSTART"] = "1"
@@ -45,8 +60,8 @@ def run_job(tmp: Path, *models: str, url: str | None = None, secret: str | None 
     args = [sys.executable, str(JOB)] + [a for m in models for a in ("--model", m)] + list(extra_args)
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), proc.stderr
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :]), proc.stderr
 
 
 def remote(result: dict, kind: str) -> dict:
@@ -143,8 +158,13 @@ def test_missing_secret_warns_once_and_runs_local_only(shared_cache):
     node, produced = shared_cache
     # The producer's machine again (torch's own caches warm, so this costs no compile), but with a
     # fresh warmstart directory and no secret: the remote tier must be refused.
-    result, stderr = run_job(produced["machine"], "tiny", url=node.url, secret=None,
-                             extra_env={"WARMSTART_CACHE_DIR": str(produced["machine"] / "warmstart-nosecret")})
+    result, stderr = run_job(
+        produced["machine"],
+        "tiny",
+        url=node.url,
+        secret=None,
+        extra_env={"WARMSTART_CACHE_DIR": str(produced["machine"] / "warmstart-nosecret")},
+    )
     assert result["losses"] == produced["losses"]
     assert "remote" not in result.get("store", {})
     assert stderr.count("no WARMSTART_SECRET") == 1
@@ -163,8 +183,9 @@ def test_server_killed_mid_job_costs_one_failed_call(redis_node, tmp_path, share
     source, target = redis.Redis.from_url(node.url), redis.Redis.from_url(redis_node.url)
     for key in source.scan_iter("*"):  # this server holds the shared entries, so the first model hits
         target.restore(key, 0, source.dump(key), replace=True)
-    result, _ = run_job(tmp_path, "tiny", "tiny2", url=redis_node.url,
-                        extra_args=["--kill-redis-pid", str(redis_node.proc.pid)])
+    result, _ = run_job(
+        tmp_path, "tiny", "tiny2", url=redis_node.url, extra_args=["--kill-redis-pid", str(redis_node.proc.pid)]
+    )
     assert result["losses"]["tiny"] == produced["losses"]["tiny"]
     assert "tiny2" in result["losses"]  # compiled after the server died
     assert remote(result, "fx_graph").get("hits", 0) >= 1, json.dumps(result.get("store"))
@@ -191,7 +212,7 @@ def test_eight_processes_compile_at_once_against_an_empty_cache(redis_node, tmp_
     pointers = [k.decode() for k in client.scan_iter(f"ws:{ns}:p:*")]
     assert pointers
     for key in pointers:
-        kind, key_id, entry_key = key[len(f"ws:{ns}:p:"):].split(":", 2)
+        kind, key_id, entry_key = key[len(f"ws:{ns}:p:") :].split(":", 2)
         assert key_id == checker.key_id
         assert checker.get(kind, entry_key).value is not None, key
     assert checker.stats.get("remote", "fx_graph").rejected == 0
@@ -254,15 +275,23 @@ def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
     for name in ("home", "tmp"):
         (tmp_path / name).mkdir()
-    env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
-               WARMSTART="1", WARMSTART_DYNAMO="1", WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"),
-               TORCHINDUCTOR_COMPILE_THREADS="1",
-               OMP_NUM_THREADS="1", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
-    proc = subprocess.run([sys.executable, "-c", _BROKEN_STORE_JOB], env=env, capture_output=True, text=True,
-                          timeout=900)
+    env.update(
+        HOME=str(tmp_path / "home"),
+        TMPDIR=str(tmp_path / "tmp"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+        WARMSTART="1",
+        WARMSTART_DYNAMO="1",
+        WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        OMP_NUM_THREADS="1",
+        TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _BROKEN_STORE_JOB], env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
     assert result["ok"] == [True, True]
     calls = result["calls"]
     for kind in ("dynamo_frames", "aot_autograd", "cpp_object", "isa_probe"):
@@ -270,5 +299,6 @@ def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
     # a C++ object whose lookup failed is built as torch builds it; graphs are bundled into AOTAutograd's entries
     assert calls.get("put:aot_autograd", 0) >= 1 and calls.get("put:dynamo_frames", 0) >= 1, calls
     assert calls.get("bump", 0) >= 1, calls
-    assert proc.stderr.count("failed (RuntimeError: store down); torch compiles without the cache") == 1, \
-        proc.stderr[-3000:]  # one warning for the process, not one per lookup
+    assert proc.stderr.count("failed (RuntimeError: store down); torch compiles without the cache") == 1, proc.stderr[
+        -3000:
+    ]  # one warning for the process, not one per lookup

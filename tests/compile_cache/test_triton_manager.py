@@ -17,8 +17,11 @@ def machine(tmp_path, monkeypatch, redis_node):
 
     def new(name: str) -> None:
         monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / name / "triton"))
-        set_store(TieredStore(LocalTier(tmp_path / name / "ws", 1 << 30),
-                              RemoteTier(redis_node.url, secret=b"s", namespace="tri")))
+        set_store(
+            TieredStore(
+                LocalTier(tmp_path / name / "ws", 1 << 30), RemoteTier(redis_node.url, secret=b"s", namespace="tri")
+            )
+        )
 
     yield new
     set_store(None)
@@ -94,8 +97,9 @@ def test_group_entries_naming_files_outside_the_kernel_dir_are_misses(machine, t
 
     store = get_store()
     # Entries as a writer to the cache could make them: a group naming the file, and the file.
-    store.put(KIND, "K5/__grp__k.json", json.dumps({"child_paths": {name: "/anywhere", "k.json": "/x"}}).encode(),
-              sync=True)
+    store.put(
+        KIND, "K5/__grp__k.json", json.dumps({"child_paths": {name: "/anywhere", "k.json": "/x"}}).encode(), sync=True
+    )
     store.put(KIND, f"K5/{name}", b"evil", sync=True)
     store.put(KIND, "K5/k.json", b"{}", sync=True)
     store.flush(timeout=10)

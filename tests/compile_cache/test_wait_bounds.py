@@ -41,6 +41,7 @@ def _store(cache_dir: Path, url: str | None = None, **extra: str):
 
 # -- leases a waiter can verify ---------------------------------------------------------------------
 
+
 def test_a_planted_lease_is_ignored_and_costs_no_wait(redis_node, tmp_path):
     """With the writer's password but no signing key, anyone can SET a key under a lease's name, with
     no expiry. A job honours only leases its own key verifies: it compiles at once."""
@@ -144,6 +145,7 @@ def test_lock_files_are_removed_when_released(tmp_path):
 
 # -- slow is a fault ---------------------------------------------------------------------------------
 
+
 class SlowProxy:
     """A TCP proxy in front of a real redis-server that holds each reply to a data command (GET,
     GETRANGE, SET, EXISTS...) for ``delay_s`` before passing it on; connection set-up passes at once."""
@@ -221,8 +223,11 @@ _LOCKER = textwrap.dedent("""
 def test_a_local_tier_locked_by_a_stopped_process_goes_off_for_the_process(tmp_path, caplog):
     tier = LocalTier(tmp_path / "cache", 1 << 30)
     tier.put("fx_graph", "k", b"value")
-    locker = subprocess.Popen([sys.executable, "-c", _LOCKER, str(tmp_path / "cache" / "store" / "cache.db")],
-                              stdout=subprocess.PIPE, text=True)
+    locker = subprocess.Popen(
+        [sys.executable, "-c", _LOCKER, str(tmp_path / "cache" / "store" / "cache.db")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert locker.stdout.readline().strip() == "locked"
         os.kill(locker.pid, signal.SIGSTOP)
@@ -241,6 +246,7 @@ def test_a_local_tier_locked_by_a_stopped_process_goes_off_for_the_process(tmp_p
 
 
 # -- one budget per process ---------------------------------------------------------------------------
+
 
 def test_one_budget_bounds_every_wait_of_the_process_together(redis_node, tmp_path, caplog):
     """Another process holds leases on 10 entries and never finishes: each wait alone is bounded by
@@ -275,6 +281,7 @@ def test_one_budget_bounds_every_wait_of_the_process_together(redis_node, tmp_pa
 
 
 # -- pointer records are bounded ------------------------------------------------------------------------
+
 
 def test_a_planted_oversize_pointer_costs_its_first_bytes_and_a_writer_repairs_it(redis_node):
     tier = RemoteTier(redis_node.url, secret=SECRET, namespace="big")
@@ -312,7 +319,8 @@ _FORKED = textwrap.dedent("""
 
 
 def test_a_child_forked_while_the_breaker_is_open_probes_again(redis_node):
-    proc = subprocess.run([sys.executable, "-c", _FORKED, redis_node.url], capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED, redis_node.url], capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "child 0" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

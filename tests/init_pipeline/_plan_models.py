@@ -21,8 +21,10 @@ logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
 
 
 def tables(n: int = 4, *, rows: int = 100, dim: int = 16) -> list[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows * (i + 1),
-                               feature_names=[f"f{i}"]) for i in range(n)]
+    return [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows * (i + 1), feature_names=[f"f{i}"])
+        for i in range(n)
+    ]
 
 
 class TwoTowers(nn.Module):
@@ -38,8 +40,9 @@ def model(configs: list[EmbeddingBagConfig] | None = None, dense: int = 8) -> Tw
     return TwoTowers(configs or tables(), torch.device("meta"), dense)
 
 
-def planner(world_size: int = 2, *, device: str = "cpu", batch_size: int = 8, cls: type = EmbeddingShardingPlanner,
-            **kwargs) -> EmbeddingShardingPlanner:
+def planner(
+    world_size: int = 2, *, device: str = "cpu", batch_size: int = 8, cls: type = EmbeddingShardingPlanner, **kwargs
+) -> EmbeddingShardingPlanner:
     topology_kwargs = {k: kwargs.pop(k) for k in ("hbm_cap", "ddr_cap", "local_world_size") if k in kwargs}
     topology = Topology(world_size=world_size, compute_device=device, **topology_kwargs)
     return cls(topology=topology, batch_size=batch_size, stats=NoopEmbeddingStats(), **kwargs)

@@ -23,8 +23,14 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import _plan_models as m
-from warmstart.init_pipeline import (CompileWarmup, StageFailed, TorchRecStartup, cached_plan,
-                                     release_process_groups, torchrec_startup_graph)
+from warmstart.init_pipeline import (
+    CompileWarmup,
+    StageFailed,
+    TorchRecStartup,
+    cached_plan,
+    release_process_groups,
+    torchrec_startup_graph,
+)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -59,15 +65,22 @@ def batch(step: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * RANK + step)
     keys = [f"f{i}" for i in range(4)]
     lengths = torch.randint(1, 3, (len(keys) * BATCH,), generator=g)
-    values = torch.cat([torch.randint(0, 100 * (i + 1), (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),),
-                                      generator=g) for i in range(len(keys))])
+    values = torch.cat(
+        [
+            torch.randint(0, 100 * (i + 1), (int(lengths[i * BATCH : (i + 1) * BATCH].sum()),), generator=g)
+            for i in range(len(keys))
+        ]
+    )
     return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths), torch.randn(BATCH, 8, generator=g)
 
 
 def train(model: nn.Module, batches, steps: int) -> dict:
     dense_params = [p for n, p in model.named_parameters() if "ebc" not in n]
-    table_before = {k: v.local_shards()[0].tensor.clone() if hasattr(v, "local_shards") else v.to_local().clone()
-                    for k, v in model.state_dict().items() if "embedding_bags" in k and _has_local(v)}
+    table_before = {
+        k: v.local_shards()[0].tensor.clone() if hasattr(v, "local_shards") else v.to_local().clone()
+        for k, v in model.state_dict().items()
+        if "embedding_bags" in k and _has_local(v)
+    }
     opt = torch.optim.SGD(dense_params, lr=0.05)
     losses = []
     for _ in range(steps):
@@ -100,14 +113,22 @@ def mode_plan(out: dict, cache_url: str, secret: str) -> None:
     out["planner_calls"] = CountingPlanner.calls
     expected = m.planner(WORLD).collective_plan(m.model(), m.sharders(), dist.group.WORLD)
     out["equal_to_collective_plan"] = plan == expected
-    out["store_lookups"] = sum(c.hits + c.misses for (tier, kind), c in store.stats.items()
-                               if kind == "sharding_plan" and tier in ("local", "remote"))
+    out["store_lookups"] = sum(
+        c.hits + c.misses
+        for (tier, kind), c in store.stats.items()
+        if kind == "sharding_plan" and tier in ("local", "remote")
+    )
     out["hits"] = {tier: c.hits for (tier, kind), c in store.stats.items() if kind == "sharding_plan"}
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
-    model = DistributedModelParallel(build_model(torch.device("meta")), env=ShardingEnv.from_process_group(
-        dist.group.WORLD), device=torch.device("cpu"), plan=plan, sharders=m.sharders())
+    model = DistributedModelParallel(
+        build_model(torch.device("meta")),
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=m.sharders(),
+    )
     out.update(train(model, (batch(i) for i in range(100)), 3))
 
 
@@ -135,20 +156,34 @@ def mode_graph(out: dict, fail: bool = False) -> None:
         dist.all_reduce(total)
         return int(total)
 
-    warmup = CompileWarmup(build=lambda device: nn.Linear(8, 4, device=device),
-                           example_inputs=lambda device: (torch.randn(BATCH, 8, device=device),),
-                           compile_kwargs={"backend": "eager"})
-    spec = TorchRecStartup(build_model=build_model, batch_size=BATCH, sharders=m.sharders(),
-                           build_planner=lambda world, local, device: counting_planner(world),
-                           build_loader=build_loader, load_checkpoint=load_checkpoint, compile_warmup=warmup,
-                           build_optimizer=lambda model: torch.optim.SGD(
-                               [p for n, p in model.named_parameters() if "ebc" not in n], lr=0.05),
-                           pg_timeout_s=60, plan_store=m.local_store(Path(os.environ["WARMSTART_CACHE_DIR"])))
+    warmup = CompileWarmup(
+        build=lambda device: nn.Linear(8, 4, device=device),
+        example_inputs=lambda device: (torch.randn(BATCH, 8, device=device),),
+        compile_kwargs={"backend": "eager"},
+    )
+    spec = TorchRecStartup(
+        build_model=build_model,
+        batch_size=BATCH,
+        sharders=m.sharders(),
+        build_planner=lambda world, local, device: counting_planner(world),
+        build_loader=build_loader,
+        load_checkpoint=load_checkpoint,
+        compile_warmup=warmup,
+        build_optimizer=lambda model: torch.optim.SGD(
+            [p for n, p in model.named_parameters() if "ebc" not in n], lr=0.05
+        ),
+        pg_timeout_s=60,
+        plan_store=m.local_store(Path(os.environ["WARMSTART_CACHE_DIR"])),
+    )
     # The failing rank lingers 1.5 s (so its peers can name the stage) before it raises; the rank
     # stuck in the collective aborts after 3 s, unless torchrun has torn it down by then.
     graph = torchrec_startup_graph(spec, abort_grace_s=3.0)
-    graph.add("first_batch_ready", lambda data_loader_init, checkpoint_load: dist.barrier(),
-              deps=["data_loader_init", "checkpoint_load"], collective=True)
+    graph.add(
+        "first_batch_ready",
+        lambda data_loader_init, checkpoint_load: dist.barrier(),
+        deps=["data_loader_init", "checkpoint_load"],
+        collective=True,
+    )
     start = time.monotonic()
     try:
         result = graph.run()

@@ -56,17 +56,30 @@ def test_order_is_the_same_whatever_order_stages_become_ready_in():
     assert g.order() == ["pg", "model", "plan", "transform", "loader", "checkpoint"]
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda g: g.add("a", lambda b: 0, deps=["b"]) and g.add("b", lambda a: 0, deps=["a"]),
-     r"^the stages (a -> b -> a|b -> a -> b) depend on each other in a cycle \(each on the next\)$"),
-    (lambda g: g.add("x", lambda: 0) and g.add("a", lambda b, x: 0, deps=["b", "x"])
-     and g.add("b", lambda c: 0, deps=["c"]) and g.add("c", lambda a: 0, deps=["a"])
-     and g.add("after", lambda a: 0, deps=["a"]),
-     r"^the stages a -> b -> c -> a depend on each other in a cycle"),  # only the stages in the cycle
-    (lambda g: g.add("a", lambda a: 0, deps=["a"]), r"^the stages a -> a depend on each other in a cycle"),
-    (lambda g: g.add("a", lambda nope: 0, deps=["nope"]),
-     r"^stage 'a' depends on 'nope', which is neither a stage nor an input \(stages: a\)$"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda g: g.add("a", lambda b: 0, deps=["b"]) and g.add("b", lambda a: 0, deps=["a"]),
+            r"^the stages (a -> b -> a|b -> a -> b) depend on each other in a cycle \(each on the next\)$",
+        ),
+        (
+            lambda g: (
+                g.add("x", lambda: 0)
+                and g.add("a", lambda b, x: 0, deps=["b", "x"])
+                and g.add("b", lambda c: 0, deps=["c"])
+                and g.add("c", lambda a: 0, deps=["a"])
+                and g.add("after", lambda a: 0, deps=["a"])
+            ),
+            r"^the stages a -> b -> c -> a depend on each other in a cycle",
+        ),  # only the stages in the cycle
+        (lambda g: g.add("a", lambda a: 0, deps=["a"]), r"^the stages a -> a depend on each other in a cycle"),
+        (
+            lambda g: g.add("a", lambda nope: 0, deps=["nope"]),
+            r"^stage 'a' depends on 'nope', which is neither a stage nor an input \(stages: a\)$",
+        ),
+    ],
+)
 def test_malformed_graphs_are_refused(build, message):
     g = _graph()
     build(g)
@@ -104,10 +117,15 @@ def test_collective_stages_run_on_the_calling_thread_in_declaration_order():
     # "slow" finishes after "fast", but the collectives still run in declaration order.
     g.add("slow", lambda: time.sleep(0.2))
     g.add("fast", lambda: None)
-    g.add("first_collective", lambda slow: calls.append(("first", threading.get_ident())), deps=["slow"],
-          collective=True)
-    g.add("second_collective", lambda fast: calls.append(("second", threading.get_ident())), deps=["fast"],
-          collective=True)
+    g.add(
+        "first_collective", lambda slow: calls.append(("first", threading.get_ident())), deps=["slow"], collective=True
+    )
+    g.add(
+        "second_collective",
+        lambda fast: calls.append(("second", threading.get_ident())),
+        deps=["fast"],
+        collective=True,
+    )
     g.add("worker", lambda: threading.get_ident())
     result = g.run()
     assert calls == [("first", main), ("second", main)]
@@ -194,8 +212,10 @@ def test_peer_failure_on_the_channel_fails_this_rank_naming_the_peer_stage():
     here = StoreFailureChannel(store=store, name="startup")
     g = StartupGraph("startup", rank=0, recorder=_null(), channel=here)
     g.add("data_loader_init", lambda: time.sleep(30))
-    g.add("model_meta", lambda: peer.publish(json.dumps(
-        {"stage": "sharding_plan", "rank": 1, "reason": "OSError: disk full"})))
+    g.add(
+        "model_meta",
+        lambda: peer.publish(json.dumps({"stage": "sharding_plan", "rank": 1, "reason": "OSError: disk full"})),
+    )
     with pytest.raises(StageFailed) as info:
         g.run()
     assert (info.value.stage, info.value.rank, info.value.seen_on) == ("sharding_plan", 1, 0)
@@ -234,8 +254,10 @@ def test_rank_stuck_in_a_collective_after_a_failure_is_aborted(tmp_path):
     # timeout: a hang guard, not a speed check (unaborted, the collective stage sleeps past it).
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert ("start-up stage 'data_loader_init' failed on rank 1: OSError: loader worker died; aborting rank 1, "
-            "which is stuck in collective stage 'all_reduce'") in proc.stderr
+    assert (
+        "start-up stage 'data_loader_init' failed on rank 1: OSError: loader worker died; aborting rank 1, "
+        "which is stuck in collective stage 'all_reduce'"
+    ) in proc.stderr
 
 
 def test_collective_past_its_timeout_aborts(tmp_path):
@@ -291,8 +313,11 @@ def test_first_stages_run_before_any_other_stage_starts():
 
     # the model stage lasts a while: had it started before the fork, its thread would still be alive
     g.add("model", lambda: seen.append(("model", stage_threads())) or time.sleep(0.3))
-    g.add("fork_workers", lambda: (time.sleep(0.1), seen.append(("fork_workers", stage_threads())))[1] or "it",
-          runs_on="first")
+    g.add(
+        "fork_workers",
+        lambda: (time.sleep(0.1), seen.append(("fork_workers", stage_threads())))[1] or "it",
+        runs_on="first",
+    )
     g.add("prefetch", lambda fork_workers: fork_workers + "!", deps=["fork_workers"])
     result = g.run()
     assert seen[0] == ("fork_workers", [])  # no thread of the graph existed yet, not even its watchdog

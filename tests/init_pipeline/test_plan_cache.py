@@ -50,16 +50,24 @@ CHANGES = {
     "batch size": lambda: (m.planner(batch_size=16), m.model(), m.sharders()),
     "compute device": lambda: (m.planner(device="cuda"), m.model(), m.sharders()),
     "ddr cap": lambda: (m.planner(ddr_cap=2**30), m.model(), m.sharders()),
-    "constraint": lambda: (m.planner(constraints={"t0": ParameterConstraints(
-        sharding_types=[ShardingType.COLUMN_WISE.value])}), m.model(), m.sharders()),
-    "constraint pooling factor": lambda: (m.planner(constraints={"t0": ParameterConstraints(
-        pooling_factors=[4.0])}), m.model(), m.sharders()),
+    "constraint": lambda: (
+        m.planner(constraints={"t0": ParameterConstraints(sharding_types=[ShardingType.COLUMN_WISE.value])}),
+        m.model(),
+        m.sharders(),
+    ),
+    "constraint pooling factor": lambda: (
+        m.planner(constraints={"t0": ParameterConstraints(pooling_factors=[4.0])}),
+        m.model(),
+        m.sharders(),
+    ),
     "sharder option": lambda: (m.planner(), m.model(), m.sharders(learning_rate=0.1)),
-    "storage reservation": lambda: (m.planner(storage_reservation=HeuristicalStorageReservation(percentage=0.3)),
-                                    m.model(), m.sharders()),
+    "storage reservation": lambda: (
+        m.planner(storage_reservation=HeuristicalStorageReservation(percentage=0.3)),
+        m.model(),
+        m.sharders(),
+    ),
     "proposer": lambda: (m.planner(proposer=GreedyProposer()), m.model(), m.sharders()),
-    "partitioner": lambda: (m.planner(partitioner=GreedyPerfPartitioner(sort_by=SortBy.PERF)), m.model(),
-                            m.sharders()),
+    "partitioner": lambda: (m.planner(partitioner=GreedyPerfPartitioner(sort_by=SortBy.PERF)), m.model(), m.sharders()),
 }
 
 
@@ -104,8 +112,10 @@ def test_key_is_stable_for_equal_inputs_across_processes_and_after_planning():
     assert plan_key(*_base()) == key
     planner.plan(module, sharders)  # planning leaves search state on the planner: not part of the key
     assert plan_key(planner, module, sharders) == key
-    code = "import _plan_models as m; from warmstart.init_pipeline import plan_key; " \
-           "print(plan_key(m.planner(), m.model(), m.sharders()))"
+    code = (
+        "import _plan_models as m; from warmstart.init_pipeline import plan_key; "
+        "print(plan_key(m.planner(), m.model(), m.sharders()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == key, out.stderr[-2000:]
 
@@ -117,7 +127,7 @@ def test_anything_that_affects_the_plan_changes_the_key(change):
 
 def test_package_names_are_the_functions_not_the_modules_that_hold_them():
     import warmstart.init_pipeline as pkg
-    from warmstart.init_pipeline import cache_key, plan_cache, plan_verify  # noqa: F401 - imported first on purpose
+    from warmstart.init_pipeline import cache_key, plan_cache, plan_verify
 
     assert callable(pkg.plan_key) and pkg.plan_key is cache_key.plan_key
     assert pkg.verify_plan is plan_verify.verify_plan and pkg.cached_plan is plan_cache.cached_plan
@@ -127,8 +137,9 @@ def test_salt_changes_the_key():
     assert plan_key(*_base(), salt="v2") != plan_key(*_base())
 
 
-@pytest.mark.parametrize("change", ["table size", "feature", "world size", "batch size", "constraint",
-                                    "sharder option"])
+@pytest.mark.parametrize(
+    "change", ["table size", "feature", "world size", "batch size", "constraint", "sharder option"]
+)
 def test_a_change_recomputes_and_never_serves_the_stale_plan(store, change):
     cached_plan(*_base(), store=store)
     planner, module, sharders = CHANGES[change]()
@@ -207,8 +218,10 @@ BREAKS = {
     "table missing": (lambda plan: plan.plan["sparse.ebc"].pop("t3"), "tables differ"),
     "module path": (lambda plan: plan.plan.__setitem__("ebc", plan.plan.pop("sparse.ebc")), "module paths differ"),
     "rank out of range": (lambda plan: _tw_on_rank(plan, 2), "below the world size"),
-    "sharding type not on cpu": (lambda plan: setattr(_first_sharding(plan), "sharding_type",
-                                                      ShardingType.ROW_WISE.value), "not offered on cpu"),
+    "sharding type not on cpu": (
+        lambda plan: setattr(_first_sharding(plan), "sharding_type", ShardingType.ROW_WISE.value),
+        "not offered on cpu",
+    ),
     "kernel not on cpu": (lambda plan: setattr(_first_sharding(plan), "compute_kernel", "fused_uvm"), "kernel"),
     "shard does not cover": (_shrink_shard, "cover"),
     "shards overlap": (_duplicate_shard, "outside the table|cover|overlap"),

@@ -19,11 +19,30 @@ pytestmark = pytest.mark.slow
 
 def _torchrun(mode: str, out: Path, *args: str, cache_dir: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "WARMSTART_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore", "LOCAL_WORLD_SIZE": "2"}
-    return subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
-                           str(HERE / "_torchrun_worker.py"), mode, str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    env = {
+        **os.environ,
+        "WARMSTART_CACHE_DIR": str(cache_dir),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    return subprocess.run(
+        [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(HERE / "_torchrun_worker.py"),
+            mode,
+            str(out),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=HERE,
+    )
 
 
 def _ranks(out: Path) -> list[dict]:
@@ -61,9 +80,19 @@ def test_startup_graph_builds_a_trainable_torchrec_job(tmp_path, fresh_machine):
     proc = _torchrun("graph", tmp_path / "out", cache_dir=tmp_path / "cache")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rank0, rank1 = _ranks(tmp_path / "out")
-    stages = ["checkpoint_load", "compile_warmup", "data_loader_init", "data_loader_start", "first_batch_ready",
-              "model_meta", "model_transform", "optimizer_init", "process_group_init", "sharding_plan",
-              "sharding_plan_broadcast"]
+    stages = [
+        "checkpoint_load",
+        "compile_warmup",
+        "data_loader_init",
+        "data_loader_start",
+        "first_batch_ready",
+        "model_meta",
+        "model_transform",
+        "optimizer_init",
+        "process_group_init",
+        "sharding_plan",
+        "sharding_plan_broadcast",
+    ]
     assert rank0["stages"] == rank1["stages"] == stages
     # Rank 0 planned in a forked child (so its own counter stays 0); rank 1 never planned.
     assert rank0["plan_source"] == "planner" and rank1["plan_source"] is None

@@ -102,10 +102,23 @@ def load(page: Path, tmp_path: Path, width: int = 1400) -> tuple[Plots, list[str
     text = page.read_text().replace("<head>", "<head>" + _HOOK, 1)
     instrumented.write_text(text.replace("</body>", _BOXES + "</body>", 1) if "</body>" in text else text + _BOXES)
     proc = subprocess.run(
-        [CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--enable-logging=stderr", "--v=0",
-         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", f"--window-size={width},2000",
-         "--dump-dom", instrumented.as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            CHROMIUM,
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=10000",
+            f"--window-size={width},2000",
+            "--dump-dom",
+            instrumented.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
     problems = [line for line in console if "PAGE-CONSOLE-" in line or "Uncaught" in line]

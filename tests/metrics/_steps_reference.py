@@ -12,8 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from warmstart.metrics.events import Begin, End, Event, Failure, Step, TrainEnd
-from warmstart.metrics.steps import (OUTLIER_MADS, TOP, Interrupted, Lag, RankLag, SlowStep, SlowSteps,
-                                     margin_s)
+from warmstart.metrics.steps import OUTLIER_MADS, TOP, Interrupted, Lag, RankLag, SlowStep, SlowSteps, margin_s
 
 
 def trimmed_median(durations: Iterable[float]) -> float | None:
@@ -23,7 +22,7 @@ def trimmed_median(durations: Iterable[float]) -> float | None:
         return None
     mid = _median(values)
     mad = _median(sorted(map(abs, map(operator.sub, values, itertools.repeat(mid)))))
-    return _median(values[:bisect.bisect_right(values, mid + OUTLIER_MADS * mad)])
+    return _median(values[: bisect.bisect_right(values, mid + OUTLIER_MADS * mad)])
 
 
 def _median(ordered: list[float]) -> float:
@@ -42,7 +41,7 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
     # A job is nearly all steps: pick them out and group them in C-speed passes, the rest one by one.
     step_events = [ev for ev in events if type(ev) is Step]
     steps: dict[tuple[int, int], list[Step]] = defaultdict(list)
-    for key, ev in zip(map(_attempt_rank, step_events), step_events):
+    for key, ev in zip(map(_attempt_rank, step_events), step_events, strict=True):
         steps[key].append(ev)
     train_ends: dict[tuple[int, int], float] = {}
     failures: dict[int, float] = {}
@@ -82,7 +81,7 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
             stops.append(train_end)
         elif r == rank and failure < math.inf:
             interrupted.append(Interrupted(attempt, seq[cut - 1].step, failure - starts[-1]))
-        numbers = [ev.step for ev in seq[:len(stops)]]
+        numbers = [ev.step for ev in seq[: len(stops)]]
         ends[(attempt, r)] = (numbers, stops)
         if r == rank and stops:
             segments.append((len(durations), attempt, numbers))
@@ -90,8 +89,10 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
 
     # Each attempt's first step is warm-up (lazy compilation, cold caches): not part of the ideal.
     bounds = [first for first, _, _ in segments] + [len(durations)]
-    sample = list(itertools.chain.from_iterable(durations[bounds[i] + 1:bounds[i + 1]]
-                                                for i in range(len(segments)))) or durations
+    sample = (
+        list(itertools.chain.from_iterable(durations[bounds[i] + 1 : bounds[i + 1]] for i in range(len(segments))))
+        or durations
+    )
     ideal = trimmed_median(sample)
     margin = margin_s(ideal)
     slow: list[SlowStep] = []
@@ -100,11 +101,16 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
             first, attempt, numbers = segments[bisect.bisect_right(bounds, i) - 1]
             slow.append(SlowStep(attempt, numbers[i - first], durations[i], durations[i] - ideal))
     return SlowSteps(
-        rank=rank if durations else None, measured_steps=len(durations), ideal_step_s=ideal,
-        slow_above_s=None if ideal is None else ideal + margin, slow_count=len(slow),
+        rank=rank if durations else None,
+        measured_steps=len(durations),
+        ideal_step_s=ideal,
+        slow_above_s=None if ideal is None else ideal + margin,
+        slow_count=len(slow),
         lost_s=math.fsum(s.excess_s for s in slow),
         slowest_steps=tuple(heapq.nlargest(TOP, slow, key=lambda s: s.excess_s)),
-        slowest_ranks=_stragglers(ends, margin), interrupted=tuple(interrupted))
+        slowest_ranks=_stragglers(ends, margin),
+        interrupted=tuple(interrupted),
+    )
 
 
 _attempt_rank = operator.attrgetter("attempt", "rank")
@@ -137,7 +143,7 @@ def _union(marks: list[tuple[float, int, tuple[int, str]]], rank: int | None) ->
 def _net_durations(starts: list[float], stops: list[float], covered: list[tuple[float, float]]) -> list[float]:
     """Each step's length (``starts[i]`` to ``stops[i]``, in time order) minus the part ``covered`` covers.
     Spans are few next to steps: each covered interval is taken out of the steps it overlaps."""
-    out = [stop - start for start, stop in zip(starts, stops)]
+    out = [stop - start for start, stop in zip(starts, stops, strict=False)]
     for begin, end in covered:
         i = max(bisect.bisect_right(starts, begin) - 1, 0)
         while i < len(out) and starts[i] < end:
@@ -165,7 +171,7 @@ def _stragglers(ends: dict[tuple[int, int], tuple[list[int], list[float]]], marg
         if all(per_rank[r][0] == numbers for r in ranks[1:]):  # the usual case: every rank ran the same steps
             columns = [per_rank[r][1] for r in ranks]
         else:  # compare the steps every rank ended (one that died or joined late sits the rest out)
-            by_step = [dict(zip(*per_rank[r])) for r in ranks]
+            by_step = [dict(zip(*per_rank[r], strict=True)) for r in ranks]
             numbers = sorted(set(by_step[0]).intersection(*by_step[1:]))
             columns = [[ends_of[n] for n in numbers] for ends_of in by_step]
         # A rank's lag at each step is its end minus the latest end of the other ranks; over the margin,
@@ -177,10 +183,14 @@ def _stragglers(ends: dict[tuple[int, int], tuple[list[int], list[float]]], marg
                 r = ranks[i]
                 counts[r] += len(hits)
                 totals[r].append(math.fsum(map(lag.__getitem__, hits)))
-                worst[r] = heapq.nlargest(TOP, itertools.chain(
-                    worst[r], ((lag[j], attempt, numbers[j]) for j in heapq.nlargest(TOP, hits, key=lag.__getitem__))))
-    out = [RankLag(r, counts[r], math.fsum(totals[r]), tuple(Lag(a, n, lag) for lag, a, n in worst[r]))
-           for r in counts]
+                worst[r] = heapq.nlargest(
+                    TOP,
+                    itertools.chain(
+                        worst[r],
+                        ((lag[j], attempt, numbers[j]) for j in heapq.nlargest(TOP, hits, key=lag.__getitem__)),
+                    ),
+                )
+    out = [RankLag(r, counts[r], math.fsum(totals[r]), tuple(Lag(a, n, lag) for lag, a, n in worst[r])) for r in counts]
     out.sort(key=lambda r: (-r.lag_s, r.rank))
     return tuple(out[:TOP])
 

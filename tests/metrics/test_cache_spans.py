@@ -33,8 +33,11 @@ def test_a_wait_is_a_cache_fetch_span_in_the_bucket_of_the_work(run_dir):
     rec.flush()
     lines = [json.loads(line) for line in (run_dir / "events-r0-a0.jsonl").read_text().splitlines()]
     assert [(line["event"], line["span"], line["bucket"]) for line in lines] == [
-        ("begin", "cache_fetch", "compile"), ("end", "cache_fetch", "compile"),
-        ("begin", "cache_fetch", "sharding_plan"), ("end", "cache_fetch", "sharding_plan")]
+        ("begin", "cache_fetch", "compile"),
+        ("end", "cache_fetch", "compile"),
+        ("begin", "cache_fetch", "sharding_plan"),
+        ("end", "cache_fetch", "sharding_plan"),
+    ]
     assert lines[0]["job"] == "cache-spans" and lines[0]["ts"] <= lines[1]["ts"]
 
 
@@ -62,4 +65,6 @@ def test_a_wait_for_another_process_compile_is_a_cache_wait_span_in_the_compile_
     rec.flush()
     lines = [json.loads(line) for line in (run_dir / "events-r0-a0.jsonl").read_text().splitlines()]
     assert [(line["event"], line["span"], line["bucket"]) for line in lines] == [
-        ("begin", "cache_wait", "compile"), ("end", "cache_wait", "compile")]
+        ("begin", "cache_wait", "compile"),
+        ("end", "cache_wait", "compile"),
+    ]

@@ -12,21 +12,30 @@ from _timelines import T0, ev, span
 from warmstart.cli import cli
 from warmstart.metrics.events import write_events
 
-L1_KEYS = {"time_to_start_s", "time_to_recover_s", "failures", "lost_progress_s", "checkpoint_blocking_s",
-           "shutdown_s"}
+L1_KEYS = {"time_to_start_s", "time_to_recover_s", "failures", "lost_progress_s", "checkpoint_blocking_s", "shutdown_s"}
 
 
 def _write_run(run_dir, job="job-1", devices=2, scale=1.0):
-    write_events(run_dir / "events-r0-a0.jsonl", [
-        ev(0, "attempt_start", job=job, devices=devices), *span(0, 10 * scale, "compile", job=job),
-        ev(10 * scale, "step", job=job, step=0), ev(20 * scale, "checkpoint_committed", job=job, step=0),
-        ev(30 * scale, "step", job=job, step=1), ev(40 * scale, "failure", job=job, reason="x", category="infra"),
-    ])
-    write_events(run_dir / "events-r0-a1.jsonl", [
-        ev(50 * scale, "attempt_start", attempt=1, job=job, devices=devices),
-        ev(55 * scale, "step", attempt=1, job=job, step=1), ev(95 * scale, "train_end", attempt=1, job=job),
-        ev(100 * scale, "attempt_end", attempt=1, job=job),
-    ])
+    write_events(
+        run_dir / "events-r0-a0.jsonl",
+        [
+            ev(0, "attempt_start", job=job, devices=devices),
+            *span(0, 10 * scale, "compile", job=job),
+            ev(10 * scale, "step", job=job, step=0),
+            ev(20 * scale, "checkpoint_committed", job=job, step=0),
+            ev(30 * scale, "step", job=job, step=1),
+            ev(40 * scale, "failure", job=job, reason="x", category="infra"),
+        ],
+    )
+    write_events(
+        run_dir / "events-r0-a1.jsonl",
+        [
+            ev(50 * scale, "attempt_start", attempt=1, job=job, devices=devices),
+            ev(55 * scale, "step", attempt=1, job=job, step=1),
+            ev(95 * scale, "train_end", attempt=1, job=job),
+            ev(100 * scale, "attempt_end", attempt=1, job=job),
+        ],
+    )
 
 
 def _invoke(*args):
@@ -57,8 +66,16 @@ def test_report_table_is_readable(tmp_path):
     assert result.exit_code == 0
     out = result.stdout
     assert "ETT  60.0%" in out
-    for label in ("time to start", "time to recover", "lost progress", "checkpoint blocking", "shutdown",
-                  "effective_training", "recovery_wait", "end-to-end"):
+    for label in (
+        "time to start",
+        "time to recover",
+        "lost progress",
+        "checkpoint blocking",
+        "shutdown",
+        "effective_training",
+        "recovery_wait",
+        "end-to-end",
+    ):
         assert label in out
 
 
@@ -95,9 +112,15 @@ def test_torn_line_warns_on_stderr_and_still_reports(tmp_path):
 
 def test_fleet_weights_by_device_seconds(tmp_path):
     _write_run(tmp_path / "small", job="small", devices=1)  # ETT 60% over 100 s on 1 device
-    write_events(tmp_path / "big" / "events.jsonl", [  # ETT 90% over 100 s on 9 devices
-        ev(0, "attempt_start", job="big", devices=9), ev(10, "step", job="big", step=0),
-        ev(100, "train_end", job="big"), ev(100, "attempt_end", job="big")])
+    write_events(
+        tmp_path / "big" / "events.jsonl",
+        [  # ETT 90% over 100 s on 9 devices
+            ev(0, "attempt_start", job="big", devices=9),
+            ev(10, "step", job="big", step=0),
+            ev(100, "train_end", job="big"),
+            ev(100, "attempt_end", job="big"),
+        ],
+    )
     result = _invoke("ett", "fleet", str(tmp_path / "small"), str(tmp_path / "big"), "--json")
     assert result.exit_code == 0
     fleet = json.loads(result.stdout)
@@ -120,10 +143,13 @@ def test_interval_json_and_formula():
     assert "advised interval" in table and "26m 50s" in table and "5.00%" in table
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--blocking", "0", "--failures-per-day", "2"], "--blocking=0.0"),
-    (["--blocking", "5", "--failures-per-day", "-1"], "--failures-per-day=-1.0"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--blocking", "0", "--failures-per-day", "2"], "--blocking=0.0"),
+        (["--blocking", "5", "--failures-per-day", "-1"], "--failures-per-day=-1.0"),
+    ],
+)
 def test_interval_rejects_bad_values_with_exit_2(args, named):
     result = CliRunner().invoke(cli, ["ett", "interval", *args])
     assert result.exit_code == 2
@@ -132,12 +158,16 @@ def test_interval_rejects_bad_values_with_exit_2(args, named):
 
 # -- inputs that are not runs -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("command", ["report", "fleet", "project"])
-@pytest.mark.parametrize("contents, why", [
-    ({}, "it holds no *.jsonl files"),
-    ({"notes.txt": "hello world\n"}, "it holds no *.jsonl files"),
-    ({"events.jsonl": "\n\n"}, "its *.jsonl files hold no events"),
-])
+@pytest.mark.parametrize(
+    "contents, why",
+    [
+        ({}, "it holds no *.jsonl files"),
+        ({"notes.txt": "hello world\n"}, "it holds no *.jsonl files"),
+        ({"events.jsonl": "\n\n"}, "its *.jsonl files hold no events"),
+    ],
+)
 def test_a_directory_without_events_is_bad_input(tmp_path, command, contents, why):
     run = tmp_path / "run"
     run.mkdir()
@@ -158,12 +188,15 @@ def test_a_fleet_leaves_out_directories_without_events(tmp_path):
     assert f"{tmp_path / 'empty'}: no ETT events: it holds no *.jsonl files" in result.stderr
 
 
-@pytest.mark.parametrize("text, line", [
-    ("hello world\n", 2),  # text, not a fragment of an event line
-    ("hello world", 2),  # the same without its newline at the end of the file
-    ('# ts job attempt rank event\n', 2),
-    ('hello {"ts": 1700000000.0, "job": "job-1", "attempt": 0, "rank": 0, "event": "train_end"}\n', 2),
-])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("hello world\n", 2),  # text, not a fragment of an event line
+        ("hello world", 2),  # the same without its newline at the end of the file
+        ("# ts job attempt rank event\n", 2),
+        ('hello {"ts": 1700000000.0, "job": "job-1", "attempt": 0, "rank": 0, "event": "train_end"}\n', 2),
+    ],
+)
 def test_text_that_is_no_fragment_is_an_error_naming_file_and_line(tmp_path, text, line):
     good = json.dumps(ev(0, "attempt_start"))
     (tmp_path / "events.jsonl").write_text(good + "\n" + text)
@@ -183,11 +216,15 @@ def test_a_missing_directory_is_named_without_a_line(tmp_path):
 def test_a_window_without_counted_time_has_no_ett_whichever_option_cuts_it(tmp_path):
     _write_run(tmp_path)  # T0 .. T0 + 100
     since, until = str(T0 + 200), str(T0 + 300)
-    (restricted,) = json.loads(_invoke("ett", "report", str(tmp_path), "--since", since, "--until", until,
-                                       "--json").stdout)
+    (restricted,) = json.loads(
+        _invoke("ett", "report", str(tmp_path), "--since", since, "--until", until, "--json").stdout
+    )
     assert restricted["e2e_s"] == 0 and restricted["ett_pct"] is None
-    (sliced,) = json.loads(_invoke("ett", "report", str(tmp_path), "--since", str(T0), "--until", until,
-                                   "--every", "100s", "--json").stdout)
+    (sliced,) = json.loads(
+        _invoke(
+            "ett", "report", str(tmp_path), "--since", str(T0), "--until", until, "--every", "100s", "--json"
+        ).stdout
+    )
     assert [w["ett_pct"] for w in sliced["windows"]][1:] == [None, None]
     assert "ETT      -" in _invoke("ett", "report", str(tmp_path), "--since", since, "--until", until).stdout
     fleet = json.loads(_invoke("ett", "fleet", str(tmp_path), "--since", since, "--until", until, "--json").stdout)
@@ -206,8 +243,17 @@ def test_report_tables_fit_80_columns(tmp_path):
     _write_run(tmp_path)
     write_events(tmp_path / "events-r1-a0.jsonl", [ev(10, "step", rank=1, step=0), ev(30.5, "step", rank=1, step=1)])
     with (tmp_path / "events-r0-a0.jsonl").open("a") as f:  # a long reason, as NCCL gives them
-        f.write(json.dumps(ev(39, "failure", reason="NCCL watchdog: collective operation ALLREDUCE on rank 3 timed "
-                              "out after 600000 ms", category="infra")) + "\n")
+        f.write(
+            json.dumps(
+                ev(
+                    39,
+                    "failure",
+                    reason="NCCL watchdog: collective operation ALLREDUCE on rank 3 timed out after 600000 ms",
+                    category="infra",
+                )
+            )
+            + "\n"
+        )
     result = apply(compute(load_runs([tmp_path])[0], segments=True), TimeFilter(every=30))
 
     def lines(width: int) -> list[str]:
@@ -237,14 +283,23 @@ def test_report_names_forked_attempts(tmp_path):
         t = 100.0 * attempt
         span = "preload_handover" if forked else "process_launch"
         extra = {"bucket": "process_launch"} if forked else {}
-        lines += [{"ts": t, "event": "attempt_start"},
-                  {"ts": t + 1, "event": "begin", "span": span, **extra},
-                  {"ts": t + 2, "event": "end", "span": span, **extra},
-                  {"ts": t + 3, "event": "step", "step": 0}]
-        lines.append({"ts": t + 50, "event": "failure", "reason": "x", "category": "infra"} if attempt == 0
-                     else {"ts": t + 50, "event": "train_end"})
-    (run / "events.jsonl").write_text("".join(json.dumps({"job": "j", "attempt": a, "rank": 0, **e}) + "\n"
-                                              for a, e in [(0, x) for x in lines[:5]] + [(1, x) for x in lines[5:]]))
+        lines += [
+            {"ts": t, "event": "attempt_start"},
+            {"ts": t + 1, "event": "begin", "span": span, **extra},
+            {"ts": t + 2, "event": "end", "span": span, **extra},
+            {"ts": t + 3, "event": "step", "step": 0},
+        ]
+        lines.append(
+            {"ts": t + 50, "event": "failure", "reason": "x", "category": "infra"}
+            if attempt == 0
+            else {"ts": t + 50, "event": "train_end"}
+        )
+    (run / "events.jsonl").write_text(
+        "".join(
+            json.dumps({"job": "j", "attempt": a, "rank": 0, **e}) + "\n"
+            for a, e in [(0, x) for x in lines[:5]] + [(1, x) for x in lines[5:]]
+        )
+    )
     out = CliRunner().invoke(cli, ["ett", "report", str(run)])
     assert out.exit_code == 0, out.output
     assert "forked from a preloader (no new interpreter): attempt 1" in out.output

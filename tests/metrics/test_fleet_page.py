@@ -19,23 +19,55 @@ BY_LOSS = ["big", "flaky", "steady", "small"]
 
 
 def _write_fleet(root):
-    write_events(root / "steady" / "events.jsonl", [
-        ev(0, "attempt_start", job="steady", devices=64), ev(60, "step", job="steady", step=0),
-        ev(3500, "train_end", job="steady"), ev(3600, "attempt_end", job="steady")])
-    write_events(root / "flaky" / "events-a0.jsonl", [
-        ev(0, "attempt_start", job="flaky", devices=16), *span(0, 300, "compile", job="flaky"),
-        ev(300, "step", job="flaky", step=0), ev(900, "checkpoint_committed", job="flaky", step=0),
-        ev(1600, "step", job="flaky", step=1), ev(1700, "failure", job="flaky", reason="ECC", category="infra")])
-    write_events(root / "flaky" / "events-a1.jsonl", [
-        ev(2400, "attempt_start", attempt=1, job="flaky", devices=16),
-        *span(2400, 2500, "checkpoint_load", attempt=1, job="flaky"), ev(2600, "step", attempt=1, job="flaky", step=1),
-        ev(5300, "train_end", attempt=1, job="flaky"), ev(5400, "attempt_end", attempt=1, job="flaky")])
-    write_events(root / "small" / "events.jsonl", [
-        ev(1000, "attempt_start", job="small", devices=1), ev(1100, "step", job="small", step=0),
-        ev(2000, "train_end", job="small"), ev(2000, "attempt_end", job="small")])
-    write_events(root / "big" / "events.jsonl", [
-        ev(600, "attempt_start", job="big", devices=128), *span(600, 1500, "compile", job="big"),
-        ev(1500, "step", job="big", step=0), ev(4100, "train_end", job="big"), ev(4200, "attempt_end", job="big")])
+    write_events(
+        root / "steady" / "events.jsonl",
+        [
+            ev(0, "attempt_start", job="steady", devices=64),
+            ev(60, "step", job="steady", step=0),
+            ev(3500, "train_end", job="steady"),
+            ev(3600, "attempt_end", job="steady"),
+        ],
+    )
+    write_events(
+        root / "flaky" / "events-a0.jsonl",
+        [
+            ev(0, "attempt_start", job="flaky", devices=16),
+            *span(0, 300, "compile", job="flaky"),
+            ev(300, "step", job="flaky", step=0),
+            ev(900, "checkpoint_committed", job="flaky", step=0),
+            ev(1600, "step", job="flaky", step=1),
+            ev(1700, "failure", job="flaky", reason="ECC", category="infra"),
+        ],
+    )
+    write_events(
+        root / "flaky" / "events-a1.jsonl",
+        [
+            ev(2400, "attempt_start", attempt=1, job="flaky", devices=16),
+            *span(2400, 2500, "checkpoint_load", attempt=1, job="flaky"),
+            ev(2600, "step", attempt=1, job="flaky", step=1),
+            ev(5300, "train_end", attempt=1, job="flaky"),
+            ev(5400, "attempt_end", attempt=1, job="flaky"),
+        ],
+    )
+    write_events(
+        root / "small" / "events.jsonl",
+        [
+            ev(1000, "attempt_start", job="small", devices=1),
+            ev(1100, "step", job="small", step=0),
+            ev(2000, "train_end", job="small"),
+            ev(2000, "attempt_end", job="small"),
+        ],
+    )
+    write_events(
+        root / "big" / "events.jsonl",
+        [
+            ev(600, "attempt_start", job="big", devices=128),
+            *span(600, 1500, "compile", job="big"),
+            ev(1500, "step", job="big", step=0),
+            ev(4100, "train_end", job="big"),
+            ev(4200, "attempt_end", job="big"),
+        ],
+    )
 
 
 def _invoke(*args):
@@ -65,7 +97,9 @@ def test_unwritable_page_is_a_one_line_error(tmp_path):
 def test_fleet_page_renders_windows_and_jobs_by_loss(tmp_path, every):
     _write_fleet(tmp_path / "runs")
     page = tmp_path / "fleet.html"
-    result = _invoke("ett", "fleet", str(tmp_path / "runs"), "--html", str(page), *(["--every", every] if every else []))
+    result = _invoke(
+        "ett", "fleet", str(tmp_path / "runs"), "--html", str(page), *(["--every", every] if every else [])
+    )
     assert result.exit_code == 0, result.output
     plots, problems, boxes = load(page, tmp_path)
     assert problems == []

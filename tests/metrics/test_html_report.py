@@ -21,15 +21,29 @@ def _load_in_chromium(page, tmp_path):
 
 
 def _run_with_everything(run_dir: Path):
-    return run_of(run_dir, [
-        ev(0, "attempt_start", devices=8), *span(0, 4, "process_group_init"), *span(2, 9, "compile"),
-        *span(3, 6, "sharding_plan"), ev(10, "step", step=0), ev(11, "step", step=1),
-        *span(11.5, 12, "checkpoint_save"), ev(12.5, "checkpoint_committed", step=1), ev(13, "step", step=2),
-        *span(13.5, 14, "eval"), ev(15, "step", step=3), ev(16, "failure", reason="NCCL <timeout> & co", category="infra"),
-        ev(30, "attempt_start", attempt=1, devices=8), *span(30, 33, "checkpoint_load", attempt=1),
-        ev(35, "step", attempt=1, step=2), ev(36, "step", attempt=1, step=3), ev(37, "train_end", attempt=1),
-        ev(40, "attempt_end", attempt=1),
-    ])
+    return run_of(
+        run_dir,
+        [
+            ev(0, "attempt_start", devices=8),
+            *span(0, 4, "process_group_init"),
+            *span(2, 9, "compile"),
+            *span(3, 6, "sharding_plan"),
+            ev(10, "step", step=0),
+            ev(11, "step", step=1),
+            *span(11.5, 12, "checkpoint_save"),
+            ev(12.5, "checkpoint_committed", step=1),
+            ev(13, "step", step=2),
+            *span(13.5, 14, "eval"),
+            ev(15, "step", step=3),
+            ev(16, "failure", reason="NCCL <timeout> & co", category="infra"),
+            ev(30, "attempt_start", attempt=1, devices=8),
+            *span(30, 33, "checkpoint_load", attempt=1),
+            ev(35, "step", attempt=1, step=2),
+            ev(36, "step", attempt=1, step=3),
+            ev(37, "train_end", attempt=1),
+            ev(40, "attempt_end", attempt=1),
+        ],
+    )
 
 
 def test_report_page_renders_its_charts_without_console_errors(tmp_path):
@@ -73,6 +87,7 @@ def test_overlap_is_detected():
 
 # -- the layout of each chart, as Chromium draws it ------------------------------------------------------
 
+
 def _legend_just_below_axis_title(box):
     """The legend starts under the x-axis title, and close to it."""
     assert box["legend"] and box["xtitle"], box
@@ -81,20 +96,36 @@ def _legend_just_below_axis_title(box):
 
 
 def _one_lane(run_dir: Path):
-    return run_of(run_dir, [ev(0, "attempt_start"), ev(2, "step", step=0), ev(3, "step", step=1),
-                            ev(30, "train_end"), ev(31, "attempt_end")])
+    return run_of(
+        run_dir,
+        [
+            ev(0, "attempt_start"),
+            ev(2, "step", step=0),
+            ev(3, "step", step=1),
+            ev(30, "train_end"),
+            ev(31, "attempt_end"),
+        ],
+    )
 
 
 def _many_spans(run_dir: Path):
     """Two attempts, each with the start-up spans of the reference job, a few of them too short to see."""
     files = []
     for attempt, t in ((0, 0.0), (1, 60.0)):
-        events = [ev(t, "attempt_start", attempt), *span(t, t + 8, "imports", attempt),
-                  *span(t + 8, t + 30, "compile", attempt), *span(t + 8.2, t + 8.201, "cache_fetch", attempt),
-                  *span(t + 8.3, t + 8.8, "sharding_plan", attempt), *span(t + 8.5, t + 8.501, "optimizer_init", attempt)]
+        events = [
+            ev(t, "attempt_start", attempt),
+            *span(t, t + 8, "imports", attempt),
+            *span(t + 8, t + 30, "compile", attempt),
+            *span(t + 8.2, t + 8.201, "cache_fetch", attempt),
+            *span(t + 8.3, t + 8.8, "sharding_plan", attempt),
+            *span(t + 8.5, t + 8.501, "optimizer_init", attempt),
+        ]
         events += [ev(t + 30 + i, "step", attempt, step=i) for i in range(20)]
-        events.append(ev(t + 50, "failure", attempt, reason="injected", category="infra") if attempt == 0
-                      else ev(t + 50, "train_end", attempt))
+        events.append(
+            ev(t + 50, "failure", attempt, reason="injected", category="infra")
+            if attempt == 0
+            else ev(t + 50, "train_end", attempt)
+        )
         files.append(events)
     return run_of(run_dir, *files)
 
@@ -149,8 +180,9 @@ def test_headline_colour_follows_the_figure(tmp_path, ett, grade):
 def test_windows_chart_counts_seconds_since_the_start_like_the_timeline(tmp_path):
     from warmstart.metrics.report import _windows_figure
 
-    windowed = apply(compute(load_runs([_run_with_everything(tmp_path / "run").run_dir])[0], segments=True),
-                     TimeFilter(every=5))
+    windowed = apply(
+        compute(load_runs([_run_with_everything(tmp_path / "run").run_dir])[0], segments=True), TimeFilter(every=5)
+    )
     fig = _windows_figure(windowed.windows, t0=windowed.start_ts)
     assert fig.layout.xaxis.type != "date"
     assert fig.layout.xaxis.title.text == "seconds since the first attempt_start"

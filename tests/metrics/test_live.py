@@ -29,20 +29,23 @@ _OWN_LABELS = ("job_id", "rank", "instance", "job", "__name__")
 
 def _env(run_dir: Path, job_id: str, **extra: str) -> dict[str, str]:
     """The environment of a job process: only the variables a test gives, none inherited from the runner."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WARMSTART", "TORCHELASTIC")) and k not in ("RANK", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WARMSTART", "TORCHELASTIC")) and k not in ("RANK", "LOCAL_RANK")
+    }
     env.update(WARMSTART_RUN_DIR=str(run_dir), WARMSTART_JOB_ID=job_id, WARMSTART_METRICS_INTERVAL_S="0.2", **extra)
     return env
 
 
 def _job(mode: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(JOB), mode, *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, str(JOB), mode, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
 def _cli_json(*args: str):
-    done = subprocess.run([sys.executable, "-m", "warmstart", "ett", *args, "--json"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "warmstart", "ett", *args, "--json"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -61,8 +64,9 @@ def _expected(report: dict) -> dict[str, float]:
     }
     out.update({f'warmstart_ett_bucket_seconds{{bucket="{name}"}}': s for name, s in report["buckets"].items()})
     for category in ("infra", "preemption", "user"):
-        out[f'warmstart_ett_failures_total{{category="{category}"}}'] = \
-            report["l1"]["failures_by_category"].get(category, 0)
+        out[f'warmstart_ett_failures_total{{category="{category}"}}'] = report["l1"]["failures_by_category"].get(
+            category, 0
+        )
     return out
 
 
@@ -77,6 +81,7 @@ def _textfile_samples(path: Path) -> list:
 
 # -- through a real Prometheus -----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_prometheus_scrapes_what_ett_report_computes(tmp_path, prometheus_server):
     require_prometheus()
@@ -90,29 +95,42 @@ def test_prometheus_scrapes_what_ett_report_computes(tmp_path, prometheus_server
     restart = subprocess.Popen(
         [sys.executable, str(JOB), "finish", "--cache-dir", str(cache_dir), "--hold"],
         env={**env, "WARMSTART_ATTEMPT": "1", "WARMSTART_METRICS_PORT": str(port)},
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert restart.stdout.readline().strip() == "ready"
-        report, = _cli_json("report", str(run_dir))
+        (report,) = _cli_json("report", str(run_dir))
         fleet = _cli_json("fleet", str(run_dir))
         assert report["l1"]["failures_by_category"] == {"infra": 1} and len(report["attempts"]) == 2
 
         expected = _expected(report)
-        series = prom.wait_for('{__name__=~"warmstart_ett_.*", job_id="job-live"}',
-                               lambda result: {_key(labels["__name__"], labels): value for labels, value in result}
-                               == pytest.approx(expected, rel=1e-9, abs=1e-9))
+        series = prom.wait_for(
+            '{__name__=~"warmstart_ett_.*", job_id="job-live"}',
+            lambda result: (
+                {_key(labels["__name__"], labels): value for labels, value in result}
+                == pytest.approx(expected, rel=1e-9, abs=1e-9)
+            ),
+        )
         assert {(labels["rank"], labels["instance"]) for labels, _ in series} == {("0", f"127.0.0.1:{port}")}
 
         cache = prom.wait_for('{__name__=~"warmstart_cache_.*", job_id="job-live"}', lambda result: len(result) == 2)
         assert {_key(labels["__name__"], labels): value for labels, value in cache} == {
             'warmstart_cache_hits_total{kind="fx_graph",tier="local"}': 1,
-            'warmstart_cache_misses_total{kind="fx_graph",tier="local"}': 1}
+            'warmstart_cache_misses_total{kind="fx_graph",tier="local"}': 1,
+        }
 
         # The recording rules: fleet ETT% weighted by devices, as `warmstart ett fleet` computes it.
-        prom.wait_for("warmstart:fleet_ett_percent",
-                      lambda result: len(result) == 1 and result[0][1] == pytest.approx(fleet["ett_pct"], rel=1e-9))
-        prom.wait_for('job_id:warmstart_ett_device_seconds:max{job_id="job-live"}',
-                      lambda result: [v for _, v in result] == pytest.approx([fleet["device_seconds"]], rel=1e-9))
+        prom.wait_for(
+            "warmstart:fleet_ett_percent",
+            lambda result: len(result) == 1 and result[0][1] == pytest.approx(fleet["ett_pct"], rel=1e-9),
+        )
+        prom.wait_for(
+            'job_id:warmstart_ett_device_seconds:max{job_id="job-live"}',
+            lambda result: [v for _, v in result] == pytest.approx([fleet["device_seconds"]], rel=1e-9),
+        )
     finally:
         restart.stdin.close()
         restart.wait(timeout=60)
@@ -131,6 +149,7 @@ def test_rules_file_is_valid():
 
 # -- the textfile -----------------------------------------------------------------------------------
 
+
 def test_textfile_holds_the_final_figures_of_the_report(tmp_path):
     run_dir, textfile = tmp_path / "run", tmp_path / "textfile" / "warmstart.prom"
     textfile.parent.mkdir()
@@ -138,7 +157,7 @@ def test_textfile_holds_the_final_figures_of_the_report(tmp_path):
     assert done.returncode == 0 and done.stderr == "", done.stderr
 
     samples = _textfile_samples(textfile)
-    report, = _cli_json("report", str(run_dir))
+    (report,) = _cli_json("report", str(run_dir))
     assert {_key(s.name, s.labels): s.value for s in samples} == pytest.approx(_expected(report), rel=1e-9, abs=1e-9)
     assert {(s.labels["job_id"], s.labels["rank"]) for s in samples} == {("job-file", "0")}
     assert os.listdir(textfile.parent) == ["warmstart.prom"]  # written through a renamed temporary file
@@ -149,21 +168,34 @@ def test_the_final_textfile_keeps_the_cache_figures(tmp_path):
     written: the job's cache figures must not vanish from dashboards the moment it ends."""
     textfile, cache_dir = tmp_path / "warmstart.prom", tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
-    done = _job("finish", _env(tmp_path / "run", "job-cache", WARMSTART_METRICS_TEXTFILE=str(textfile)),
-                "--cache-dir", str(cache_dir))
+    done = _job(
+        "finish",
+        _env(tmp_path / "run", "job-cache", WARMSTART_METRICS_TEXTFILE=str(textfile)),
+        "--cache-dir",
+        str(cache_dir),
+    )
     assert done.returncode == 0 and done.stderr == "", done.stderr
-    cache = {_key(s.name, s.labels): s.value for s in _textfile_samples(textfile) if s.name.startswith("warmstart_cache")}
-    assert cache == {'warmstart_cache_hits_total{kind="fx_graph",tier="local"}': 1,
-                     'warmstart_cache_misses_total{kind="fx_graph",tier="local"}': 1}
+    cache = {
+        _key(s.name, s.labels): s.value for s in _textfile_samples(textfile) if s.name.startswith("warmstart_cache")
+    }
+    assert cache == {
+        'warmstart_cache_hits_total{kind="fx_graph",tier="local"}': 1,
+        'warmstart_cache_misses_total{kind="fx_graph",tier="local"}': 1,
+    }
     assert (cache_dir / "stats.json").exists()  # the counts went to the shared file as well
 
 
 def test_live_figures_move_while_the_job_writes_nothing(tmp_path):
     """A job busy in its imports (or a compile) writes no event for a long time; its clock runs on."""
     textfile = tmp_path / "warmstart.prom"
-    job = subprocess.Popen([sys.executable, str(JOB), "start-up"],
-                           env=_env(tmp_path / "run", "job-busy", WARMSTART_METRICS_TEXTFILE=str(textfile)),
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [sys.executable, str(JOB), "start-up"],
+        env=_env(tmp_path / "run", "job-busy", WARMSTART_METRICS_TEXTFILE=str(textfile)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert job.stdout.readline().strip() == "started"
         deadline = time.monotonic() + 120  # a hang guard: a healthy job gets there in about 2 s
@@ -200,20 +232,34 @@ def test_devices_count_the_ranks_of_the_job(tmp_path):
     rec = Recorder(tmp_path, job="job-ranks", rank=0, attempt=0, flush_interval_s=0)
     exporter = Exporter(rec, MetricsSettings(textfile=tmp_path / "w.prom"), clock=lambda: 1_700_000_010.0)
     for rank in (0, 1):  # each rank declares its own device, as the reference job does
-        write_events(tmp_path / f"events-r{rank}-a0.jsonl", [
-            {"ts": 1_700_000_000.0, "job": rec.job, "attempt": 0, "rank": rank, "event": "attempt_start", "devices": 1},
-            {"ts": 1_700_000_001.0, "job": rec.job, "attempt": 0, "rank": rank, "event": "step", "step": 0}])
+        write_events(
+            tmp_path / f"events-r{rank}-a0.jsonl",
+            [
+                {
+                    "ts": 1_700_000_000.0,
+                    "job": rec.job,
+                    "attempt": 0,
+                    "rank": rank,
+                    "event": "attempt_start",
+                    "devices": 1,
+                },
+                {"ts": 1_700_000_001.0, "job": rec.job, "attempt": 0, "rank": rank, "event": "step", "step": 0},
+            ],
+        )
     assert exporter.refresh().devices == 2
-    result, = compute_runs([tmp_path])
+    (result,) = compute_runs([tmp_path])
     assert result.devices == 2
     rec.close()
 
 
-@pytest.mark.parametrize("extra,rank_file", [
-    ({}, "warmstart.prom"),
-    ({"RANK": "1", "LOCAL_RANK": "1"}, None),  # rank 0 alone by default
-    ({"RANK": "3", "LOCAL_RANK": "1", "WARMSTART_METRICS_RANKS": "all"}, "warmstart-1.prom"),
-])
+@pytest.mark.parametrize(
+    "extra,rank_file",
+    [
+        ({}, "warmstart.prom"),
+        ({"RANK": "1", "LOCAL_RANK": "1"}, None),  # rank 0 alone by default
+        ({"RANK": "3", "LOCAL_RANK": "1", "WARMSTART_METRICS_RANKS": "all"}, "warmstart-1.prom"),
+    ],
+)
 def test_which_ranks_export(tmp_path, extra, rank_file):
     textfile = tmp_path / "textfile" / "warmstart.prom"
     textfile.parent.mkdir()
@@ -229,10 +275,13 @@ def test_every_rank_of_a_machine_gets_its_own_port_and_file():
     settings = MetricsSettings(port=9400, textfile=Path("/t/w.prom"), all_ranks=True, local_rank=2)
     assert process_outputs(settings) == (9402, Path("/t/w-2.prom"))
     assert process_outputs(MetricsSettings(port=9400, textfile=Path("/t/w.prom"), local_rank=2)) == (
-        9400, Path("/t/w.prom"))
+        9400,
+        Path("/t/w.prom"),
+    )
 
 
 # -- faults: never the job --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fault", ["port_taken", "textfile_unwritable", "bad_setting"])
 def test_a_failing_exporter_is_one_warning_line_and_the_job_goes_on(tmp_path, fault):
@@ -256,10 +305,13 @@ def test_a_failing_exporter_is_one_warning_line_and_the_job_goes_on(tmp_path, fa
     assert done.returncode == 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warmstart: live metrics off: "), done.stderr
-    named = {"port_taken": f"port {port}", "textfile_unwritable": "a-file/warmstart.prom",
-             "bad_setting": "WARMSTART_METRICS_PORT='http'"}[fault]
+    named = {
+        "port_taken": f"port {port}",
+        "textfile_unwritable": "a-file/warmstart.prom",
+        "bad_setting": "WARMSTART_METRICS_PORT='http'",
+    }[fault]
     assert named in lines[0]
-    report, = _cli_json("report", str(run_dir))
+    (report,) = _cli_json("report", str(run_dir))
     assert report["attempts"][0]["steps"] == 6 and report["ett_pct"] > 0  # the job's own events are whole
     if fault == "port_taken":  # the other delivery goes on
         assert {s.name for s in _textfile_samples(textfile)} >= {"warmstart_ett_percent"}
@@ -267,9 +319,12 @@ def test_a_failing_exporter_is_one_warning_line_and_the_job_goes_on(tmp_path, fa
 
 # -- the recent window --------------------------------------------------------------------------------
 
+
 def _steps(rec: Recorder, first: int, start: float, step_s: float, n: int) -> list[dict]:
-    return [{"ts": start + i * step_s, "job": rec.job, "attempt": 0, "rank": 0, "event": "step", "step": first + i}
-            for i in range(n)]
+    return [
+        {"ts": start + i * step_s, "job": rec.job, "attempt": 0, "rank": 0, "event": "step", "step": first + i}
+        for i in range(n)
+    ]
 
 
 def test_recent_percent_covers_the_last_five_minutes_of_job_time(tmp_path):
@@ -278,23 +333,33 @@ def test_recent_percent_covers_the_last_five_minutes_of_job_time(tmp_path):
     now = [t0 + 600]  # the job's clock: its open attempt runs until then
     exporter = Exporter(rec, MetricsSettings(textfile=tmp_path / "w.prom"), clock=lambda: now[0])
     path = tmp_path / "scheduler.jsonl"
-    write_events(path, [{"ts": t0, "job": rec.job, "attempt": 0, "rank": -1, "event": "attempt_start"},
-                        {"ts": t0, "job": rec.job, "attempt": 0, "rank": 0, "event": "begin", "span": "compile"},
-                        {"ts": t0 + 400, "job": rec.job, "attempt": 0, "rank": 0, "event": "end", "span": "compile"},
-                        *_steps(rec, 0, t0 + 400, 1.0, 201)])
+    write_events(
+        path,
+        [
+            {"ts": t0, "job": rec.job, "attempt": 0, "rank": -1, "event": "attempt_start"},
+            {"ts": t0, "job": rec.job, "attempt": 0, "rank": 0, "event": "begin", "span": "compile"},
+            {"ts": t0 + 400, "job": rec.job, "attempt": 0, "rank": 0, "event": "end", "span": "compile"},
+            *_steps(rec, 0, t0 + 400, 1.0, 201),
+        ],
+    )
     first = exporter.refresh()
     assert first.e2e_s == pytest.approx(600) and first.ett_pct == pytest.approx(100 * 200 / 600)
     assert first.recent_ett_pct is None  # this exporter has not watched five minutes of the job yet
 
     # 300 s more: 100 s of eval, then 200 s of steps (all effective). The window is exactly those.
-    write_events(path, [{"ts": t0 + 600, "job": rec.job, "attempt": 0, "rank": 0, "event": "begin", "span": "eval"},
-                        {"ts": t0 + 700, "job": rec.job, "attempt": 0, "rank": 0, "event": "end", "span": "eval"},
-                        *_steps(rec, 201, t0 + 700, 1.0, 201)])
+    write_events(
+        path,
+        [
+            {"ts": t0 + 600, "job": rec.job, "attempt": 0, "rank": 0, "event": "begin", "span": "eval"},
+            {"ts": t0 + 700, "job": rec.job, "attempt": 0, "rank": 0, "event": "end", "span": "eval"},
+            *_steps(rec, 201, t0 + 700, 1.0, 201),
+        ],
+    )
     now[0] = t0 + 900
     second = exporter.refresh()
     assert second.e2e_s == pytest.approx(900)
     assert second.recent_ett_pct == pytest.approx(100 * 200 / 300)
-    result, = compute_runs([tmp_path])  # the other figures are the report's
+    (result,) = compute_runs([tmp_path])  # the other figures are the report's
     assert (second.ett_pct, second.steps, second.attempts) == (result.ett_pct, sum(a.steps for a in result.attempts), 1)
     rec.close()
 

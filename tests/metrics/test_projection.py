@@ -15,7 +15,12 @@ from warmstart.cli import cli
 from warmstart.errors import ConfigError
 from warmstart.metrics.events import write_events
 from warmstart.metrics.projection import (
-    ProjectionError, Scale, measure, project, published_failure_rate, published_mtbf_h,
+    ProjectionError,
+    Scale,
+    measure,
+    project,
+    published_failure_rate,
+    published_mtbf_h,
 )
 
 APPROX = {"abs": 1e-4}
@@ -36,12 +41,17 @@ def _job(job: str = "job-1") -> list[list[dict]]:
     for t, step in ((19.5, 9), (29.5, 19)):
         a0 += [*span(t, t + 0.5, "checkpoint_save", job=job), ev(t + 0.5, "checkpoint_committed", job=job, step=step)]
     a0 += [ev(35, "failure", job=job, reason="NCCL timeout", category="infra"), ev(36, "attempt_end", job=job)]
-    a1 = [ev(40, "attempt_start", 1, job=job, devices=4), *span(40, 44, "checkpoint_load", 1, job=job),
-          *span(44, 46, "compile", 1, job=job)]
+    a1 = [
+        ev(40, "attempt_start", 1, job=job, devices=4),
+        *span(40, 44, "checkpoint_load", 1, job=job),
+        *span(44, 46, "compile", 1, job=job),
+    ]
     a1 += [ev(46 + i, "step", 1, job=job, step=20 + i) for i in range(24)]
     for t, step in ((55.5, 29), (65.5, 39)):
-        a1 += [*span(t, t + 0.5, "checkpoint_save", 1, job=job), ev(t + 0.5, "checkpoint_committed", 1, job=job,
-                                                                    step=step)]
+        a1 += [
+            *span(t, t + 0.5, "checkpoint_save", 1, job=job),
+            ev(t + 0.5, "checkpoint_committed", 1, job=job, step=step),
+        ]
     a1 += [ev(70, "train_end", 1, job=job), ev(72, "attempt_end", 1, job=job)]
     return [a0, a1]
 
@@ -120,11 +130,19 @@ def _several_attempts() -> list[list[dict]]:
             events.append(ev(t, "step", attempt, step=step))
             t += 1
             if step % 10 == 9:
-                events += [*span(t, t + 0.25, "checkpoint_save", attempt),
-                           ev(t + 0.25, "checkpoint_committed", attempt, step=step)]
+                events += [
+                    *span(t, t + 0.25, "checkpoint_save", attempt),
+                    ev(t + 0.25, "checkpoint_committed", attempt, step=step),
+                ]
                 t += 0.25
-        events.append(ev(t, "failure" if fail else "train_end", attempt,
-                         **({"reason": "node lost", "category": "infra"} if fail else {})))
+        events.append(
+            ev(
+                t,
+                "failure" if fail else "train_end",
+                attempt,
+                **({"reason": "node lost", "category": "infra"} if fail else {}),
+            )
+        )
         events.append(ev(t + 1, "attempt_end", attempt))
         t += 4
         files.append(events)
@@ -172,15 +190,32 @@ def test_projection_with_given_failure_rate_and_interval(tmp_path):
     loop = WEEK_S - 10 - 2 - 77
     blocking = loop * 0.5 / 600
     assert p.failures == pytest.approx(7) and p.failures_from == "option" and p.interval_from == "option"
-    assert p.l1 == pytest.approx({"time_to_start_s": 10, "time_to_recover_s": 77, "failures": 7,
-                                  "lost_progress_s": 2100, "checkpoint_blocking_s": blocking, "shutdown_s": 2},
-                                 **APPROX)
+    assert p.l1 == pytest.approx(
+        {
+            "time_to_start_s": 10,
+            "time_to_recover_s": 77,
+            "failures": 7,
+            "lost_progress_s": 2100,
+            "checkpoint_blocking_s": blocking,
+            "shutdown_s": 2,
+        },
+        **APPROX,
+    )
     assert p.projected_ett_pct == pytest.approx(100 * (loop - blocking - 2100) / WEEK_S, **APPROX)
     # Start-up as measured; each recovery split as the run's was; the rest as the model says.
     nonzero = {k: v for k, v in p.buckets.items() if v}
-    assert nonzero == pytest.approx({"effective_training": loop - blocking - 2100, "compile": 10 + 7 * 2,
-                                     "checkpoint_load": 7 * 4, "recovery_wait": 7 * 5, "lost_progress": 2100,
-                                     "checkpoint_blocking": blocking, "shutdown": 2}, **APPROX)
+    assert nonzero == pytest.approx(
+        {
+            "effective_training": loop - blocking - 2100,
+            "compile": 10 + 7 * 2,
+            "checkpoint_load": 7 * 4,
+            "recovery_wait": 7 * 5,
+            "lost_progress": 2100,
+            "checkpoint_blocking": blocking,
+            "shutdown": 2,
+        },
+        **APPROX,
+    )
     assert sum(p.buckets.values()) == pytest.approx(WEEK_S)
 
 
@@ -249,17 +284,25 @@ def test_impossible_projections_are_errors(tmp_path):
         measure(run_of(tmp_path / "c", []))
 
 
-@pytest.mark.parametrize("kwargs, named", [
-    ({"devices": 0}, "--devices=0"), ({"devices": -4}, "--devices=-4"), ({"days": 0}, "--days=0"),
-    ({"days": -1.5}, "--days=-1.5"), ({"days": math.inf}, "--days=inf"), ({"mtbf_h": 0}, "--mtbf-h=0"),
-    ({"checkpoint_interval_s": -5}, "--checkpoint-interval=-5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"devices": 0}, "--devices=0"),
+        ({"devices": -4}, "--devices=-4"),
+        ({"days": 0}, "--days=0"),
+        ({"days": -1.5}, "--days=-1.5"),
+        ({"days": math.inf}, "--days=inf"),
+        ({"mtbf_h": 0}, "--mtbf-h=0"),
+        ({"checkpoint_interval_s": -5}, "--checkpoint-interval=-5"),
+    ],
+)
 def test_scale_rejects_bad_values(kwargs, named):
     with pytest.raises(ConfigError, match=named):
         Scale(**kwargs)
 
 
 # -- the self-check on generated runs shaped like the reference job --------------------------------------
+
 
 def _reference_like(run_dir, seed: int) -> None:
     """Two ranks, a start-up of 20-40 s, a checkpoint every 30 steps of about 0.12 s (saves blocking
@@ -312,6 +355,7 @@ def test_own_scale_is_within_a_point_on_reference_like_runs(tmp_path, seed):
 
 # -- CLI -----------------------------------------------------------------------------------------------
 
+
 def _write(run_dir, job):
     for i, events in enumerate(_job(job)):
         write_events(run_dir / f"events-a{i}.jsonl", events)
@@ -327,31 +371,65 @@ def test_cli_json_keys_and_side_by_side_table(tmp_path):
     runs = json.loads(result.stdout)
     assert [r["job"] for r in runs] == ["baseline", "warm"]
     for r in runs:
-        assert {"projected_ett_pct", "measured_ett_pct", "l1", "buckets", "inputs", "measured", "devices", "days",
-                "e2e_s"} <= set(r)
-        assert {"time_to_start_s", "time_to_recover_s", "failures", "lost_progress_s", "checkpoint_blocking_s",
-                "shutdown_s"} <= set(r["l1"])
-        assert {"mtbf_h", "checkpoint_interval_s", "interval_from", "failures_from", "start_s", "recovery_s",
-                "blocking_per_checkpoint_s", "lost_per_failure_s", "detection_s"} <= set(r["inputs"])
+        assert {
+            "projected_ett_pct",
+            "measured_ett_pct",
+            "l1",
+            "buckets",
+            "inputs",
+            "measured",
+            "devices",
+            "days",
+            "e2e_s",
+        } <= set(r)
+        assert {
+            "time_to_start_s",
+            "time_to_recover_s",
+            "failures",
+            "lost_progress_s",
+            "checkpoint_blocking_s",
+            "shutdown_s",
+        } <= set(r["l1"])
+        assert {
+            "mtbf_h",
+            "checkpoint_interval_s",
+            "interval_from",
+            "failures_from",
+            "start_s",
+            "recovery_s",
+            "blocking_per_checkpoint_s",
+            "lost_per_failure_s",
+            "detection_s",
+        } <= set(r["inputs"])
         assert math.isclose(sum(r["buckets"].values()), 7 * 86400, rel_tol=1e-9)
         assert (r["devices"], r["days"]) == (1024, 7)
     text = runner.invoke(cli, args).stdout
     assert "ETT% projected to 1,024 devices x 7 days" in text
     header = next(line for line in text.splitlines() if "baseline" in line)
     assert "warm" in header  # one column per run, side by side
-    for label in ("projected ETT%", "measured ETT%", "failures", "checkpoint interval", "time to recover",
-                  "lost progress", "checkpoint blocking"):
+    for label in (
+        "projected ETT%",
+        "measured ETT%",
+        "failures",
+        "checkpoint interval",
+        "time to recover",
+        "lost progress",
+        "checkpoint blocking",
+    ):
         assert label in text
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--devices", "-1", "--days", "7"], "--devices=-1"),
-    (["--devices", "0"], "--devices=0"),
-    (["--days", "0"], "--days=0.0"),
-    (["--days", "-3"], "--days=-3.0"),
-    (["--mtbf-h", "0"], "--mtbf-h=0.0"),
-    (["--checkpoint-interval", "-10"], "--checkpoint-interval=-10.0"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--devices", "-1", "--days", "7"], "--devices=-1"),
+        (["--devices", "0"], "--devices=0"),
+        (["--days", "0"], "--days=0.0"),
+        (["--days", "-3"], "--days=-3.0"),
+        (["--mtbf-h", "0"], "--mtbf-h=0.0"),
+        (["--checkpoint-interval", "-10"], "--checkpoint-interval=-10.0"),
+    ],
+)
 def test_cli_bad_values_are_one_line_usage_errors(tmp_path, args, named):
     _write(tmp_path, "job-1")
     result = CliRunner().invoke(cli, ["ett", "project", str(tmp_path), *args])
@@ -389,9 +467,15 @@ def test_cli_table_states_the_model_and_what_each_run_rests_on(tmp_path):
 def test_report_fleet_and_project_count_the_same_devices(tmp_path):
     """Two ranks, each declaring its own one device: a job of 2 devices everywhere."""
     for rank in (0, 1):
-        write_events(tmp_path / f"events-r{rank}-a0.jsonl", [
-            ev(0, "attempt_start", rank=rank, devices=1), ev(1, "step", rank=rank, step=0),
-            ev(9, "train_end", rank=rank), ev(10, "attempt_end", rank=rank)])
+        write_events(
+            tmp_path / f"events-r{rank}-a0.jsonl",
+            [
+                ev(0, "attempt_start", rank=rank, devices=1),
+                ev(1, "step", rank=rank, step=0),
+                ev(9, "train_end", rank=rank),
+                ev(10, "attempt_end", rank=rank),
+            ],
+        )
     runner = CliRunner()
     (report,) = json.loads(runner.invoke(cli, ["ett", "report", str(tmp_path), "--json"]).stdout)
     fleet = json.loads(runner.invoke(cli, ["ett", "fleet", str(tmp_path), "--json"]).stdout)

@@ -25,8 +25,14 @@ def _lines(path: Path) -> list[dict]:
 def _run(code: str, env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHELASTIC", "RANK"))}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
-                          text=True, timeout=60, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **kwargs,
+    )
 
 
 def test_every_call_writes_one_valid_line(tmp_path):
@@ -45,8 +51,19 @@ def test_every_call_writes_one_valid_line(tmp_path):
     rec.close()
     assert rec.path == tmp_path / "events-r3-a2.jsonl"
     events = read_events(rec.path)
-    assert [e.event for e in events] == ["attempt_start", "begin", "end", "begin", "end", "step", "step",
-                                         "checkpoint_committed", "failure", "train_end", "attempt_end"]
+    assert [e.event for e in events] == [
+        "attempt_start",
+        "begin",
+        "end",
+        "begin",
+        "end",
+        "step",
+        "step",
+        "checkpoint_committed",
+        "failure",
+        "train_end",
+        "attempt_end",
+    ]
     assert {(e.job, e.rank, e.attempt) for e in events} == {("job-1", 3, 2)}
     assert events[0].devices == 8
     assert (events[3].span, events[3].bucket) == ("warmup", "compile")
@@ -125,27 +142,39 @@ def test_get_recorder_from_environment(tmp_path, monkeypatch):
         assert isinstance(rec, Recorder) and get_recorder() is rec
         rec.step(3)
         rec.flush()
-        assert _lines(tmp_path / "events-r1-a0.jsonl")[0] == {**_lines(tmp_path / "events-r1-a0.jsonl")[0],
-                                                              "job": "job-env", "rank": 1, "step": 3}
+        assert _lines(tmp_path / "events-r1-a0.jsonl")[0] == {
+            **_lines(tmp_path / "events-r1-a0.jsonl")[0],
+            "job": "job-env",
+            "rank": 1,
+            "step": 3,
+        }
     finally:
         reset_process_recorder()
 
 
 def test_exit_flushes_and_ends_the_open_attempt(tmp_path):
-    proc = _run("""
+    proc = _run(
+        """
         from warmstart.metrics import get_recorder
         rec = get_recorder()
         rec.attempt_start(devices=2)
         rec.step(0)
         rec.train_end()
-    """, {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"})
+    """,
+        {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert [line["event"] for line in _lines(tmp_path / "events-r0-a0.jsonl")] == [
-        "attempt_start", "step", "train_end", "attempt_end"]
+        "attempt_start",
+        "step",
+        "train_end",
+        "attempt_end",
+    ]
 
 
 def test_uncaught_exception_writes_failure_and_chains_excepthook(tmp_path):
-    proc = _run("""
+    proc = _run(
+        """
         import sys
         def previous(t, e, tb):
             print("previous hook saw", t.__name__, file=sys.stderr)
@@ -155,7 +184,9 @@ def test_uncaught_exception_writes_failure_and_chains_excepthook(tmp_path):
         rec.attempt_start()
         rec.step(0)
         raise ConnectionError("peer went away")
-    """, {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j", "RANK": "1"})
+    """,
+        {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j", "RANK": "1"},
+    )
     assert proc.returncode == 1
     assert "previous hook saw ConnectionError" in proc.stderr
     lines = _lines(tmp_path / "events-r1-a0.jsonl")
@@ -164,18 +195,25 @@ def test_uncaught_exception_writes_failure_and_chains_excepthook(tmp_path):
 
 
 def test_user_error_is_categorized_user(tmp_path):
-    proc = _run("""
+    proc = _run(
+        """
         from warmstart.metrics import get_recorder
         get_recorder().step(0)
         raise KeyError("missing feature")
-    """, {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"})
+    """,
+        {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"},
+    )
     assert proc.returncode == 1
     failure = [line for line in _lines(tmp_path / "events-r0-a0.jsonl") if line["event"] == "failure"]
     assert failure[0]["category"] == "user" and failure[0]["reason"].startswith("KeyError")
 
 
 def test_sigterm_writes_failure_flushes_and_dies_by_the_signal(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys, time
         from warmstart.metrics import get_recorder
         rec = get_recorder()
@@ -184,8 +222,18 @@ def test_sigterm_writes_failure_flushes_and_dies_by_the_signal(tmp_path):
             rec.step(n)
         print("ready", flush=True)
         time.sleep(60)
-    """)], env={**os.environ, "WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j", "RANK": "0",
-                "WARMSTART_ATTEMPT": "1"}, stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        env={
+            **os.environ,
+            "WARMSTART_RUN_DIR": str(tmp_path),
+            "WARMSTART_JOB_ID": "j",
+            "RANK": "0",
+            "WARMSTART_ATTEMPT": "1",
+        },
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)
@@ -199,7 +247,11 @@ def test_sigterm_writes_failure_flushes_and_dies_by_the_signal(tmp_path):
 
 
 def test_sigterm_chains_a_previous_python_handler(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import signal, sys, time
         def previous(signum, frame):
             print("previous handler ran", flush=True)
@@ -209,8 +261,12 @@ def test_sigterm_chains_a_previous_python_handler(tmp_path):
         get_recorder().step(0)
         print("ready", flush=True)
         time.sleep(60)
-    """)], env={**os.environ, "WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j", "RANK": "0"},
-        stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        env={**os.environ, "WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j", "RANK": "0"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)
@@ -224,17 +280,21 @@ def test_sigterm_chains_a_previous_python_handler(tmp_path):
 
 
 def test_a_process_that_recorded_nothing_writes_nothing(tmp_path):
-    proc = _run("""
+    proc = _run(
+        """
         from warmstart.metrics import get_recorder
         get_recorder()
         raise RuntimeError("a compile worker dies")
-    """, {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"})
+    """,
+        {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"},
+    )
     assert proc.returncode == 1
     assert list(tmp_path.iterdir()) == []
 
 
 def test_forked_child_does_not_duplicate_or_claim_the_attempt(tmp_path):
-    proc = _run("""
+    proc = _run(
+        """
         import os
         from warmstart.metrics import get_recorder
         rec = get_recorder()
@@ -245,7 +305,9 @@ def test_forked_child_does_not_duplicate_or_claim_the_attempt(tmp_path):
             raise SystemExit(0)   # a forked helper (e.g. a data loader worker) exits normally
         os.waitpid(pid, 0)
         rec.step(1)
-    """, {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"})
+    """,
+        {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"},
+    )
     assert proc.returncode == 0, proc.stderr
     events = [(line["event"], line.get("step")) for line in _lines(tmp_path / "events-r0-a0.jsonl")]
     assert events == [("attempt_start", None), ("step", 0), ("step", 1), ("attempt_end", None)]
@@ -286,7 +348,8 @@ def test_integer_like_values_are_written_and_invalid_events_dropped_alone(tmp_pa
     assert [(e.step, e.samples) for e in read_events(rec.path)] == [(4, 8), (6, None)]
     assert [r.message for r in caplog.records if "dropping an invalid ETT event" in r.message] == [
         f"warmstart: dropping an invalid ETT event for {rec.path} (event 0: field 'step' must be an integer, "
-        f"got 'five')"]
+        f"got 'five')"
+    ]
 
 
 def test_buffered_events_are_left_out_of_garbage_collections(tmp_path):

@@ -33,13 +33,19 @@ def test_trimmed_median_drops_slow_outliers():
 
 
 def test_ideal_step_slow_steps_and_the_time_they_lost(tmp_path):
-    res = run_of(tmp_path, [
-        ev(0, "attempt_start"), *span(0, 10, "compile"),
-        # step 0 is warm-up (5 s); step 4 holds a 1 s checkpoint save, so it trained 1 s of its 2;
-        # step 6 takes 3 s; step 7 takes 1.2 s, inside the 25% margin.
-        *_steps([10, 15, 16, 17, 18, 20, 21, 24, 25.2]), *span(18.5, 19.5, "checkpoint_save"),
-        ev(26.2, "train_end"), ev(27, "attempt_end"),
-    ])
+    res = run_of(
+        tmp_path,
+        [
+            ev(0, "attempt_start"),
+            *span(0, 10, "compile"),
+            # step 0 is warm-up (5 s); step 4 holds a 1 s checkpoint save, so it trained 1 s of its 2;
+            # step 6 takes 3 s; step 7 takes 1.2 s, inside the 25% margin.
+            *_steps([10, 15, 16, 17, 18, 20, 21, 24, 25.2]),
+            *span(18.5, 19.5, "checkpoint_save"),
+            ev(26.2, "train_end"),
+            ev(27, "attempt_end"),
+        ],
+    )
     slow = res.slow_steps
     # Durations 5 1 1 1 1 1 3 1.2 1; without the warm-up: median 1, MAD 0, so 3 and 1.2 are outliers
     # and the ideal is the median of six 1 s steps.
@@ -57,14 +63,20 @@ def test_ideal_step_slow_steps_and_the_time_they_lost(tmp_path):
 
 
 def test_failed_attempt_interrupted_step_and_steps_after_the_end(tmp_path):
-    res = run_of(tmp_path, [
-        ev(0, "attempt_start"), *_steps([1, 2, 3, 4]),
-        ev(4.5, "failure", reason="x", category="infra"),
-        ev(5, "step", step=4),  # after the failure: no step
-        ev(10, "attempt_start", attempt=1), *_steps([11, 12, 15, 16], attempt=1, first=2),
-        ev(17, "train_end", attempt=1), ev(18, "step", attempt=1, step=9),  # after train_end: shutdown
-        ev(19, "attempt_end", attempt=1),
-    ])
+    res = run_of(
+        tmp_path,
+        [
+            ev(0, "attempt_start"),
+            *_steps([1, 2, 3, 4]),
+            ev(4.5, "failure", reason="x", category="infra"),
+            ev(5, "step", step=4),  # after the failure: no step
+            ev(10, "attempt_start", attempt=1),
+            *_steps([11, 12, 15, 16], attempt=1, first=2),
+            ev(17, "train_end", attempt=1),
+            ev(18, "step", attempt=1, step=9),  # after train_end: shutdown
+            ev(19, "attempt_end", attempt=1),
+        ],
+    )
     slow = res.slow_steps
     # Timed: attempt 0 steps 0-2 (1 s each); attempt 1 steps 2-5 (1, 3, 1, 1 s). Step 3 of attempt 0
     # was running at the failure, half a second in. The ideal leaves out each attempt's first step.
@@ -77,10 +89,13 @@ def test_failed_attempt_interrupted_step_and_steps_after_the_end(tmp_path):
 
 def test_a_rank_lags_when_its_step_ends_after_every_other_rank(tmp_path):
     end = [ev(6, "train_end", rank=r) for r in (0, 1, 2)]
-    res = run_of(tmp_path,
-                 [ev(0, "attempt_start"), *_steps([0, 1, 2, 3, 4, 5])],
-                 _steps([0, 1, 2.6, 3, 4, 5.3], rank=1),
-                 _steps([0, 1, 2, 3, 4.45, 5.4], rank=2), end)
+    res = run_of(
+        tmp_path,
+        [ev(0, "attempt_start"), *_steps([0, 1, 2, 3, 4, 5])],
+        _steps([0, 1, 2.6, 3, 4, 5.3], rank=1),
+        _steps([0, 1, 2, 3, 4.45, 5.4], rank=2),
+        end,
+    )
     slow = res.slow_steps
     # Rank 0's steps all take 1 s: ideal 1 s, margin 0.25 s. Step ends (the next step, else train_end):
     #   step 1: 2, 2.6, 2     -> rank 1 ends 0.6 s after the next latest: it lagged
@@ -97,9 +112,15 @@ def test_a_rank_lags_when_its_step_ends_after_every_other_rank(tmp_path):
 def test_ranks_with_different_steps_compare_the_steps_they_share():
     from warmstart.metrics.events import parse_event
 
-    events = [parse_event(e) for e in [
-        *_steps([0, 1, 2, 3]), ev(4, "train_end"),
-        *_steps([0, 1.5, 2], rank=1), ev(2.5, "failure", rank=1, reason="x", category="user")]]
+    events = [
+        parse_event(e)
+        for e in [
+            *_steps([0, 1, 2, 3]),
+            ev(4, "train_end"),
+            *_steps([0, 1.5, 2], rank=1),
+            ev(2.5, "failure", rank=1, reason="x", category="user"),
+        ]
+    ]
     slow = analyse_steps(events)
     # The attempt failed at 2.5: rank 0's steps 0 and 1 ended (at 1 and 2), rank 1's too (1.5, 2).
     # Step 0: rank 1 ended 0.5 s after rank 0 (ideal 1 s, margin 0.25 s): a lag; step 1 ended together.
@@ -109,13 +130,20 @@ def test_ranks_with_different_steps_compare_the_steps_they_share():
 def test_no_steps(tmp_path):
     res = run_of(tmp_path, [ev(0, "attempt_start"), *span(0, 3, "compile"), ev(4, "attempt_end")])
     slow = res.slow_steps
-    assert (slow.rank, slow.measured_steps, slow.ideal_step_s, slow.slow_above_s, slow.lost_s) == (None, 0, None,
-                                                                                                   None, 0.0)
+    assert (slow.rank, slow.measured_steps, slow.ideal_step_s, slow.slow_above_s, slow.lost_s) == (
+        None,
+        0,
+        None,
+        None,
+        0.0,
+    )
 
 
 def _write_lagging_run(run_dir):
-    write_events(run_dir / "events-r0.jsonl", [ev(0, "attempt_start", devices=2), *_steps([0, 1, 2, 3, 6, 7]),
-                                               ev(8, "train_end"), ev(8, "attempt_end")])
+    write_events(
+        run_dir / "events-r0.jsonl",
+        [ev(0, "attempt_start", devices=2), *_steps([0, 1, 2, 3, 6, 7]), ev(8, "train_end"), ev(8, "attempt_end")],
+    )
     write_events(run_dir / "events-r1.jsonl", [*_steps([0, 1, 2.5, 3, 6, 7], rank=1), ev(8, "train_end", rank=1)])
 
 
@@ -126,8 +154,16 @@ def test_report_shows_slow_steps_in_json_table_and_html(tmp_path):
     assert result.exit_code == 0, result.output
     (run,) = json.loads(result.stdout)
     slow = run["slow_steps"]
-    assert {"ideal_step_s", "slow_above_s", "lost_s", "slow_count", "measured_steps", "slowest_steps",
-            "slowest_ranks", "interrupted"} <= set(slow)
+    assert {
+        "ideal_step_s",
+        "slow_above_s",
+        "lost_s",
+        "slow_count",
+        "measured_steps",
+        "slowest_steps",
+        "slowest_ranks",
+        "interrupted",
+    } <= set(slow)
     # Rank 0: durations 1 1 1 3 1 1 -> ideal 1; step 3 took 3 s: 2 s lost. Rank 1 ended step 1 at 2.5.
     assert slow["ideal_step_s"] == pytest.approx(1, **APPROX) and slow["lost_s"] == pytest.approx(2, **APPROX)
     assert [(s["step"], round(s["excess_s"], 4)) for s in slow["slowest_steps"]] == [(3, 2.0)]
@@ -157,8 +193,15 @@ def _step_timelines(draw) -> list[dict]:
                 events.append(ev(t, "step", attempt, rank, step=step))
                 if draw(st.integers(0, 6)) == 0:
                     begin = t + draw(st.floats(0, 2))
-                    events.extend(span(begin, begin + draw(st.floats(0, 3)), draw(st.sampled_from(["eval", "save"])),
-                                       attempt, draw(st.sampled_from([rank, -1]))))
+                    events.extend(
+                        span(
+                            begin,
+                            begin + draw(st.floats(0, 3)),
+                            draw(st.sampled_from(["eval", "save"])),
+                            attempt,
+                            draw(st.sampled_from([rank, -1])),
+                        )
+                    )
                 t += draw(st.sampled_from([1.0, 1.0, 1.1, 0.9, 3.0, 0.0]))
                 step += draw(st.sampled_from([1, 1, 1, 0, 2]))
             if draw(st.booleans()):

@@ -20,7 +20,15 @@ from warmstart.metrics.calculator import Run, compute, load_runs
 from warmstart.metrics.events import parse_event, write_events
 from warmstart.metrics.report import render_html
 from warmstart.metrics.windows import (
-    MAX_WINDOWS, FleetWindows, TimeFilter, apply, parse_duration, parse_range, parse_time, restrict, run_windows,
+    MAX_WINDOWS,
+    FleetWindows,
+    TimeFilter,
+    apply,
+    parse_duration,
+    parse_range,
+    parse_time,
+    restrict,
+    run_windows,
 )
 
 
@@ -33,22 +41,37 @@ def _write_job(run_dir, job="job-1", devices=2, with_rank_1=False):
     held its hardware until 52). recovery_wait [50,60). attempt 1: checkpoint_load [60,66),
     init_other [66,70), effective [70,90), shutdown [90,94).
     """
-    write_events(run_dir / "events-r0.jsonl", [
-        ev(0, "attempt_start", job=job, devices=devices), *span(0, 8, "process_group_init", job=job),
-        *span(4, 12, "compile", job=job), ev(15, "step", job=job, step=0), ev(25, "step", job=job, step=1),
-        *span(27, 31, "checkpoint_save", job=job), ev(32, "checkpoint_committed", job=job, step=1),
-        ev(35, "step", job=job, step=2), ev(45, "step", job=job, step=3),
-        ev(50, "failure", job=job, reason="NCCL timeout", category="infra"), ev(52, "attempt_end", job=job),
-        ev(60, "attempt_start", attempt=1, job=job, devices=devices),
-        *span(60, 66, "checkpoint_load", attempt=1, job=job), ev(70, "step", attempt=1, job=job, step=2),
-        ev(80, "step", attempt=1, job=job, step=3), ev(90, "train_end", attempt=1, job=job),
-        ev(94, "attempt_end", attempt=1, job=job),
-    ])
+    write_events(
+        run_dir / "events-r0.jsonl",
+        [
+            ev(0, "attempt_start", job=job, devices=devices),
+            *span(0, 8, "process_group_init", job=job),
+            *span(4, 12, "compile", job=job),
+            ev(15, "step", job=job, step=0),
+            ev(25, "step", job=job, step=1),
+            *span(27, 31, "checkpoint_save", job=job),
+            ev(32, "checkpoint_committed", job=job, step=1),
+            ev(35, "step", job=job, step=2),
+            ev(45, "step", job=job, step=3),
+            ev(50, "failure", job=job, reason="NCCL timeout", category="infra"),
+            ev(52, "attempt_end", job=job),
+            ev(60, "attempt_start", attempt=1, job=job, devices=devices),
+            *span(60, 66, "checkpoint_load", attempt=1, job=job),
+            ev(70, "step", attempt=1, job=job, step=2),
+            ev(80, "step", attempt=1, job=job, step=3),
+            ev(90, "train_end", attempt=1, job=job),
+            ev(94, "attempt_end", attempt=1, job=job),
+        ],
+    )
     if with_rank_1:  # one step per attempt and a longer save: effective [15,50) less [27,33), [70,90)
-        write_events(run_dir / "events-r1.jsonl", [
-            ev(15, "step", rank=1, job=job, step=0), *span(27, 33, "checkpoint_save", rank=1, job=job),
-            ev(70, "step", attempt=1, rank=1, job=job, step=2),
-        ])
+        write_events(
+            run_dir / "events-r1.jsonl",
+            [
+                ev(15, "step", rank=1, job=job, step=0),
+                *span(27, 33, "checkpoint_save", rank=1, job=job),
+                ev(70, "step", attempt=1, rank=1, job=job, step=2),
+            ],
+        )
 
 
 def _job(tmp_path, **kwargs):
@@ -57,8 +80,17 @@ def _job(tmp_path, **kwargs):
     return compute(run, segments=True)
 
 
-FULL = {"process_group_init": 6, "compile": 6, "init_other": 7, "effective_training": 36, "checkpoint_blocking": 4,
-        "lost_progress": 15, "recovery_wait": 10, "checkpoint_load": 6, "shutdown": 4}
+FULL = {
+    "process_group_init": 6,
+    "compile": 6,
+    "init_other": 7,
+    "effective_training": 36,
+    "checkpoint_blocking": 4,
+    "lost_progress": 15,
+    "recovery_wait": 10,
+    "checkpoint_load": 6,
+    "shutdown": 4,
+}
 
 
 def _t(seconds: float) -> float:
@@ -71,6 +103,7 @@ def _sums(result) -> None:
 
 
 # -- restricting the total -----------------------------------------------------------------------------
+
 
 def test_the_hand_computed_timeline_and_no_filter_change_nothing(tmp_path):
     res = _job(tmp_path)
@@ -85,21 +118,38 @@ def test_since_until_cut_through_overlapping_spans_and_the_recovery_wait(tmp_pat
     res = restrict(_job(tmp_path, with_rank_1=True), TimeFilter(since=_t(6), until=_t(55)))
     # [6,8): process_group_init and compile share each instant, 1 s each; [8,12) compile; [12,15) other;
     # effective 10 + 6, checkpoint_save 4, lost 15; recovery [50,55) only: 49 s.
-    assert nonzero(res.buckets) == {"process_group_init": 1, "compile": 5, "init_other": 3, "effective_training": 16,
-                                    "checkpoint_blocking": 4, "lost_progress": 15, "recovery_wait": 5}
+    assert nonzero(res.buckets) == {
+        "process_group_init": 1,
+        "compile": 5,
+        "init_other": 3,
+        "effective_training": 16,
+        "checkpoint_blocking": 4,
+        "lost_progress": 15,
+        "recovery_wait": 5,
+    }
     assert res.e2e_s == pytest.approx(49) and res.ett_pct == pytest.approx(100 * 16 / 49)
     assert (res.start_ts, res.end_ts) == (_t(6), _t(55))
     assert res.l1["time_to_start_s"] == pytest.approx(9)  # the part of [0,15) after 6
     assert res.l1["time_to_recover_s"] == pytest.approx(5)
     assert (res.l1["failures"], res.l1["failures_by_category"]) == (1, {"infra": 1})
     a0, a1 = res.attempts  # attempt 1 is kept for the recovery wait before it
-    assert nonzero(a0.buckets) == {"process_group_init": 1, "compile": 5, "init_other": 3, "effective_training": 16,
-                                   "checkpoint_blocking": 4, "lost_progress": 15}
+    assert nonzero(a0.buckets) == {
+        "process_group_init": 1,
+        "compile": 5,
+        "init_other": 3,
+        "effective_training": 16,
+        "checkpoint_blocking": 4,
+        "lost_progress": 15,
+    }
     assert nonzero(a1.buckets) == {"recovery_wait": 5} and a1.recovery_wait_s == pytest.approx(5)
     assert a0.pre_first_step_s == pytest.approx(9) and a1.pre_first_step_s == 0
     # rank 1: other [6,15); effective [15,50) less its own save [27,33); recovery [50,55).
-    assert nonzero(res.ranks[1]["buckets"]) == {"init_other": 9, "effective_training": 29, "checkpoint_blocking": 6,
-                                                "recovery_wait": 5}
+    assert nonzero(res.ranks[1]["buckets"]) == {
+        "init_other": 9,
+        "effective_training": 29,
+        "checkpoint_blocking": 6,
+        "recovery_wait": 5,
+    }
     assert res.ranks[1]["ett_pct"] == pytest.approx(100 * 29 / 49)
     assert nonzero(res.ranks[0]["buckets"]) == nonzero(res.buckets)
     _sums(res)
@@ -117,8 +167,13 @@ def test_excluded_ranges_count_in_no_bucket_and_not_in_end_to_end(tmp_path):
     time = TimeFilter(exclude=((_t(28), _t(33)), (_t(55), _t(65))))
     res = restrict(_job(tmp_path), time)
     # Out: [28,31) of the save and [31,33) of training; [55,60) of the wait and [60,65) of the load.
-    assert nonzero(res.buckets) == {**FULL, "effective_training": 34, "checkpoint_blocking": 1, "recovery_wait": 5,
-                                    "checkpoint_load": 1}
+    assert nonzero(res.buckets) == {
+        **FULL,
+        "effective_training": 34,
+        "checkpoint_blocking": 1,
+        "recovery_wait": 5,
+        "checkpoint_load": 1,
+    }
     assert res.e2e_s == pytest.approx(94 - 5 - 10) and res.ett_pct == pytest.approx(100 * 34 / 79)
     a0, a1 = res.attempts
     assert a0.e2e_s == pytest.approx(45) and a1.e2e_s == pytest.approx(34)
@@ -158,6 +213,7 @@ def test_restrict_needs_segments(tmp_path):
 
 # -- windows -------------------------------------------------------------------------------------------
 
+
 def _windows(result):
     return [(w.since - T0, w.until - T0, nonzero(w.buckets), w.failures) for w in result.windows]
 
@@ -182,8 +238,12 @@ def test_windows_leave_out_excluded_time_and_start_at_since(tmp_path):
     assert rows[:2] == [(-60, -30, {}, 0), (-30, 0, {}, 0)]  # before the job: nothing counted
     assert [w.ett_pct for w in res.windows[:2]] == [None, None]
     # [0,30) less [28,30): the save's [27,28) only.
-    assert rows[2] == (0, 30, {"process_group_init": 6, "compile": 6, "init_other": 3, "effective_training": 12,
-                               "checkpoint_blocking": 1}, 0)
+    assert rows[2] == (
+        0,
+        30,
+        {"process_group_init": 6, "compile": 6, "init_other": 3, "effective_training": 12, "checkpoint_blocking": 1},
+        0,
+    )
     assert res.windows[2].e2e_s == pytest.approx(28) and res.windows[2].ett_pct == pytest.approx(100 * 12 / 28)
     assert sum(w.e2e_s for w in res.windows) == pytest.approx(res.e2e_s) == pytest.approx(92)
 
@@ -195,11 +255,18 @@ def test_too_many_windows_is_an_error(tmp_path):
 
 # -- fleet ---------------------------------------------------------------------------------------------
 
+
 def _write_fleet(tmp_path):
     _write_job(tmp_path / "a", job="a", devices=2)
-    write_events(tmp_path / "b" / "events.jsonl", [  # other [30,40), effective [40,90), 3 devices
-        ev(30, "attempt_start", job="b", devices=3), ev(40, "step", job="b", step=0),
-        ev(90, "train_end", job="b"), ev(90, "attempt_end", job="b")])
+    write_events(
+        tmp_path / "b" / "events.jsonl",
+        [  # other [30,40), effective [40,90), 3 devices
+            ev(30, "attempt_start", job="b", devices=3),
+            ev(40, "step", job="b", step=0),
+            ev(90, "train_end", job="b"),
+            ev(90, "attempt_end", job="b"),
+        ],
+    )
 
 
 def test_fleet_windows_weight_each_job_by_its_devices(tmp_path):
@@ -208,11 +275,17 @@ def test_fleet_windows_weight_each_job_by_its_devices(tmp_path):
     series = FleetWindows(time)
     for run in load_runs([tmp_path / "a", tmp_path / "b"]):
         series.add(compute(run, segments=True))
-    rows = [(w.since - T0, w.until - T0, w.jobs, w.device_seconds, w.effective_device_seconds, w.failures)
-            for w in series.windows()]
+    rows = [
+        (w.since - T0, w.until - T0, w.jobs, w.device_seconds, w.effective_device_seconds, w.failures)
+        for w in series.windows()
+    ]
     # a: [0,30) 30 s with 12 effective; [30,60) 4 effective; [60,90) 20; [90,94) shutdown. b: 20, 30 effective.
-    assert rows == [(0, 30, 1, 60, 24, 0), (30, 60, 2, 60 + 90, 8 + 60, 1), (60, 90, 2, 60 + 90, 40 + 90, 0),
-                    (90, 120, 1, 8, 0, 0)]
+    assert rows == [
+        (0, 30, 1, 60, 24, 0),
+        (30, 60, 2, 60 + 90, 8 + 60, 1),
+        (60, 90, 2, 60 + 90, 40 + 90, 0),
+        (90, 120, 1, 8, 0, 0),
+    ]
     assert [w.ett_pct for w in series.windows()] == pytest.approx([40, 100 * 68 / 150, 100 * 130 / 150, 0])
 
 
@@ -228,6 +301,7 @@ def test_fleet_windows_line_up_on_the_epoch_without_since(tmp_path):
 
 
 # -- the command line ----------------------------------------------------------------------------------
+
 
 def _invoke(*args):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
@@ -247,7 +321,8 @@ def test_report_every_json_adds_windows_and_keeps_the_total_keys(tmp_path):
         {"process_group_init": 6, "compile": 6, "init_other": 3, "effective_training": 12, "checkpoint_blocking": 3},
         {"effective_training": 4, "checkpoint_blocking": 1, "lost_progress": 15, "recovery_wait": 10},
         {"checkpoint_load": 6, "init_other": 4, "effective_training": 20},
-        {"shutdown": 4}]
+        {"shutdown": 4},
+    ]
     assert [w["ett_pct"] for w in windows] == pytest.approx([40, 100 * 4 / 30, 100 * 20 / 30, 0])
     assert [w["e2e_s"] for w in windows] == pytest.approx([30, 30, 30, 4])
     assert [w["failures"] for w in windows] == [0, 1, 0, 0]
@@ -267,8 +342,9 @@ def test_report_restricted_json_and_iso_times(tmp_path):
 
 def test_report_exclude_is_repeatable(tmp_path):
     _write_job(tmp_path)
-    result = _invoke("ett", "report", tmp_path, "--exclude", f"{_t(28)}..{_t(33)}", "--exclude",
-                     f"{_t(55)}..{_t(65)}", "--json")
+    result = _invoke(
+        "ett", "report", tmp_path, "--exclude", f"{_t(28)}..{_t(33)}", "--exclude", f"{_t(55)}..{_t(65)}", "--json"
+    )
     (run,) = json.loads(result.stdout)
     assert run["e2e_s"] == pytest.approx(79) and run["buckets"]["effective_training"] == pytest.approx(34)
 
@@ -293,8 +369,7 @@ def test_fleet_json_and_table_with_windows(tmp_path):
     assert fleet["ett_pct"] == pytest.approx(100 * (36 * 2 + 50 * 3) / (94 * 2 + 60 * 3))
     assert [w["ett_pct"] for w in fleet["windows"]] == pytest.approx([40, 100 * 68 / 150, 100 * 130 / 150, 0])
     assert [w["jobs"] for w in fleet["windows"]] == [1, 2, 2, 1]
-    restricted = json.loads(_invoke("ett", "fleet", tmp_path / "a", tmp_path / "b", "--until", _t(60),
-                                    "--json").stdout)
+    restricted = json.loads(_invoke("ett", "fleet", tmp_path / "a", tmp_path / "b", "--until", _t(60), "--json").stdout)
     # a: its first 60 s with 16 effective; b: [30,60) with 20 effective.
     assert restricted["device_seconds"] == pytest.approx(60 * 2 + 30 * 3)
     assert restricted["effective_device_seconds"] == pytest.approx(16 * 2 + 20 * 3)
@@ -303,17 +378,20 @@ def test_fleet_json_and_table_with_windows(tmp_path):
     assert "device-hours" in text and "45.3" in text and "86.7" in text
 
 
-@pytest.mark.parametrize("args, named, accepted", [
-    (["--since", "yesterday"], "'--since'", "ISO-8601"),
-    (["--until", "2024-13-01"], "'--until'", "epoch seconds"),
-    (["--every", "5 minutes"], "'--every'", "15m"),
-    (["--every", "0s"], "'--every'", "positive duration"),
-    (["--exclude", "1700000000"], "'--exclude'", "T1..T2"),
-    (["--exclude", "1700000050..1700000010"], "'--exclude'", "T1 before T2"),
-    (["--exclude", "then..1700000010"], "'--exclude'", "ISO-8601"),
-    (["--since", "1700000050", "--until", "1700000010"], "--since", "non-empty interval"),
-    (["--every", "0.001s"], "'--every'", "longer duration"),
-])
+@pytest.mark.parametrize(
+    "args, named, accepted",
+    [
+        (["--since", "yesterday"], "'--since'", "ISO-8601"),
+        (["--until", "2024-13-01"], "'--until'", "epoch seconds"),
+        (["--every", "5 minutes"], "'--every'", "15m"),
+        (["--every", "0s"], "'--every'", "positive duration"),
+        (["--exclude", "1700000000"], "'--exclude'", "T1..T2"),
+        (["--exclude", "1700000050..1700000010"], "'--exclude'", "T1 before T2"),
+        (["--exclude", "then..1700000010"], "'--exclude'", "ISO-8601"),
+        (["--since", "1700000050", "--until", "1700000010"], "--since", "non-empty interval"),
+        (["--every", "0.001s"], "'--every'", "longer duration"),
+    ],
+)
 @pytest.mark.parametrize("command", ["report", "fleet"])
 def test_bad_window_options_are_usage_errors(tmp_path, command, args, named, accepted):
     _write_job(tmp_path)
@@ -328,7 +406,14 @@ def test_parsers():
     assert parse_time("1700000000") == 1_700_000_000 and parse_time(" 1700000000.5 ") == 1_700_000_000.5
     assert parse_time("2023-11-14T22:13:20Z") == T0 == parse_time("2023-11-15T00:13:20+02:00")
     assert [parse_duration(d) for d in ("30s", "15m", "1h", "1d", "1h30m", "90", "1.5h")] == [
-        30, 900, 3600, 86400, 5400, 90, 5400]
+        30,
+        900,
+        3600,
+        86400,
+        5400,
+        90,
+        5400,
+    ]
     assert parse_range("1700000000..2023-11-14T22:14:00Z") == (T0, T0 + 40)
     for bad in ("", "nan", "inf", "12:00"):
         with pytest.raises(ValueError, match="not a time"):
@@ -341,6 +426,7 @@ def test_parsers():
 
 
 # -- HTML ----------------------------------------------------------------------------------------------
+
 
 def test_html_page_has_the_window_chart(tmp_path):
     _write_job(tmp_path / "run")
@@ -366,6 +452,7 @@ def test_window_chart_renders_in_chromium(tmp_path):
 
 
 # -- property: windows add up to the total -------------------------------------------------------------
+
 
 @given(random_timelines(), st.floats(1, 400), st.floats(-50, 500), st.floats(1, 400))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -38,22 +38,36 @@ class Preloader:
         self.env = _clean_env(WARMSTART_PRELOAD_SOCKET=self.socket, **extra_env)
 
     def start(self) -> Preloader:
-        out = subprocess.run([PY, "-m", "warmstart", "preload", "start", "--json"], env=self.env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [PY, "-m", "warmstart", "preload", "start", "--json"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         self.info = json.loads(out.stdout)
         assert self.info["fork_safe"], self.info
         return self
 
     def status(self) -> dict:
-        out = subprocess.run([PY, "-m", "warmstart", "preload", "status", "--json", "--socket", self.socket],
-                             env=self.env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [PY, "-m", "warmstart", "preload", "status", "--json", "--socket", self.socket],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         found = json.loads(out.stdout)["preloaders"]
         return found[0] if found else {}
 
     def stop(self) -> None:
-        subprocess.run([PY, "-m", "warmstart", "preload", "stop", "--socket", self.socket], env=self.env,
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [PY, "-m", "warmstart", "preload", "stop", "--socket", self.socket],
+            env=self.env,
+            capture_output=True,
+            timeout=60,
+        )
 
     def client_env(self, **extra: str) -> dict[str, str]:
         return {**self.env, "WARMSTART": "1", **extra}
@@ -76,23 +90,38 @@ def preloader(tmp_path_factory):
 
 
 def _report(*names: str) -> str:
-    return FORKED + "; import json, os, sys; print(json.dumps({'forked': _forked, " + ", ".join(
-        f"{n!r}: {n}" for n in names) + "}))"
+    return (
+        FORKED
+        + "; import json, os, sys; print(json.dumps({'forked': _forked, "
+        + ", ".join(f"{n!r}: {n}" for n in names)
+        + "}))"
+    )
 
 
 def test_command_script_and_module_run_as_python_runs_them(preloader, tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
-    body = _report("sys.argv", "os.getcwd()", "sys.path[0]", "__name__", "__file__ if '__file__' in dir() else None",
-                   "__spec__.name if __spec__ else None")
+    body = _report(
+        "sys.argv",
+        "os.getcwd()",
+        "sys.path[0]",
+        "__name__",
+        "__file__ if '__file__' in dir() else None",
+        "__spec__.name if __spec__ else None",
+    )
     (tmp_path / "pkg" / "mod.py").write_text(body + "\n")
     (tmp_path / "script.py").write_text(body + "\n")
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "__main__.py").write_text(body + "\n")
     (tmp_path / "link.py").symlink_to(tmp_path / "pkg" / "mod.py")
-    for args in (["-c", _report("sys.argv", "os.getcwd()", "sys.path[0]", "__name__"), "a", "b"],
-                 ["script.py", "x", "--y"], ["-m", "pkg.mod", "z"], ["-u", "script.py"], ["./app/../app", "q"],
-                 ["link.py"]):
+    for args in (
+        ["-c", _report("sys.argv", "os.getcwd()", "sys.path[0]", "__name__"), "a", "b"],
+        ["script.py", "x", "--y"],
+        ["-m", "pkg.mod", "z"],
+        ["-u", "script.py"],
+        ["./app/../app", "q"],
+        ["link.py"],
+    ):
         forked = preloader.run(args, cwd=tmp_path)
         plain = preloader.run(args, cwd=tmp_path, preload=False)
         assert forked.returncode == plain.returncode == 0, (forked.stderr, plain.stderr)
@@ -106,8 +135,12 @@ def test_command_script_and_module_run_as_python_runs_them(preloader, tmp_path):
 
 def test_exit_status_and_tracebacks_are_the_programs(preloader, tmp_path):
     (tmp_path / "fails.py").write_text("def f():\n    raise KeyError('boom')\nf()\n")
-    cases = [["-c", "import sys; sys.exit(7)"], ["-c", "raise SystemExit('a message')"], ["fails.py"],
-             ["-c", "import os; os._exit(3)"]]
+    cases = [
+        ["-c", "import sys; sys.exit(7)"],
+        ["-c", "raise SystemExit('a message')"],
+        ["fails.py"],
+        ["-c", "import os; os._exit(3)"],
+    ]
     for args in cases:
         forked, plain = preloader.run(args, cwd=tmp_path), preloader.run(args, cwd=tmp_path, preload=False)
         assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr), args
@@ -116,17 +149,26 @@ def test_exit_status_and_tracebacks_are_the_programs(preloader, tmp_path):
 
 
 def test_standard_streams_and_a_pipe_through_the_child(preloader):
-    code = FORKED + "; import sys; data = sys.stdin.read(); print(data.upper(), end=''); print('err', _forked, file=sys.stderr)"
+    code = (
+        FORKED
+        + "; import sys; data = sys.stdin.read(); print(data.upper(), end=''); print('err', _forked, file=sys.stderr)"
+    )
     out = preloader.run(["-c", code], input="line one\nline two\n")
     assert out.returncode == 0
     assert out.stdout == "LINE ONE\nLINE TWO\n"
     assert out.stderr == "err True\n"
     # A pipeline: the reader sees the end of its input when the child's program ends.
-    producer = subprocess.Popen([PY, "-c", "print('\\n'.join(map(str, range(1000))))"], env=preloader.client_env(),
-                                stdout=subprocess.PIPE)
-    consumer = subprocess.run([PY, "-c", "import sys; print(sum(int(x) for x in sys.stdin))"],
-                              env=preloader.client_env(), stdin=producer.stdout, capture_output=True, text=True,
-                              timeout=120)
+    producer = subprocess.Popen(
+        [PY, "-c", "print('\\n'.join(map(str, range(1000))))"], env=preloader.client_env(), stdout=subprocess.PIPE
+    )
+    consumer = subprocess.run(
+        [PY, "-c", "import sys; print(sum(int(x) for x in sys.stdin))"],
+        env=preloader.client_env(),
+        stdin=producer.stdout,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     producer.stdout.close()
     assert producer.wait(timeout=60) == 0
     assert consumer.stdout.strip() == str(sum(range(1000)))
@@ -159,8 +201,15 @@ def test_sigint_ends_the_program_as_keyboardinterrupt_does(preloader):
         env = preloader.client_env(**({} if preload else {"WARMSTART_PRELOAD": "0"}))
         # SIGINT as a terminal leaves it (a shell's background job, CI, has it ignored, and a process
         # that starts with it ignored keeps it so, handed over or not)
-        proc = subprocess.Popen([PY, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, preexec_fn=_sigint_default)
+        proc = subprocess.Popen(
+            [PY, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_sigint_default,
+        )
         assert proc.stdout.readline() == f"ready {preload}\n"
         proc.send_signal(signal.SIGINT)
         results.append((proc.wait(timeout=30), proc.stderr.read().splitlines()[-1]))
@@ -189,8 +238,9 @@ def test_faulthandler_dumps_on_sigusr1(preloader):
             time.sleep(3)
         waiting_here()
     """)
-    proc = subprocess.Popen([PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline() == "ready True\n"
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=60)
@@ -206,8 +256,9 @@ def test_an_import_time_variable_that_differs_is_not_handed_over(preloader):
     assert sum(refused.values()) == sum(before.values()) + 1
     assert any("TORCHINDUCTOR_MAX_AUTOTUNE" in reason for reason in refused)
     # Variables read after import are the program's own: handed over, and set in the child.
-    out = preloader.run(["-c", FORKED + "; import os; print(_forked, os.environ['MY_SETTING'])"],
-                        extra_env={"MY_SETTING": "v1"})
+    out = preloader.run(
+        ["-c", FORKED + "; import os; print(_forked, os.environ['MY_SETTING'])"], extra_env={"MY_SETTING": "v1"}
+    )
     assert out.stdout == "True v1\n"
 
 
@@ -218,21 +269,32 @@ def test_a_stale_socket_or_no_preloader_is_an_ordinary_start(tmp_path):
     listener.close()  # the file stays, nobody listens
     env = _clean_env(WARMSTART="1", WARMSTART_PRELOAD_SOCKET=str(path))
     for env_case in (env, {**env, "WARMSTART_PRELOAD_SOCKET": str(tmp_path / "absent.sock")}):
-        out = subprocess.run([PY, "-c", FORKED + "; print(_forked)"], env=env_case, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run(
+            [PY, "-c", FORKED + "; print(_forked)"], env=env_case, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0 and out.stdout == "False\n", out.stderr
 
 
 def test_a_stopped_or_killed_preloader_never_fails_a_program(tmp_path):
     node = Preloader(tmp_path / "p").start()
     try:
-        running = subprocess.Popen([PY, "-c", FORKED + "; import time; print(_forked, flush=True); time.sleep(60)"],
-                                   env=node.client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        running = subprocess.Popen(
+            [PY, "-c", FORKED + "; import time; print(_forked, flush=True); time.sleep(60)"],
+            env=node.client_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert running.stdout.readline() == "True\n"
         os.kill(node.info["pid"], signal.SIGSTOP)  # a busy or suspended preloader: requests wait on it
         started = time.monotonic()
-        waiting = subprocess.Popen([PY, "-c", FORKED + "; print(_forked)"], env=node.client_env(),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waiting = subprocess.Popen(
+            [PY, "-c", FORKED + "; print(_forked)"],
+            env=node.client_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(0.5)
         os.kill(node.info["pid"], signal.SIGKILL)  # ... and killed in the middle of that request
         assert waiting.wait(timeout=60) == 0
@@ -246,8 +308,10 @@ def test_a_stopped_or_killed_preloader_never_fails_a_program(tmp_path):
             os.kill(node.info["pid"], signal.SIGKILL)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
-                    reason="needs root (to connect as another user) and a system python3 that user may run")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+    reason="needs root (to connect as another user) and a system python3 that user may run",
+)
 def test_another_user_is_refused():
     import shutil
     import tempfile
@@ -260,10 +324,19 @@ def test_another_user_is_refused():
         os.chmod(directory, 0o755)
         os.chmod(node.socket, 0o666)
         # The preloader reads nothing from a peer of another user: it closes the connection.
-        probe = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(30); "
-                 f"s.connect({node.socket!r}); print(repr(s.recv(16)))")
-        out = subprocess.run(["/usr/bin/python3", "-c", probe], capture_output=True, text=True, timeout=60,
-                             user=65534, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        probe = (
+            "import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(30); "
+            f"s.connect({node.socket!r}); print(repr(s.recv(16)))"
+        )
+        out = subprocess.run(
+            ["/usr/bin/python3", "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            user=65534,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
+        )
         assert out.returncode == 0 and out.stdout.strip() == "b''", out.stderr
         assert node.status()["refused"].get("another user") == 1
     finally:
@@ -290,7 +363,9 @@ def test_two_rank_torchrun_restart_forks_both_attempts(preloader, tmp_path):
     script = tmp_path / "train.py"
     # The first attempt fails before its process group exists: torch's own restarts with gloo can
     # read the previous attempt's addresses from the agent's store (with or without a preloader).
-    script.write_text(FORKED + textwrap.dedent(f"""
+    script.write_text(
+        FORKED
+        + textwrap.dedent(f"""
         import json, os, sys, time
         restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         with open({str(log)!r}, "a") as f:
@@ -301,10 +376,27 @@ def test_two_rank_torchrun_restart_forks_both_attempts(preloader, tmp_path):
         dist.init_process_group("gloo")
         dist.barrier()
         dist.destroy_process_group()
-    """))
-    out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                          "--monitor-interval", "0.2", str(script)], env=preloader.client_env(OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    """)
+    )
+    out = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.2",
+            str(script),
+        ],
+        env=preloader.client_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     attempts = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted((a["restart"], a["rank"]) for a in attempts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -333,8 +425,11 @@ def _memory_cgroup_dir() -> Path | None:
     """A new memory cgroup (v1 or v2) under this process's own, or None where one cannot be made."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        for root, wanted in (("/sys/fs/cgroup/memory", "memory"), ("/sys/fs/cgroup/unified", ""),
-                             ("/sys/fs/cgroup", "")):
+        for root, wanted in (
+            ("/sys/fs/cgroup/memory", "memory"),
+            ("/sys/fs/cgroup/unified", ""),
+            ("/sys/fs/cgroup", ""),
+        ):
             if controllers == wanted and Path(root, "cgroup.procs").exists():
                 target = Path(root, path.lstrip("/"), f"ws-preload-test-{os.getpid()}")
                 try:
@@ -350,12 +445,14 @@ def test_the_child_joins_the_processs_cgroup(preloader):
     if group is None:
         pytest.skip("no memory cgroup can be made here (needs root and a writable cgroup mount)")
     try:
+
         def enter() -> None:
             (group / "cgroup.procs").write_text(str(os.getpid()))
 
         code = FORKED + "; print(_forked); print(open('/proc/self/cgroup').read(), end='')"
-        out = subprocess.run([PY, "-c", code], env=preloader.client_env(), capture_output=True, text=True,
-                             timeout=120, preexec_fn=enter)
+        out = subprocess.run(
+            [PY, "-c", code], env=preloader.client_env(), capture_output=True, text=True, timeout=120, preexec_fn=enter
+        )
         assert out.returncode == 0, out.stderr
         forked, *cgroups = out.stdout.splitlines()
         assert forked == "True"
@@ -372,8 +469,13 @@ def test_the_child_joins_the_processs_cgroup(preloader):
 
 def test_doctor_says_whether_a_process_would_be_handed_over(preloader):
     def doctor(**extra: str) -> str:
-        out = subprocess.run([PY, "-m", "warmstart", "cache", "doctor"], env=preloader.client_env(**extra),
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [PY, "-m", "warmstart", "cache", "doctor"],
+            env=preloader.client_env(**extra),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return next(line for line in out.stdout.splitlines() if "preloader:" in line)
 
     assert f"handed over: the preloader at {preloader.socket}" in doctor()

@@ -16,18 +16,20 @@ MIB = 1024**2
 #: The server tests that run without redis-server: rendered templates, checks made before the binary
 #: is looked up, and a missing or bad binary itself. Every other test here starts a server, so it is
 #: skipped (with the reason) where redis-server is missing, and fails under CI.
-RUN_WITHOUT_REDIS_SERVER = frozenset({
-    "test_redis_conf_template_names_every_generated_directive",
-    "test_acl_template_is_the_generated_acl_with_placeholders",
-    "test_systemd_unit_runs_a_valid_start_command",
-    "test_container_examples_run_valid_start_commands",
-    "test_cluster_bus_beyond_loopback_needs_tls",
-    "test_cluster_bus_check_accepts_loopback_or_tls",
-    "test_missing_redis_server",
-    "test_bad_redis_server_override",
-    "test_status_of_a_directory_never_used",
-    "test_rotate_needs_something_to_rotate",
-})
+RUN_WITHOUT_REDIS_SERVER = frozenset(
+    {
+        "test_redis_conf_template_names_every_generated_directive",
+        "test_acl_template_is_the_generated_acl_with_placeholders",
+        "test_systemd_unit_runs_a_valid_start_command",
+        "test_container_examples_run_valid_start_commands",
+        "test_cluster_bus_beyond_loopback_needs_tls",
+        "test_cluster_bus_check_accepts_loopback_or_tls",
+        "test_missing_redis_server",
+        "test_bad_redis_server_override",
+        "test_status_of_a_directory_never_used",
+        "test_rotate_needs_something_to_rotate",
+    }
+)
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +62,27 @@ def tls_files(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1/localhost and its key."""
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key

@@ -22,8 +22,9 @@ def _client(state, user: str | None, password: str | None = None) -> redis.Redis
     creds = Credentials.load(state.options.dir)
     if user is not None and password is None:
         password = creds.passwords[user]
-    return redis.Redis(port=state.options.port, username=user, password=password, socket_timeout=2,
-                       retry=Retry(NoBackoff(), 0))
+    return redis.Redis(
+        port=state.options.port, username=user, password=password, socket_timeout=2, retry=Retry(NoBackoff(), 0)
+    )
 
 
 def test_anonymous_client_cannot_read_or_write(single_server):
@@ -49,13 +50,33 @@ def test_reader_reads_but_cannot_write(single_server):
     assert reader.get(key) == b"payload"
     assert reader.exists(key) == 1
     assert reader.strlen(key) == 7 and reader.getrange(key, 0, 2) == b"pay"
-    for command in (("SET", key, "evil"), ("SET", f"{KEY_PREFIX}new", "evil"), ("DEL", key), ("UNLINK", key),
-                    ("EXPIRE", key, "1"), ("APPEND", key, "x"), ("SETRANGE", key, "0", "x"), ("GETDEL", key),
-                    ("RENAME", key, f"{KEY_PREFIX}other"), ("FLUSHDB",), ("FLUSHALL",),
-                    # Reads the store does not need: no walking (or stalling) the key space.
-                    ("SCAN", "0", "COUNT", "100000000"), ("KEYS", "*"), ("RANDOMKEY",), ("DBSIZE",),
-                    ("LCS", key, key), ("SRANDMEMBER", key), ("HRANDFIELD", key), ("DUMP", key), ("OBJECT", "FREQ", key),
-                    ("MEMORY", "USAGE", key), ("TTL", key), ("TYPE", key), ("SUBSTR", key, "0", "1")):
+    for command in (
+        ("SET", key, "evil"),
+        ("SET", f"{KEY_PREFIX}new", "evil"),
+        ("DEL", key),
+        ("UNLINK", key),
+        ("EXPIRE", key, "1"),
+        ("APPEND", key, "x"),
+        ("SETRANGE", key, "0", "x"),
+        ("GETDEL", key),
+        ("RENAME", key, f"{KEY_PREFIX}other"),
+        ("FLUSHDB",),
+        ("FLUSHALL",),
+        # Reads the store does not need: no walking (or stalling) the key space.
+        ("SCAN", "0", "COUNT", "100000000"),
+        ("KEYS", "*"),
+        ("RANDOMKEY",),
+        ("DBSIZE",),
+        ("LCS", key, key),
+        ("SRANDMEMBER", key),
+        ("HRANDFIELD", key),
+        ("DUMP", key),
+        ("OBJECT", "FREQ", key),
+        ("MEMORY", "USAGE", key),
+        ("TTL", key),
+        ("TYPE", key),
+        ("SUBSTR", key, "0", "1"),
+    ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             reader.execute_command(*command)
     admin = _client(single_server, "admin")
@@ -64,27 +85,67 @@ def test_reader_reads_but_cannot_write(single_server):
     assert admin.exists(f"{KEY_PREFIX}new") == 0
 
 
-@pytest.mark.parametrize("command", [
-    ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "maxmemory"), ("CONFIG", "SET", "maxmemory", "0"),
-    ("SHUTDOWN", "NOSAVE"), ("KEYS", "*"), ("DEBUG", "SLEEP", "0"), ("MODULE", "LIST"),
-    ("ACL", "SETUSER", "evil", "on", ">pw", "+@all", "~*"), ("ACL", "LIST"), ("EVAL", "return 1", "0"),
-    ("CLIENT", "LIST"), ("CLIENT", "KILL", "ID", "1"), ("INFO",), ("SAVE",), ("BGSAVE",), ("BGREWRITEAOF",),
-    ("SWAPDB", "0", "1"), ("REPLICAOF", "127.0.0.1", "1"), ("MIGRATE", "127.0.0.1", "1", "k", "0", "10"),
-    ("RESTORE", f"{KEY_PREFIX}r", "0", "x"), ("SLOWLOG", "GET"), ("CLUSTER", "RESET"), ("FUNCTION", "LIST"),
-    ("SCRIPT", "FLUSH"), ("PUBLISH", "channel", "message"),
-    # Not administrative, but nothing the store sends: refused by the allow-list.
-    ("LCS", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"), ("SETRANGE", f"{KEY_PREFIX}a", "1000000", "x"),
-    ("SETBIT", f"{KEY_PREFIX}a", "4000000000", "1"), ("SRANDMEMBER", f"{KEY_PREFIX}s", "-100000000"),
-    ("HRANDFIELD", f"{KEY_PREFIX}h", "-100000000"), ("APPEND", f"{KEY_PREFIX}a", "x"), ("RENAME", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"),
-    ("EXPIRE", f"{KEY_PREFIX}a", "1"), ("GETDEL", f"{KEY_PREFIX}a"), ("SORT", f"{KEY_PREFIX}l"), ("RANDOMKEY",),
-    ("DBSIZE",), ("TYPE", f"{KEY_PREFIX}a"), ("WATCH", "outside"), ("SELECT", "0"),
-    ("MGET", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"), ("CLIENT", "SETNAME", "n"),
-    # SCAN would show the writer every key name on the server, in one call of any COUNT.
-    ("SCAN", "0", "COUNT", "100000000"), ("SCAN", "0", "MATCH", f"{KEY_PREFIX}*"),
-    ("LPUSH", f"{KEY_PREFIX}l", "x"), ("XADD", f"{KEY_PREFIX}x", "*", "f", "v"),
-    ("OBJECT", "ENCODING", f"{KEY_PREFIX}a"), ("MEMORY", "USAGE", f"{KEY_PREFIX}a"), ("DUMP", f"{KEY_PREFIX}a"),
-    ("CLIENT", "KILL", "USER", "reader"), ("CLIENT", "NO-EVICT", "on"), ("WAIT", "0", "0"), ("LATENCY", "RESET"),
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("CONFIG", "GET", "maxmemory"),
+        ("CONFIG", "SET", "maxmemory", "0"),
+        ("SHUTDOWN", "NOSAVE"),
+        ("KEYS", "*"),
+        ("DEBUG", "SLEEP", "0"),
+        ("MODULE", "LIST"),
+        ("ACL", "SETUSER", "evil", "on", ">pw", "+@all", "~*"),
+        ("ACL", "LIST"),
+        ("EVAL", "return 1", "0"),
+        ("CLIENT", "LIST"),
+        ("CLIENT", "KILL", "ID", "1"),
+        ("INFO",),
+        ("SAVE",),
+        ("BGSAVE",),
+        ("BGREWRITEAOF",),
+        ("SWAPDB", "0", "1"),
+        ("REPLICAOF", "127.0.0.1", "1"),
+        ("MIGRATE", "127.0.0.1", "1", "k", "0", "10"),
+        ("RESTORE", f"{KEY_PREFIX}r", "0", "x"),
+        ("SLOWLOG", "GET"),
+        ("CLUSTER", "RESET"),
+        ("FUNCTION", "LIST"),
+        ("SCRIPT", "FLUSH"),
+        ("PUBLISH", "channel", "message"),
+        # Not administrative, but nothing the store sends: refused by the allow-list.
+        ("LCS", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"),
+        ("SETRANGE", f"{KEY_PREFIX}a", "1000000", "x"),
+        ("SETBIT", f"{KEY_PREFIX}a", "4000000000", "1"),
+        ("SRANDMEMBER", f"{KEY_PREFIX}s", "-100000000"),
+        ("HRANDFIELD", f"{KEY_PREFIX}h", "-100000000"),
+        ("APPEND", f"{KEY_PREFIX}a", "x"),
+        ("RENAME", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"),
+        ("EXPIRE", f"{KEY_PREFIX}a", "1"),
+        ("GETDEL", f"{KEY_PREFIX}a"),
+        ("SORT", f"{KEY_PREFIX}l"),
+        ("RANDOMKEY",),
+        ("DBSIZE",),
+        ("TYPE", f"{KEY_PREFIX}a"),
+        ("WATCH", "outside"),
+        ("SELECT", "0"),
+        ("MGET", f"{KEY_PREFIX}a", f"{KEY_PREFIX}b"),
+        ("CLIENT", "SETNAME", "n"),
+        # SCAN would show the writer every key name on the server, in one call of any COUNT.
+        ("SCAN", "0", "COUNT", "100000000"),
+        ("SCAN", "0", "MATCH", f"{KEY_PREFIX}*"),
+        ("LPUSH", f"{KEY_PREFIX}l", "x"),
+        ("XADD", f"{KEY_PREFIX}x", "*", "f", "v"),
+        ("OBJECT", "ENCODING", f"{KEY_PREFIX}a"),
+        ("MEMORY", "USAGE", f"{KEY_PREFIX}a"),
+        ("DUMP", f"{KEY_PREFIX}a"),
+        ("CLIENT", "KILL", "USER", "reader"),
+        ("CLIENT", "NO-EVICT", "on"),
+        ("WAIT", "0", "0"),
+        ("LATENCY", "RESET"),
+    ],
+)
 def test_writer_cannot_run_admin_commands(single_server, command):
     writer = _client(single_server, "writer")
     writer.set(f"{KEY_PREFIX}survivor", b"still here")
@@ -129,8 +190,18 @@ def test_store_writes_with_writer_url_and_reads_with_reader_url(single_server):
 def test_secrets_are_private_and_acl_file_holds_no_clear_password(single_server):
     directory = single_server.options.dir
     creds = Credentials.load(directory)
-    for name in ("admin.password", "writer.password", "reader.password", "secret.key", "signing.key", "users.acl",
-                 "writer.url", "reader.url", "node0/redis.conf", "state.json"):
+    for name in (
+        "admin.password",
+        "writer.password",
+        "reader.password",
+        "secret.key",
+        "signing.key",
+        "users.acl",
+        "writer.url",
+        "reader.url",
+        "node0/redis.conf",
+        "state.json",
+    ):
         mode = stat.S_IMODE((directory / name).stat().st_mode)
         assert mode == 0o600, (name, oct(mode))
     # The public half is no secret: readable, and holding nothing private.
@@ -146,8 +217,14 @@ def test_secrets_are_private_and_acl_file_holds_no_clear_password(single_server)
 
 def test_generated_config_is_safe_by_default(single_server):
     conf = (single_server.options.dir / "node0" / "redis.conf").read_text().splitlines()
-    for line in ("bind 127.0.0.1", "protected-mode yes", "maxmemory-policy allkeys-lru", 'save ""', "appendonly no",
-                 f"maxmemory {32 * 1024**2}"):
+    for line in (
+        "bind 127.0.0.1",
+        "protected-mode yes",
+        "maxmemory-policy allkeys-lru",
+        'save ""',
+        "appendonly no",
+        f"maxmemory {32 * 1024**2}",
+    ):
         assert line in conf
     admin = _client(single_server, "admin")
     assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
@@ -159,18 +236,40 @@ def test_allow_lists_are_exactly_what_the_store_needs(single_server):
     reader gets none of the writer's extra ones."""
     admin = _client(single_server, "admin")
     k = f"{KEY_PREFIX}x"
-    samples = {"get": ("GET", k), "exists": ("EXISTS", k), "strlen": ("STRLEN", k),
-               "getrange": ("GETRANGE", k, "0", "1"), "set": ("SET", k, "v", "NX", "EX", "10"),
-               "hlen": ("HLEN", k), "hkeys": ("HKEYS", k), "hgetall": ("HGETALL", k),
-               "hset": ("HSET", k, "f", "v"), "hdel": ("HDEL", k, "f"),
-               "unlink": ("UNLINK", k), "del": ("DEL", k), "sadd": ("SADD", k, "m"), "srem": ("SREM", k, "m"),
-               "sscan": ("SSCAN", k, "0"),
-               "ping": ("PING",), "hello": ("HELLO", "2"), "auth": ("AUTH", "u", "p"),
-               "watch": ("WATCH", k), "unwatch": ("UNWATCH",), "multi": ("MULTI",), "exec": ("EXEC",),
-               "discard": ("DISCARD",), "readonly": ("READONLY",), "asking": ("ASKING",),
-               "command": ("COMMAND", "COUNT"), **{c: ("CLUSTER", c.split("|")[1].upper()) for c in CLUSTER_TOPOLOGY
-                                                 if c.startswith("cluster|") and c != "cluster|keyslot"},
-               "cluster|keyslot": ("CLUSTER", "KEYSLOT", k)}
+    samples = {
+        "get": ("GET", k),
+        "exists": ("EXISTS", k),
+        "strlen": ("STRLEN", k),
+        "getrange": ("GETRANGE", k, "0", "1"),
+        "set": ("SET", k, "v", "NX", "EX", "10"),
+        "hlen": ("HLEN", k),
+        "hkeys": ("HKEYS", k),
+        "hgetall": ("HGETALL", k),
+        "hset": ("HSET", k, "f", "v"),
+        "hdel": ("HDEL", k, "f"),
+        "unlink": ("UNLINK", k),
+        "del": ("DEL", k),
+        "sadd": ("SADD", k, "m"),
+        "srem": ("SREM", k, "m"),
+        "sscan": ("SSCAN", k, "0"),
+        "ping": ("PING",),
+        "hello": ("HELLO", "2"),
+        "auth": ("AUTH", "u", "p"),
+        "watch": ("WATCH", k),
+        "unwatch": ("UNWATCH",),
+        "multi": ("MULTI",),
+        "exec": ("EXEC",),
+        "discard": ("DISCARD",),
+        "readonly": ("READONLY",),
+        "asking": ("ASKING",),
+        "command": ("COMMAND", "COUNT"),
+        **{
+            c: ("CLUSTER", c.split("|")[1].upper())
+            for c in CLUSTER_TOPOLOGY
+            if c.startswith("cluster|") and c != "cluster|keyslot"
+        },
+        "cluster|keyslot": ("CLUSTER", "KEYSLOT", k),
+    }
     assert set(samples) == {*CONNECTION, *CLUSTER_TOPOLOGY, *READ, *WRITE}
     for name, command in samples.items():
         assert admin.execute_command("ACL", "DRYRUN", "writer", *command) == b"OK", name
@@ -186,10 +285,15 @@ def test_store_full_path_with_writer_and_reader_credentials(single_server):
     inline and chunked values, the repair path, key ids, delete, clear; the reader reads."""
     creds = Credentials.load(single_server.options.dir)
     ns = "acl-full"
-    writer = RemoteTier(single_server.url("writer", creds), keys=signing.load_key_file(creds.signing_key_file),
-                        namespace=ns, chunk_bytes=64 * 1024)
-    reader = RemoteTier(single_server.url("reader", creds), keys=signing.load_key_file(creds.verify_key_file),
-                        namespace=ns)
+    writer = RemoteTier(
+        single_server.url("writer", creds),
+        keys=signing.load_key_file(creds.signing_key_file),
+        namespace=ns,
+        chunk_bytes=64 * 1024,
+    )
+    reader = RemoteTier(
+        single_server.url("reader", creds), keys=signing.load_key_file(creds.verify_key_file), namespace=ns
+    )
     small, large = b"inline" * 100, os.urandom(300_000)  # incompressible: 5 chunks
     writer.ping()
     assert writer.put("fx_graph", "small", small) and writer.put("fx_graph", "large", large)
@@ -216,8 +320,9 @@ def test_store_full_path_with_writer_and_reader_credentials(single_server):
 
 def test_verify_only_key_never_writes_even_with_the_writer_password(single_server):
     creds = Credentials.load(single_server.options.dir)
-    tier = RemoteTier(single_server.url("writer", creds), keys=signing.load_key_file(creds.verify_key_file),
-                      namespace="verify-only")
+    tier = RemoteTier(
+        single_server.url("writer", creds), keys=signing.load_key_file(creds.verify_key_file), namespace="verify-only"
+    )
     assert not tier.keys.can_sign
     assert tier.put("fx_graph", "k", b"x" * 100) is False
     assert tier.put("fx_graph", "big", b"y" * 300_000) is False
@@ -255,8 +360,12 @@ def test_clearing_with_reader_credentials_says_what_the_reader_may_do(single_ser
     from warmstart.cli import cli
 
     creds = Credentials.load(single_server.options.dir)
-    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": single_server.url("reader", creds),
-           "WARMSTART_KEY_FILE": str(creds.signing_key_file), "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}
+    env = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": single_server.url("reader", creds),
+        "WARMSTART_KEY_FILE": str(creds.signing_key_file),
+        "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
+    }
     result = CliRunner().invoke(cli, ["cache", "clear", "--remote"], env=env)
     assert result.exit_code == 1
     (line,) = result.output.strip().splitlines()
@@ -272,9 +381,13 @@ def test_doctor_with_reader_credentials_says_what_the_reader_may_do(single_serve
     from warmstart.cli import cli
 
     creds = Credentials.load(single_server.options.dir)
-    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": single_server.url("reader", creds),
-           "WARMSTART_KEY_FILE": str(creds.verify_key_file), "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
-           "WARMSTART_PRELOAD": "0"}
+    env = {
+        "WARMSTART": "1",
+        "WARMSTART_CACHE_URL": single_server.url("reader", creds),
+        "WARMSTART_KEY_FILE": str(creds.verify_key_file),
+        "WARMSTART_CACHE_DIR": str(tmp_path / "cache"),
+        "WARMSTART_PRELOAD": "0",
+    }
     result = CliRunner().invoke(cli, ["cache", "doctor"], env=env)
     line = next(x for x in result.output.splitlines() if "secret in use" in x)
     assert line.split()[0] == "ok", result.output

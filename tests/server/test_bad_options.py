@@ -76,26 +76,36 @@ def test_bad_redis_server_override(server_dir, monkeypatch):
     _assert_one_line(result, "WARMSTART_REDIS_SERVER", "/nonexistent/redis-server")
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--maxmemory", "lots"], ["--maxmemory", "'lots'", "10GiB"]),
-    (["--maxmemory", "0"], ["--maxmemory"]),
-    (["--maxmemory", "100"], ["--maxmemory", "16MiB per node"]),
-    (["--maxmemory", "40MiB", "--cluster", "3"], ["--maxmemory", "16MiB per node"]),
-    (["--cluster", "2"], ["--cluster", "at least 3"]),
-    (["--port", "70000"], ["--port", "between 1 and 65535"]),
-    (["--tls-cert", "/nonexistent/cert.pem"], ["--tls-cert needs --tls-key"]),
-    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"], ["--tls-cert", "cannot be read"]),
-    (["--bind", "203.0.113.7"], ["--bind", "203.0.113.7"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--maxmemory", "lots"], ["--maxmemory", "'lots'", "10GiB"]),
+        (["--maxmemory", "0"], ["--maxmemory"]),
+        (["--maxmemory", "100"], ["--maxmemory", "16MiB per node"]),
+        (["--maxmemory", "40MiB", "--cluster", "3"], ["--maxmemory", "16MiB per node"]),
+        (["--cluster", "2"], ["--cluster", "at least 3"]),
+        (["--port", "70000"], ["--port", "between 1 and 65535"]),
+        (["--tls-cert", "/nonexistent/cert.pem"], ["--tls-cert needs --tls-key"]),
+        (
+            ["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"],
+            ["--tls-cert", "cannot be read"],
+        ),
+        (["--bind", "203.0.113.7"], ["--bind", "203.0.113.7"]),
+    ],
+)
 def test_bad_values(server_dir, args, fragments):
-    result = _start("--dir", str(server_dir), "--port", str(free_port_block(1)), *args) if "--port" not in args \
+    result = (
+        _start("--dir", str(server_dir), "--port", str(free_port_block(1)), *args)
+        if "--port" not in args
         else _start("--dir", str(server_dir), *args)
+    )
     _assert_one_line(result, *fragments)
 
 
 def test_tls_file_that_is_not_pem(server_dir, tmp_path):
     junk = tmp_path / "junk.pem"
     junk.write_text("hello")
-    result = _start("--dir", str(server_dir), "--port", str(free_port_block(1)), "--tls-cert", str(junk),
-                    "--tls-key", str(junk))
+    result = _start(
+        "--dir", str(server_dir), "--port", str(free_port_block(1)), "--tls-cert", str(junk), "--tls-key", str(junk)
+    )
     _assert_one_line(result, "--tls-cert", "not a PEM file")

@@ -44,7 +44,9 @@ def test_cluster_of_three_serves_store_hits(server_dir):
     status = json.loads(CliRunner().invoke(cli, ["server", "status", "--dir", str(server_dir), "--json"]).stdout)
     assert status["up"] is True and status["mode"] == "cluster" and status["nodes_up"] == 3
     blobs = sum(len(value) > INLINE_BYTES for value in values.values())  # larger values get a blob key
-    assert blobs > 0 and status["keys"] == 30 + blobs + 1 and sum(n["keys"] > 0 for n in status["nodes"]) >= 2  # spread over the nodes
+    assert (
+        blobs > 0 and status["keys"] == 30 + blobs + 1 and sum(n["keys"] > 0 for n in status["nodes"]) >= 2
+    )  # spread over the nodes
     assert status["maxmemory"] == 48 * 1024**2 and all(n["maxmemory"] == 16 * 1024**2 for n in status["nodes"])
     assert status["namespace_bytes"]["cluster-test"] > sum(map(len, values.values()))
 
@@ -78,7 +80,9 @@ def test_tls_works_and_plaintext_is_refused(server_dir, tls_files):
     secret = open(info["secret_file"], "rb").read().strip()
     writer = RemoteTier(info["writer_url"], secret=secret, namespace="tls")
     assert writer.put("fx_graph", "k", b"over tls" * 100)
-    assert RemoteTier(info["reader_url"], secret=secret, namespace="tls").get("fx_graph", "k").value == b"over tls" * 100
+    assert (
+        RemoteTier(info["reader_url"], secret=secret, namespace="tls").get("fx_graph", "k").value == b"over tls" * 100
+    )
 
     no_retry = dict(retry=Retry(NoBackoff(), 0), socket_timeout=2, socket_connect_timeout=2)
     password = Credentials.load(server_dir).passwords["writer"]
@@ -99,8 +103,9 @@ def test_tls_works_and_plaintext_is_refused(server_dir, tls_files):
 def test_cluster_bus_beyond_loopback_needs_tls(server_dir, bind):
     """Redis 7.0's Cluster bus has no authentication: a plaintext Cluster must stay on loopback."""
     base = free_port_block(3, bus=True)
-    result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(base),
-                                      "--cluster", "3", "--bind", bind])
+    result = CliRunner().invoke(
+        cli, ["server", "start", "--dir", str(server_dir), "--port", str(base), "--cluster", "3", "--bind", bind]
+    )
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Cluster bus" in lines[0] and "--tls-cert" in lines[0] and "127.0.0.1" in lines[0]
@@ -111,8 +116,12 @@ def test_cluster_bus_check_accepts_loopback_or_tls(tmp_path):
     from warmstart.server.config import ServerOptions
     from warmstart.server.preflight import check_cluster_bus
 
-    for options in (dict(cluster=3), dict(cluster=3, bind="127.0.0.1 -::1"), dict(bind="0.0.0.0"),
-                    dict(cluster=3, bind="0.0.0.0", tls_cert="/c.pem", tls_key="/k.pem")):
+    for options in (
+        dict(cluster=3),
+        dict(cluster=3, bind="127.0.0.1 -::1"),
+        dict(bind="0.0.0.0"),
+        dict(cluster=3, bind="0.0.0.0", tls_cert="/c.pem", tls_key="/k.pem"),
+    ):
         check_cluster_bus(ServerOptions(dir=tmp_path, **options))
 
 
@@ -122,8 +131,20 @@ def test_tls_cluster_serves_the_store_and_its_bus_wants_a_client_certificate(ser
 
     cert, key = tls_files
     base = free_port_block(3, bus=True)
-    info = _start_json("--dir", str(server_dir), "--port", str(base), "--cluster", "3", "--maxmemory", "48MiB",
-                       "--tls-cert", str(cert), "--tls-key", str(key))
+    info = _start_json(
+        "--dir",
+        str(server_dir),
+        "--port",
+        str(base),
+        "--cluster",
+        "3",
+        "--maxmemory",
+        "48MiB",
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+    )
     assert info["writer_url"].startswith("rediss+cluster://writer:")
     conf = (server_dir / "node0" / "redis.conf").read_text().splitlines()
     assert "tls-cluster yes" in conf and "port 0" in conf
@@ -132,7 +153,9 @@ def test_tls_cluster_serves_the_store_and_its_bus_wants_a_client_certificate(ser
     values = {f"k{i}": os.urandom(1000 + 40_000 * i) for i in range(6)}
     for name, value in values.items():
         assert writer.put("fx_graph", name, value)
-    reader = RemoteTier(info["reader_url"], keys=signing.load_key_file(info["verify_key_file"]), namespace="tls-cluster")
+    reader = RemoteTier(
+        info["reader_url"], keys=signing.load_key_file(info["verify_key_file"]), namespace="tls-cluster"
+    )
     assert all(reader.get("fx_graph", name).value == value for name, value in values.items())
 
     bus = base + 10000

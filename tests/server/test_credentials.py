@@ -33,8 +33,14 @@ def test_start_output_names_files_and_holds_no_password(server_dir):
     out = human.stdout
     for name in ("writer.url", "reader.url", "signing.key", "verify.pub"):
         assert str(server_dir / name) in out
-    assert f'WARMSTART_CACHE_URL="$(cat {server_dir / "writer.url"})" WARMSTART_KEY_FILE={server_dir / "signing.key"}' in out
-    assert f'WARMSTART_CACHE_URL="$(cat {server_dir / "reader.url"})" WARMSTART_KEY_FILE={server_dir / "verify.pub"}' in out
+    assert (
+        f'WARMSTART_CACHE_URL="$(cat {server_dir / "writer.url"})" WARMSTART_KEY_FILE={server_dir / "signing.key"}'
+        in out
+    )
+    assert (
+        f'WARMSTART_CACHE_URL="$(cat {server_dir / "reader.url"})" WARMSTART_KEY_FILE={server_dir / "verify.pub"}'
+        in out
+    )
     assert "redis://" not in out
     for name in ("writer.url", "reader.url", "signing.key", *(f"{u}.password" for u in ("admin", "writer", "reader"))):
         assert _mode(server_dir / name) == 0o600, name
@@ -54,7 +60,9 @@ def test_start_output_names_files_and_holds_no_password(server_dir):
     assert creds.passwords["admin"] not in shown.output  # never printed, not even when asked
     assert run("stop", "--dir", str(server_dir)).exit_code == 0
     shown = run("start", "--dir", str(server_dir), "--show-secrets")
-    assert shown.exit_code == 0 and creds.passwords["writer"] in shown.stdout and creds.passwords["reader"] in shown.stdout
+    assert (
+        shown.exit_code == 0 and creds.passwords["writer"] in shown.stdout and creds.passwords["reader"] in shown.stdout
+    )
 
 
 def test_key_pair_is_made_once_and_reused(server_dir):
@@ -87,9 +95,14 @@ def test_jobs_configured_from_the_files_write_and_read(server_dir, tmp_path):
     info = start_json("--dir", str(server_dir), "--port", str(free_port_block(1)))
 
     def store(url_file: str, key_file: str, name: str):
-        env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": open(url_file).read().strip(),
-               "WARMSTART_KEY_FILE": key_file, "WARMSTART_CACHE_DIR": str(tmp_path / name),
-               "WARMSTART_SECRET": "an-hmac-secret-the-key-file-overrides", "WARMSTART_NAMESPACE": "files"}
+        env = {
+            "WARMSTART": "1",
+            "WARMSTART_CACHE_URL": open(url_file).read().strip(),
+            "WARMSTART_KEY_FILE": key_file,
+            "WARMSTART_CACHE_DIR": str(tmp_path / name),
+            "WARMSTART_SECRET": "an-hmac-secret-the-key-file-overrides",
+            "WARMSTART_NAMESPACE": "files",
+        }
         return open_store(Settings.from_env(env), persist_stats=False)
 
     writer = store(info["writer_url_file"], info["signing_key_file"], "w")
@@ -123,9 +136,13 @@ def test_rotate_key_pair(server_dir):
     assert new_writer_keys.key_id == new_reader_keys.key_id != old_reader_keys.key_id
     # Readers on the new public key start a key space of their own; those still on the old one keep their hits.
     assert RemoteTier(info["reader_url"], keys=new_reader_keys, namespace="rot").get("fx_graph", "k").value is None
-    assert RemoteTier(info["reader_url"], keys=old_reader_keys, namespace="rot").get("fx_graph", "k").value == b"old" * 100
+    assert (
+        RemoteTier(info["reader_url"], keys=old_reader_keys, namespace="rot").get("fx_graph", "k").value == b"old" * 100
+    )
     assert RemoteTier(info["writer_url"], keys=new_writer_keys, namespace="rot").put("fx_graph", "k", b"new" * 100)
-    assert RemoteTier(info["reader_url"], keys=new_reader_keys, namespace="rot").get("fx_graph", "k").value == b"new" * 100
+    assert (
+        RemoteTier(info["reader_url"], keys=new_reader_keys, namespace="rot").get("fx_graph", "k").value == b"new" * 100
+    )
 
 
 def test_passwords_stay_out_of_error_messages(server_dir, caplog):

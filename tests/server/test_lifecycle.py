@@ -34,8 +34,15 @@ def _run(*args: str):
 def test_start_status_stop(server_dir):
     port = free_port_block(1)
     info = _start_json("--dir", str(server_dir), "--port", str(port), "--maxmemory", "16MiB")
-    assert set(info) >= {"writer_url_file", "reader_url_file", "signing_key_file", "verify_key_file", "secret_file", "dir"}
-    assert info["writer_url"].startswith(f"redis://writer:") and info["writer_url"].endswith(f"@127.0.0.1:{port}/0")
+    assert set(info) >= {
+        "writer_url_file",
+        "reader_url_file",
+        "signing_key_file",
+        "verify_key_file",
+        "secret_file",
+        "dir",
+    }
+    assert info["writer_url"].startswith("redis://writer:") and info["writer_url"].endswith(f"@127.0.0.1:{port}/0")
     assert info["reader_url"].startswith("redis://reader:")
     assert info["dir"] == str(server_dir)
     secret = open(info["secret_file"], "rb").read().strip()
@@ -126,8 +133,11 @@ def test_metrics_endpoint_serves_prometheus_text(server_dir):
     with urllib.request.urlopen(info["metrics_url"], timeout=5) as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     node = f'{{node="127.0.0.1:{port}"}}'
     assert samples["warmstart_server_up" + node] == 1
     assert samples["warmstart_server_keys" + node] == 2  # small value: inline in its pointer; the index
@@ -179,9 +189,24 @@ def test_stop_ends_a_foreground_server(server_dir):
 
 
 def _start_foreground(server_dir, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "warmstart", "server", "start", "--foreground", "--json",
-                             "--dir", str(server_dir), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "warmstart",
+            "server",
+            "start",
+            "--foreground",
+            "--json",
+            "--dir",
+            str(server_dir),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def _read_json_object(stream) -> str:
@@ -241,8 +266,9 @@ def test_rotate_needs_something_to_rotate(server_dir):
 def test_a_dir_others_can_write_is_made_private_with_one_warning(server_dir, caplog):
     server_dir.mkdir(mode=0o777)
     os.chmod(server_dir, 0o777)
-    result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(free_port_block(1)),
-                                      "--json"])
+    result = CliRunner().invoke(
+        cli, ["server", "start", "--dir", str(server_dir), "--port", str(free_port_block(1)), "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert os.stat(server_dir).st_mode & 0o777 == 0o700
     warned = [r.getMessage() for r in caplog.records if "made private (0700)" in r.getMessage()]

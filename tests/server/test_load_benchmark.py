@@ -25,9 +25,28 @@ def bench():
 
 def test_server_load_benchmark_small(bench, tmp_path):
     out = tmp_path / "load.json"
-    code = bench.main(["--procs", "3", "--writes", "2", "--mixed", "8", "--repeats", "1", "--max-size", "256KiB",
-                       "--throughput-maxmemory", "64MiB", "--fill-maxmemory", "16MiB", "--cost-rounds", "1",
-                       "--json", str(out)])
+    code = bench.main(
+        [
+            "--procs",
+            "3",
+            "--writes",
+            "2",
+            "--mixed",
+            "8",
+            "--repeats",
+            "1",
+            "--max-size",
+            "256KiB",
+            "--throughput-maxmemory",
+            "64MiB",
+            "--fill-maxmemory",
+            "16MiB",
+            "--cost-rounds",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert code == 0, report
     for side in ("raw", "store"):

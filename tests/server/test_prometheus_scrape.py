@@ -29,8 +29,12 @@ def test_prometheus_scrapes_the_server_exporter(server_dir, prometheus_server):
     series = prom.wait_for('{__name__=~"warmstart_server_.*"}', lambda result: len(value(result)) >= 12)
     got = value(series)
     assert got["warmstart_server_up"] == 1 and got["warmstart_server_cluster_ok"] == 1
-    assert got["warmstart_server_keys"] == 2 and got["warmstart_server_maxmemory_bytes"] == 1024**3  # the entry, the index
+    assert (
+        got["warmstart_server_keys"] == 2 and got["warmstart_server_maxmemory_bytes"] == 1024**3
+    )  # the entry, the index
     assert got["warmstart_server_keyspace_hits_total"] >= 1  # a counter keeps its _total name
     assert 0 < got["warmstart_server_hit_ratio"] <= 1
-    namespaces = {labels["namespace"]: v for labels, v in series if labels["__name__"] == "warmstart_server_namespace_bytes"}
+    namespaces = {
+        labels["namespace"]: v for labels, v in series if labels["__name__"] == "warmstart_server_namespace_bytes"
+    }
     assert namespaces["scraped-ns"] > 0

@@ -17,11 +17,15 @@ from warmstart.server.config import ServerOptions, render_redis_conf
 SERVER = Path(__file__).resolve().parents[2] / "server"
 
 
-@pytest.mark.parametrize("options", [
-    dict(),
-    dict(tls_cert="/c.pem", tls_key="/k.pem"),
-    dict(cluster=3, bind="0.0.0.0", advertise="10.0.0.5", aof=True, tls_cert="/c.pem", tls_key="/k.pem"),
-], ids=["single", "tls", "cluster-tls"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(tls_cert="/c.pem", tls_key="/k.pem"),
+        dict(cluster=3, bind="0.0.0.0", advertise="10.0.0.5", aof=True, tls_cert="/c.pem", tls_key="/k.pem"),
+    ],
+    ids=["single", "tls", "cluster-tls"],
+)
 def test_redis_conf_template_names_every_generated_directive(tmp_path, options):
     template = (SERVER / "redis.conf.template").read_text()
     documented = {m.group(1) for m in re.finditer(r"^(?:# )?([a-z][a-z-]+) ", template, re.M)}
@@ -34,8 +38,9 @@ def test_acl_template_is_the_generated_acl_with_placeholders():
     passwords = {"admin": "a", "writer": "w", "reader": "r"}
     generated = render_acl_file(passwords)
     for user in passwords:
-        generated = re.sub(rf"(user {user} reset on )#[0-9a-f]{{64}}", rf"\1#{{SHA256_OF_{user.upper()}_PASSWORD}}",
-                           generated)
+        generated = re.sub(
+            rf"(user {user} reset on )#[0-9a-f]{{64}}", rf"\1#{{SHA256_OF_{user.upper()}_PASSWORD}}", generated
+        )
     assert (SERVER / "users.acl.template").read_text() == generated
 
 

@@ -45,8 +45,15 @@ from warmstart.errors import WarmstartError
 CONFIGS = ("baseline", "cold", "warm")
 """The three configurations, in the order they run (``warm`` needs the cache ``cold`` filled)."""
 
-FIGURES = ("time_to_start_s", "time_to_recover_s", "compile_s", "sharding_plan_s", "checkpoint_blocking_s",
-           "e2e_s", "ett_pct")
+FIGURES = (
+    "time_to_start_s",
+    "time_to_recover_s",
+    "compile_s",
+    "sharding_plan_s",
+    "checkpoint_blocking_s",
+    "e2e_s",
+    "ett_pct",
+)
 """The per-configuration figures of the table and of ``--json``, in table order
 (docs/reference.md#the-main-job)."""
 
@@ -133,10 +140,18 @@ class ConfigResult:
             "preload_start_s": self.preload_start_s,
             "lost_progress_s": r.l1["lost_progress_s"],
             "failures": r.l1["failures"],
-            "attempts": [{"attempt": a.attempt, "pre_first_step_s": a.pre_first_step_s, "failed": a.failed,
-                          "first_step": a.first_step, "last_step": a.last_step,
-                          "last_committed_step": a.last_committed_step, "steps": a.steps}
-                         for a in r.attempts],
+            "attempts": [
+                {
+                    "attempt": a.attempt,
+                    "pre_first_step_s": a.pre_first_step_s,
+                    "failed": a.failed,
+                    "first_step": a.first_step,
+                    "last_step": a.last_step,
+                    "last_committed_step": a.last_committed_step,
+                    "steps": a.steps,
+                }
+                for a in r.attempts
+            ],
             "resumed_from_step": [rep.get("resumed_from_step") for rep in self.startup],
             "compile_counters": compile_counters,
             "cache": self.cache,
@@ -194,16 +209,25 @@ def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str
     out["warm_vs_baseline"] = ratios(results)
     out["preload_start_s"] = results["warm"].preload_start_s
     job = options.job
-    out["settings"] = {"steps": job.steps, "tables": job.tables, "batch_size": job.batch_size,
-                       "fail_at_step": job.fail_at_step, "checkpoint_every": job.checkpoint_every,
-                       "ranks": options.nproc, "checkpoint_mode": job.checkpoint_mode, "preload": options.preload}
+    out["settings"] = {
+        "steps": job.steps,
+        "tables": job.tables,
+        "batch_size": job.batch_size,
+        "fail_at_step": job.fail_at_step,
+        "checkpoint_every": job.checkpoint_every,
+        "ranks": options.nproc,
+        "checkpoint_mode": job.checkpoint_mode,
+        "preload": options.preload,
+    }
     return out
 
 
 # -- one configuration ---------------------------------------------------------------------------------
 
-def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, server: CacheServer | None,
-                report: ProgressFn) -> ConfigResult:
+
+def _run_config(
+    name: str, options: BenchOptions, work: Path, bench_id: str, server: CacheServer | None, report: ProgressFn
+) -> ConfigResult:
     from warmstart.metrics import compute_runs
 
     root = work / name
@@ -213,8 +237,9 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
     run_dir.mkdir(parents=True)
     machines.mkdir()
     log_path = root / "job.log"
-    job = dataclasses.replace(options.job, mode="baseline" if name == "baseline" else "warmstart",
-                              checkpoint_dir=root / "checkpoints")
+    job = dataclasses.replace(
+        options.job, mode="baseline" if name == "baseline" else "warmstart", checkpoint_dir=root / "checkpoints"
+    )
     tmp_root = short_tmp_root()
     preloaders: list[str] = []
     preload_start_s: list[float] | None = None
@@ -225,21 +250,32 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
             env["WARMSTART_PRELOAD_MODULES"] = "warmstart.bench.trainer"
             report(name, "bringing the machines up (their preloaders)", 0, job.steps)
             preloaders, preload_start_s = _start_preloaders(env, machines, tmp_root, attempts=2)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
-               "--max-restarts=1", "--no-python", *launcher_args(machines, tmp_root), *_JOB_MODULE,
-               *job.to_args()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={options.nproc}",
+            "--max-restarts=1",
+            "--no-python",
+            *launcher_args(machines, tmp_root),
+            *_JOB_MODULE,
+            *job.to_args(),
+        ]
         started = time.monotonic()
         with open(log_path, "ab") as log:  # O_APPEND: the watchdog's notes never overwrite the job's lines
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True
+            )
             tail = _EventTail(run_dir)
             watchdog = _Watchdog(run_dir, options.stall_timeout_s)
             try:
                 while proc.poll() is None:
                     if time.monotonic() - started > options.timeout_s:
                         _stop(proc)
-                        raise BenchError(f"{name}: still running after {options.timeout_s:.0f} s; stopped it "
-                                         f"(log: {log_path})")
+                        raise BenchError(
+                            f"{name}: still running after {options.timeout_s:.0f} s; stopped it (log: {log_path})"
+                        )
                     if watchdog.stalled():
                         raise _stalled(name, proc, run_dir, log_path, options)
                     phase, step = tail.poll()
@@ -258,22 +294,36 @@ def _run_config(name: str, options: BenchOptions, work: Path, bench_id: str, ser
     results = compute_runs([run_dir])
     if len(results) != 1:
         raise BenchError(f"{name}: expected the events of one job in {run_dir}, found {len(results)}")
-    return ConfigResult(name=name, run_dir=run_dir, log_path=log_path, wall_s=wall, result=results[0],
-                        startup=_startup_reports(run_dir), cache=_cache_counters(machines),
-                        preload_start_s=preload_start_s)
+    return ConfigResult(
+        name=name,
+        run_dir=run_dir,
+        log_path=log_path,
+        wall_s=wall,
+        result=results[0],
+        startup=_startup_reports(run_dir),
+        cache=_cache_counters(machines),
+        preload_start_s=preload_start_s,
+    )
 
 
 def machine_env(machines: Path, tmp_root: Path, attempt: int) -> dict[str, str]:
     """The variables the launcher sets for ``attempt``'s new machine (and makes its directories)."""
     m, t = machines / f"attempt-{attempt}", tmp_root / f"attempt-{attempt}"
-    dirs = {"HOME": m / "home", "TMPDIR": t, "TORCHINDUCTOR_CACHE_DIR": m / "inductor", "TRITON_CACHE_DIR": m / "triton",
-            "WARMSTART_CACHE_DIR": m / "warmstart-cache"}
+    dirs = {
+        "HOME": m / "home",
+        "TMPDIR": t,
+        "TORCHINDUCTOR_CACHE_DIR": m / "inductor",
+        "TRITON_CACHE_DIR": m / "triton",
+        "WARMSTART_CACHE_DIR": m / "warmstart-cache",
+    }
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
     return {**{k: str(v) for k, v in dirs.items()}, "XDG_CACHE_HOME": str(m / "home" / ".cache")}
 
 
-def _start_preloaders(env: dict[str, str], machines: Path, tmp_root: Path, attempts: int) -> tuple[list[str], list[float]]:
+def _start_preloaders(
+    env: dict[str, str], machines: Path, tmp_root: Path, attempts: int
+) -> tuple[list[str], list[float]]:
     """Bring up each attempt's machine with its preloader, serving the ranks' environment there."""
     from warmstart.preload import control
 
@@ -321,30 +371,48 @@ def short_tmp_root() -> Path:
         if base in tried:
             continue
         tried.append(base)
-        if (len(os.fsencode(base)) + suffix <= AF_UNIX_PATH_MAX and os.path.isdir(base)
-                and os.access(base, os.W_OK | os.X_OK)):
+        if (
+            len(os.fsencode(base)) + suffix <= AF_UNIX_PATH_MAX
+            and os.path.isdir(base)
+            and os.access(base, os.W_OK | os.X_OK)
+        ):
             return Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=base))
-    raise BenchError(f"no writable temporary directory short enough for DataLoader sockets "
-                     f"(at most {AF_UNIX_PATH_MAX - suffix} bytes): tried {', '.join(tried)}")
+    raise BenchError(
+        f"no writable temporary directory short enough for DataLoader sockets "
+        f"(at most {AF_UNIX_PATH_MAX - suffix} bytes): tried {', '.join(tried)}"
+    )
 
 
-def _job_env(name: str, root: Path, tmp_root: Path, run_dir: Path, bench_id: str,
-             server: CacheServer | None) -> dict[str, str]:
+def _job_env(
+    name: str, root: Path, tmp_root: Path, run_dir: Path, bench_id: str, server: CacheServer | None
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_PREFIXES)}
     home = root / "home"
     home.mkdir(parents=True, exist_ok=True)
-    env.update({
-        "HOME": str(home), "TMPDIR": str(tmp_root), "PYTHONUNBUFFERED": "1",
-        "WARMSTART_RUN_DIR": str(run_dir), "WARMSTART_JOB_ID": f"{name}-{bench_id}",
-        # 2 ranks on a small machine: one thread each, and one Inductor compile thread
-        "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
-        # torchrun keeps one rendezvous TCPStore across restarts; the restarted ranks could read the
-        # dead ranks' gloo addresses from it (pytorch/pytorch#135712). One store per attempt instead.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    })
+    env.update(
+        {
+            "HOME": str(home),
+            "TMPDIR": str(tmp_root),
+            "PYTHONUNBUFFERED": "1",
+            "WARMSTART_RUN_DIR": str(run_dir),
+            "WARMSTART_JOB_ID": f"{name}-{bench_id}",
+            # 2 ranks on a small machine: one thread each, and one Inductor compile thread
+            "OMP_NUM_THREADS": "1",
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            # torchrun keeps one rendezvous TCPStore across restarts; the restarted ranks could read the
+            # dead ranks' gloo addresses from it (pytorch/pytorch#135712). One store per attempt instead.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+    )
     if server is not None:
-        env.update({"WARMSTART": "1", "WARMSTART_CACHE_URL": server.writer_url,
-                    "WARMSTART_KEY_FILE": server.signing_key_file, "WARMSTART_NAMESPACE": f"bench-{bench_id}"})
+        env.update(
+            {
+                "WARMSTART": "1",
+                "WARMSTART_CACHE_URL": server.writer_url,
+                "WARMSTART_KEY_FILE": server.signing_key_file,
+                "WARMSTART_NAMESPACE": f"bench-{bench_id}",
+            }
+        )
         if "WARMSTART_DYNAMO" in os.environ:  # the one setting the caller chooses: compiled frames on or off
             env["WARMSTART_DYNAMO"] = os.environ["WARMSTART_DYNAMO"]
     return env
@@ -396,6 +464,7 @@ def _kill_all(pids: list[int]) -> None:
 
 # -- the no-progress watchdog ------------------------------------------------------------------------
 
+
 class _Watchdog:
     """Says when the run directory's event files have not grown for ``timeout_s``."""
 
@@ -421,8 +490,11 @@ def _stalled(name: str, proc: subprocess.Popen, run_dir: Path, log_path: Path, o
     """Dump every rank's Python stacks into the log, kill the configuration, say where it stood."""
     ranks = _ranks(proc.pid)
     for pid, label in _dumpable(proc.pid).items():
-        _note(log_path, f"warmstart bench watchdog: no ETT event for {options.stall_timeout_s:.0f} s; "
-                        f"Python stacks of {label} (pid {pid}):")
+        _note(
+            log_path,
+            f"warmstart bench watchdog: no ETT event for {options.stall_timeout_s:.0f} s; "
+            f"Python stacks of {label} (pid {pid}):",
+        )
         try:
             os.kill(pid, signal.SIGUSR1)  # faulthandler, registered by the reference job
             os.kill(pid, signal.SIGCONT)  # a stopped process dumps once it runs again
@@ -433,9 +505,11 @@ def _stalled(name: str, proc: subprocess.Popen, run_dir: Path, log_path: Path, o
     _note(log_path, "warmstart bench watchdog: stopped the configuration")
     attempts = sorted({a for a in ranks.values() if a is not None})
     attempt, stages = _last_stages(run_dir, options.nproc, attempts[-1] if attempts else None)
-    return BenchError(f"{name}: attempt {attempt} recorded no ETT event for {options.stall_timeout_s:.0f} s "
-                      f"(last stage: {stages}); dumped every rank's Python stacks into the log and stopped it "
-                      f"(log: {log_path})")
+    return BenchError(
+        f"{name}: attempt {attempt} recorded no ETT event for {options.stall_timeout_s:.0f} s "
+        f"(last stage: {stages}); dumped every rank's Python stacks into the log and stopped it "
+        f"(log: {log_path})"
+    )
 
 
 def _note(log_path: Path, line: str) -> None:
@@ -505,7 +579,7 @@ def _children() -> dict[int, list[int]]:
                 stat = f.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rfind(b")") + 2:].split()[1])  # after "(comm)": state, ppid
+        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])  # after "(comm)": state, ppid
         tree.setdefault(ppid, []).append(int(entry.name))
     return tree
 
@@ -548,8 +622,9 @@ def _dumpable(torchrun_pid: int) -> dict[int, str]:
     targets: dict[int, str] = {}
     ranks = {pid: env.get(b"RANK", b"?").decode() for pid, env in _rank_envs(torchrun_pid).items()}
     candidates = [(pid, f"rank {rank}") for pid, rank in ranks.items()]
-    candidates += [(child, f"a child process of rank {rank}") for pid, rank in ranks.items()
-                   for child in _descendants(pid)]
+    candidates += [
+        (child, f"a child process of rank {rank}") for pid, rank in ranks.items() for child in _descendants(pid)
+    ]
     for pid, label in candidates:
         try:
             with open(f"/proc/{pid}/status") as f:
@@ -649,8 +724,11 @@ class CacheServer:
             credentials = server.Credentials.load(directory)
         except (WarmstartError, OSError, subprocess.SubprocessError) as exc:
             raise BenchError(f"could not start the cache server: {exc}") from None
-        return cls(directory=directory, writer_url=state.url("writer", credentials),
-                   signing_key_file=str(credentials.signing_key_file))
+        return cls(
+            directory=directory,
+            writer_url=state.url("writer", credentials),
+            signing_key_file=str(credentials.signing_key_file),
+        )
 
     def stop(self) -> None:
         """Stop the server and wait for its processes; a failure is ignored (the server is a throwaway)."""
@@ -672,9 +750,13 @@ def _free_port() -> int:
 
 _TITLE = "warmstart bench cold-vs-warm"
 _LABELS = {
-    "time_to_start_s": "time to start (s)", "time_to_recover_s": "time to recover (s)",
-    "compile_s": "compile (s)", "sharding_plan_s": "sharding plan (s)",
-    "checkpoint_blocking_s": "checkpoint blocking (s)", "e2e_s": "end to end (s)", "ett_pct": "ETT %",
+    "time_to_start_s": "time to start (s)",
+    "time_to_recover_s": "time to recover (s)",
+    "compile_s": "compile (s)",
+    "sharding_plan_s": "sharding plan (s)",
+    "checkpoint_blocking_s": "checkpoint blocking (s)",
+    "e2e_s": "end to end (s)",
+    "ett_pct": "ETT %",
 }
 _HEADERS = ("figure", *CONFIGS, "warm / baseline")
 
@@ -686,8 +768,7 @@ def table_rows(results: dict[str, ConfigResult]) -> list[list[Any]]:
     rows = []
     for key in FIGURES:
         r = ratio[key]
-        rows.append([_LABELS[key], *(figures[name][key] for name in CONFIGS),
-                     "-" if r is None else f"{r:.2f}x"])
+        rows.append([_LABELS[key], *(figures[name][key] for name in CONFIGS), "-" if r is None else f"{r:.2f}x"])
     return rows
 
 
@@ -696,5 +777,6 @@ def render_page(results: dict[str, ConfigResult]) -> str:
     metrics package's report of their runs (timelines and breakdowns)."""
     from warmstart.metrics.report import render_html
 
-    return render_html([results[name].result for name in CONFIGS], title=_TITLE,
-                       intro=[list(_HEADERS), *table_rows(results)])
+    return render_html(
+        [results[name].result for name in CONFIGS], title=_TITLE, intro=[list(_HEADERS), *table_rows(results)]
+    )

@@ -85,14 +85,20 @@ class JobConfig:
         Raises:
             ConfigError: a value is out of range.
         """
-        parser = argparse.ArgumentParser(prog="python -m warmstart.bench.reference_job",
-                                         description="The warmstart reference TorchRec training job (run under torchrun).")
+        parser = argparse.ArgumentParser(
+            prog="python -m warmstart.bench.reference_job",
+            description="The warmstart reference TorchRec training job (run under torchrun).",
+        )
         for field in dataclasses.fields(cls):
             flag = "--" + field.name.replace("_", "-")
             default = field.default
             if isinstance(default, tuple):
-                parser.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=default,
-                                    help="comma-separated sizes")
+                parser.add_argument(
+                    flag,
+                    type=lambda s: tuple(int(x) for x in s.split(",")),
+                    default=default,
+                    help="comma-separated sizes",
+                )
             else:
                 parser.add_argument(flag, type=type(default), default=default)
         return cls(**vars(parser.parse_args(argv)))
@@ -104,6 +110,8 @@ class JobConfig:
             value = getattr(self, field.name)
             if value == field.default:
                 continue
-            args += ["--" + field.name.replace("_", "-"),
-                     ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+            args += [
+                "--" + field.name.replace("_", "-"),
+                ",".join(map(str, value)) if isinstance(value, tuple) else str(value),
+            ]
         return args

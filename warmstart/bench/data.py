@@ -49,7 +49,10 @@ def make_tables(num_tables: int, *, rows_min: int, rows_max: int, seed: int = 0)
     rng = np.random.default_rng(seed)
     rows = np.exp(rng.uniform(np.log(rows_min), np.log(rows_max), num_tables)).astype(np.int64)
     pooling = rng.uniform(1.0, 8.0, num_tables)
-    return [TableSpec(f"t{i:02d}", f"f{i:02d}", int(r), float(p)) for i, (r, p) in enumerate(zip(rows, pooling))]
+    return [
+        TableSpec(f"t{i:02d}", f"f{i:02d}", int(r), float(p))
+        for i, (r, p) in enumerate(zip(rows, pooling, strict=True))
+    ]
 
 
 class ClickLogDataset(IterableDataset):
@@ -63,8 +66,9 @@ class ClickLogDataset(IterableDataset):
         seed: Data seed.
     """
 
-    def __init__(self, tables: list[TableSpec], batch_size: int, *, rank: int, start_step: int = 0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, tables: list[TableSpec], batch_size: int, *, rank: int, start_step: int = 0, seed: int = 0
+    ) -> None:
         super().__init__()
         self.tables, self.batch_size, self.rank = tables, batch_size, rank
         self.start_step, self.seed = start_step, seed

@@ -9,6 +9,7 @@ shape only; building, sharding and compiling it is the trainer's job.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ class MLP(nn.Sequential):
 
 def _mlp(sizes: list[int], *, last_relu: bool) -> MLP:
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
         layers.append(nn.Linear(a, b))
         if last_relu or i < len(sizes) - 2:
             layers.append(nn.ReLU())
@@ -71,8 +72,9 @@ class DenseOverArch(nn.Module):
         self.dense_arch.compile(**compile_kwargs)
         self.over_arch.compile(**compile_kwargs)
 
-    def forward(self, dense: torch.Tensor, sparse_values: torch.Tensor,
-                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, dense: torch.Tensor, sparse_values: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(loss, logits)`` for one batch.
 
         Args:
@@ -114,5 +116,13 @@ class DLRMTrain(nn.Module):
 
 def embedding_configs(tables: list[TableSpec], dim: int) -> list[EmbeddingBagConfig]:
     """TorchRec table configs for ``tables`` (sum pooling, one feature per table)."""
-    return [EmbeddingBagConfig(name=t.name, embedding_dim=dim, num_embeddings=t.num_embeddings,
-                               feature_names=[t.feature], pooling=PoolingType.SUM) for t in tables]
+    return [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=dim,
+            num_embeddings=t.num_embeddings,
+            feature_names=[t.feature],
+            pooling=PoolingType.SUM,
+        )
+        for t in tables
+    ]

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     _quiet_known_warnings()
     with rec.span("imports"):  # torch, TorchRec and torch's compiler: part of every start and restart
         from warmstart.bench.trainer import Trainer
+
         _import_compiler()
 
     trainer = None

@@ -141,8 +141,9 @@ class Trainer:
         # model transform: shard the tables, DDP-wrap the dense part, build the optimizers
         with rec.span("model_transform"):
             env = ShardingEnv(self.world_size, self.rank, dist.GroupMember.WORLD, output_dtensor=True)
-            self.model = DistributedModelParallel(module, env=env, device=torch.device("cpu"), plan=plan,
-                                                  sharders=self._sharders())
+            self.model = DistributedModelParallel(
+                module, env=env, device=torch.device("cpu"), plan=plan, sharders=self._sharders()
+            )
             self.optimizer = self._build_optimizer(self.model)
 
         # checkpoint load: restore model and optimizer in place
@@ -171,8 +172,13 @@ class Trainer:
 
         def load_checkpoint(model: DistributedModelParallel, optimizer: CombinedOptimizer) -> int | None:
             # warmstart: asynchronous checkpoints; their own gloo group, a commit marker, keep-N
-            self.checkpointer = Checkpointer(cfg.checkpoint_dir, mode=cfg.checkpoint_mode, keep=cfg.keep_checkpoints,
-                                             recorder=self.rec, overlap_staging=True)
+            self.checkpointer = Checkpointer(
+                cfg.checkpoint_dir,
+                mode=cfg.checkpoint_mode,
+                keep=cfg.keep_checkpoints,
+                recorder=self.rec,
+                overlap_staging=True,
+            )
             return self.checkpointer.load_latest({"model": model, "optim": optimizer})
 
         spec = TorchRecStartup(
@@ -187,9 +193,11 @@ class Trainer:
             load_checkpoint=load_checkpoint,
             # warmstart: compile on a synthetic batch in a thread while the rest starts up; with
             # WARMSTART=1 Inductor's artifacts come from the shared cache
-            compile_warmup=CompileWarmup(build=lambda device: self._build_dense_over(seeded=False),
-                                         example_inputs=lambda device: self._synthetic_dense_batch(),
-                                         compile_module=_compile_regions),
+            compile_warmup=CompileWarmup(
+                build=lambda device: self._build_dense_over(seeded=False),
+                example_inputs=lambda device: self._synthetic_dense_batch(),
+                compile_module=_compile_regions,
+            ),
             pg_timeout_s=cfg.collective_timeout_s,
             output_dtensor=True,
         )
@@ -208,8 +216,9 @@ class Trainer:
     # -- the job's parts ----------------------------------------------------------------------------
 
     def _dataset(self, start_step: int) -> ClickLogDataset:
-        return ClickLogDataset(self.tables, self.cfg.batch_size, rank=self.rank, start_step=start_step,
-                               seed=self.cfg.seed)
+        return ClickLogDataset(
+            self.tables, self.cfg.batch_size, rank=self.rank, start_step=start_step, seed=self.cfg.seed
+        )
 
     def _build_dense_over(self, *, seeded: bool = True) -> DenseOverArch:
         cfg = self.cfg
@@ -233,25 +242,32 @@ class Trainer:
     def _synthetic_dense_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs of ``dense_over`` with the real shapes and dtypes (what compile specializes on)."""
         cfg = self.cfg
-        return (torch.zeros(cfg.batch_size, NUM_DENSE),
-                torch.zeros(cfg.batch_size, cfg.tables * cfg.dim, requires_grad=True),
-                torch.zeros(cfg.batch_size))
+        return (
+            torch.zeros(cfg.batch_size, NUM_DENSE),
+            torch.zeros(cfg.batch_size, cfg.tables * cfg.dim, requires_grad=True),
+            torch.zeros(cfg.batch_size),
+        )
 
     def _planner(self) -> EmbeddingShardingPlanner:
         topology = TopologyFactory.create_topology(
             TrainerConfig(world_size=self.world_size, local_world_size=self.local_world_size),
             kernel_config=KernelConfig(compute_device="cpu"),
         )
-        return EmbeddingShardingPlanner(topology=topology, batch_size=self.cfg.batch_size,
-                                        storage_reservation=FixedPercentageStorageReservation(0.15))
+        return EmbeddingShardingPlanner(
+            topology=topology,
+            batch_size=self.cfg.batch_size,
+            storage_reservation=FixedPercentageStorageReservation(0.15),
+        )
 
     def _sharders(self) -> list[EmbeddingBagCollectionSharder]:
         return [EmbeddingBagCollectionSharder()]
 
     def _build_optimizer(self, model: DistributedModelParallel) -> CombinedOptimizer:
         # the fused (in-backward) embedding optimizer plus Adam over the dense parameters
-        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                      lambda params: torch.optim.Adam(params, lr=self.cfg.lr_dense))
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(model.named_parameters())),
+            lambda params: torch.optim.Adam(params, lr=self.cfg.lr_dense),
+        )
         return CombinedOptimizer([model.fused_optimizer, dense])
 
     def _app_state(self, model: DistributedModelParallel | None = None) -> dict:
@@ -275,13 +291,25 @@ class Trainer:
             return
         from torch._dynamo.utils import counters
 
-        compile_counters = {key: counters[group][key] for group, key in (
-            ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
-            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"))}
-        report = {"rank": self.rank, "attempt": self.attempt, "mode": self.cfg.mode,
-                  "resumed_from_step": self.resumed_from, "compile_counters": compile_counters,
-                  "stages": [dict(zip(("stage", "runs_on", "start", "end", "seconds"), row))
-                             for row in self._stage_rows]}
+        compile_counters = {
+            key: counters[group][key]
+            for group, key in (
+                ("inductor", "fxgraph_cache_hit"),
+                ("inductor", "fxgraph_cache_miss"),
+                ("aot_autograd", "autograd_cache_hit"),
+                ("aot_autograd", "autograd_cache_miss"),
+            )
+        }
+        report = {
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "mode": self.cfg.mode,
+            "resumed_from_step": self.resumed_from,
+            "compile_counters": compile_counters,
+            "stages": [
+                dict(zip(("stage", "runs_on", "start", "end", "seconds"), row, strict=True)) for row in self._stage_rows
+            ],
+        }
         path = Path(run_dir) / f"startup-r{self.rank}-a{self.attempt}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))
@@ -324,8 +352,11 @@ class Trainer:
                 self._save_checkpoint(step)
             if self.rank == 0 and (step + 1) % cfg.log_every == 0:
                 now = time.perf_counter()
-                print(f"step {step + 1}/{cfg.steps} loss {loss.item():.4f} "
-                      f"{(now - t_log) / cfg.log_every * 1000:.0f} ms/step", flush=True)
+                print(
+                    f"step {step + 1}/{cfg.steps} loss {loss.item():.4f} "
+                    f"{(now - t_log) / cfg.log_every * 1000:.0f} ms/step",
+                    flush=True,
+                )
                 t_log = now
             self.step += 1
         rec.train_end()

@@ -14,8 +14,15 @@ from warmstart.checkpoint.layout import CommittedCheckpoint, committed_checkpoin
 from warmstart.checkpoint.state import OptimizerState, RankLocal, RNGState
 
 __all__ = [
-    "AsyncMode", "Checkpointer", "CheckpointError",
-    "AdaptiveInterval", "optimal_interval_s",
-    "CommittedCheckpoint", "committed_checkpoints", "latest_committed",
-    "OptimizerState", "RankLocal", "RNGState",
+    "AsyncMode",
+    "Checkpointer",
+    "CheckpointError",
+    "AdaptiveInterval",
+    "optimal_interval_s",
+    "CommittedCheckpoint",
+    "committed_checkpoints",
+    "latest_committed",
+    "OptimizerState",
+    "RankLocal",
+    "RNGState",
 ]

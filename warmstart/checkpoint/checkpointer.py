@@ -64,8 +64,9 @@ other ranks before the save is given up as not committed."""
 _EXIT_JOIN_MARGIN_S = 5.0  # interpreter exit waits for an in-flight commit this much beyond its timeout
 
 # A single-process checkpointer is a supported use, not an accident: DCP's warning about it is noise.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 
 class AsyncMode(str, Enum):
@@ -163,19 +164,31 @@ class Checkpointer:
         CheckpointError: the directory cannot be created (with ``on_error="raise"``).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, mode: AsyncMode | str = AsyncMode.ASYNC, keep: int = 3,
-                 recorder: Any = None, on_error: OnError = "raise", process_group: dist.ProcessGroup | None = None,
-                 overlap_staging: bool = False, save_rng: bool = True,
-                 interval: AdaptiveInterval | None = None,
-                 commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        mode: AsyncMode | str = AsyncMode.ASYNC,
+        keep: int = 3,
+        recorder: Any = None,
+        on_error: OnError = "raise",
+        process_group: dist.ProcessGroup | None = None,
+        overlap_staging: bool = False,
+        save_rng: bool = True,
+        interval: AdaptiveInterval | None = None,
+        commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
+    ) -> None:
         self.directory = Path(directory)
         self.mode = AsyncMode.parse(mode)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError("keep", keep, "an integer >= 1")
         if on_error not in ("raise", "continue"):
             raise ConfigError("on_error", on_error, "'raise' or 'continue'")
-        if isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float)) \
-                or not 0 < commit_timeout_s < float("inf"):
+        if (
+            isinstance(commit_timeout_s, bool)
+            or not isinstance(commit_timeout_s, (int, float))
+            or not 0 < commit_timeout_s < float("inf")
+        ):
             raise ConfigError("commit_timeout_s", commit_timeout_s, "a number of seconds > 0")
         self.commit_timeout_s = float(commit_timeout_s)
         self.keep, self.on_error = keep, on_error
@@ -187,12 +200,14 @@ class Checkpointer:
         self._recorder = recorder
         self._distributed = dist.is_available() and dist.is_initialized()
         if self.mode is AsyncMode.ASYNC_PROCESS and not self._distributed:
-            raise ConfigError("mode", self.mode.value,
-                              "sync or async-thread when torch.distributed is not initialized")
+            raise ConfigError("mode", self.mode.value, "sync or async-thread when torch.distributed is not initialized")
         self._owns_pg = self._distributed and process_group is None
         if self._distributed:
-            self._pg = process_group if process_group is not None else dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.commit_timeout_s))
+            self._pg = (
+                process_group
+                if process_group is not None
+                else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.commit_timeout_s))
+            )
             self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
         else:
             self._pg, self.rank, self.world_size = None, 0, 1
@@ -221,8 +236,12 @@ class Checkpointer:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 removed = layout.remove_stale(self.directory, session)
                 if removed:
-                    log.info("removed %d partial checkpoint folder(s) in %s: %s", len(removed), self.directory,
-                             ", ".join(sorted(removed)))
+                    log.info(
+                        "removed %d partial checkpoint folder(s) in %s: %s",
+                        len(removed),
+                        self.directory,
+                        ", ".join(sorted(removed)),
+                    )
                 found = layout.latest_committed(self.directory)
                 latest = found.step if found else None
             except OSError as e:
@@ -354,8 +373,13 @@ class Checkpointer:
                 return None
             same_world = found.world_size == self.world_size
             if not same_world:
-                log.warning("checkpoint %s was written by %d ranks, this job has %d: rank-local entries and RNG "
-                            "states are not restored", found.path, found.world_size, self.world_size)
+                log.warning(
+                    "checkpoint %s was written by %d ranks, this job has %d: rank-local entries and RNG "
+                    "states are not restored",
+                    found.path,
+                    found.world_size,
+                    self.world_size,
+                )
             targets: dict[str, Any] = {}
             for key, value in state.items():
                 check_entry(key, value)
@@ -440,9 +464,12 @@ class Checkpointer:
     def _at_exit(self) -> None:
         pending = self._pending
         if not self._join_commit(self.commit_timeout_s + _EXIT_JOIN_MARGIN_S):
-            log.warning("the commit of the checkpoint of step %s did not end within %.0f s of interpreter exit; "
-                        "exiting without it", pending.step if pending else "?",
-                        self.commit_timeout_s + _EXIT_JOIN_MARGIN_S)
+            log.warning(
+                "the commit of the checkpoint of step %s did not end within %.0f s of interpreter exit; "
+                "exiting without it",
+                pending.step if pending else "?",
+                self.commit_timeout_s + _EXIT_JOIN_MARGIN_S,
+            )
             return
         if pending is not None and pending.commit.done() and self._pending is pending:
             # Nobody will call save/wait/close again to hear how the last save ended: say it once.
@@ -471,8 +498,12 @@ class Checkpointer:
     def _save_now(self, step: int, entries: dict[str, Any], partial: Path, started: float) -> None:
         error: BaseException | None = None
         try:
-            dcp.save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
-                     no_dist=not self._distributed)
+            dcp.save(
+                entries,
+                storage_writer=_FileSystemWriter(partial),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = e
         failure = self._conclude(step, partial, error, started)
@@ -487,24 +518,42 @@ class Checkpointer:
         stager = self._stager_for(entries)
         staging: Future = Future()  # done once the copy no longer reads the live tensors
         commit: Future = Future()
-        thread = threading.Thread(target=self._run_save, args=(commit, staging, stager, step, entries, partial, started),
-                                  name=f"warmstart-ckpt-commit-{step}", daemon=True)
+        thread = threading.Thread(
+            target=self._run_save,
+            args=(commit, staging, stager, step, entries, partial, started),
+            name=f"warmstart-ckpt-commit-{step}",
+            daemon=True,
+        )
         self._pending = _Pending(step, staging, commit)
         self._commit_thread = thread
         thread.start()
 
-    def _run_save(self, commit: Future, staging: Future, stager: AsyncStager, step: int, entries: dict[str, Any],
-                  partial: Path, started: float) -> None:
+    def _run_save(
+        self,
+        commit: Future,
+        staging: Future,
+        stager: AsyncStager,
+        step: int,
+        entries: dict[str, Any],
+        partial: Path,
+        started: float,
+    ) -> None:
         if not commit.set_running_or_notify_cancel():
             staging.cancel()
             return
         try:
-            kind = (AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS
-                    else AsyncCheckpointerType.THREAD)
+            kind = (
+                AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS else AsyncCheckpointerType.THREAD
+            )
             try:
-                response = dcp.async_save(entries, storage_writer=_FileSystemWriter(partial), process_group=self._pg,
-                                          async_checkpointer_type=kind, async_stager=stager,
-                                          no_dist=not self._distributed)
+                response = dcp.async_save(
+                    entries,
+                    storage_writer=_FileSystemWriter(partial),
+                    process_group=self._pg,
+                    async_checkpointer_type=kind,
+                    async_stager=stager,
+                    no_dist=not self._distributed,
+                )
             except (Exception, CheckpointException) as e:  # nothing started: no copy reads the tensors
                 staging.set_result(None)
                 commit.set_result(self._conclude(step, partial, e, started))
@@ -530,8 +579,9 @@ class Checkpointer:
             error = e
         return self._conclude(step, partial, error, started)
 
-    def _conclude(self, step: int, partial: Path, error: BaseException | None,
-                  started: float) -> tuple[str, str] | None:
+    def _conclude(
+        self, step: int, partial: Path, error: BaseException | None, started: float
+    ) -> tuple[str, str] | None:
         """Runs on every rank once its write of ``step`` finished or failed. DCP already reduced the
         write results across ranks (its last collective gathers every rank's result at the
         coordinator and broadcasts the outcome), so all ranks get here with the same error or none."""
@@ -553,11 +603,17 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - a rank is gone or did not answer within commit_timeout_s
             cause = f"no answer from every rank within {self.commit_timeout_s:g} s ({_cause(e)})"
             if self.rank != 0:
-                failure = (f"checkpoint of step {step}: the outcome of its commit did not reach rank {self.rank}: "
-                           f"{cause}", cause)
+                failure = (
+                    f"checkpoint of step {step}: the outcome of its commit did not reach rank {self.rank}: {cause}",
+                    cause,
+                )
             elif failure is None:  # committed on disk (every rank had written its part); only the telling failed
-                log.warning("checkpoint of step %d is committed in %s, but not every rank heard of it: %s",
-                            step, self.directory, cause)
+                log.warning(
+                    "checkpoint of step %d is committed in %s, but not every rank heard of it: %s",
+                    step,
+                    self.directory,
+                    cause,
+                )
         if failure is None:
             self.last_committed_step = step
             self.last_save_to_commit_s = time.monotonic() - started
@@ -579,8 +635,11 @@ class Checkpointer:
         if cause not in self._reported:
             self._reported.add(cause)
             # Every rank holds the same message: one line in the job's log is enough.
-            log.log(logging.WARNING if self.rank == 0 else logging.DEBUG,
-                    "%s; training continues (on_error='continue')", message)
+            log.log(
+                logging.WARNING if self.rank == 0 else logging.DEBUG,
+                "%s; training continues (on_error='continue')",
+                message,
+            )
 
     def _plan_next(self, step: int, now: float) -> None:
         assert self.interval is not None
@@ -591,20 +650,30 @@ class Checkpointer:
         if self._stager is None:
             if _has_sharded_tensor(entries):
                 # DefaultStager cannot copy ShardedTensor (StateDictStager calls data_ptr on it).
-                log.info("state holds ShardedTensor: staging blocks for the CPU copy; build TorchRec's "
-                         "ShardingEnv with output_dtensor=True for non-blocking staging")
+                log.info(
+                    "state holds ShardedTensor: staging blocks for the CPU copy; build TorchRec's "
+                    "ShardingEnv with output_dtensor=True for non-blocking staging"
+                )
                 self._stager = BlockingAsyncStager()
             else:
                 cuda = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=cuda, use_shared_memory=self.mode is AsyncMode.ASYNC_PROCESS,
-                    use_async_staging=True, use_non_blocking_copy=cuda))
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=self.mode is AsyncMode.ASYNC_PROCESS,
+                        use_async_staging=True,
+                        use_non_blocking_copy=cuda,
+                    )
+                )
         return self._stager
 
     def _not_saved(self, step: int, cause: str) -> tuple[str, str]:
         latest = layout.latest_committed(self.directory)
-        return (f"checkpoint of step {step} was not saved in {self.directory}: {cause}; earlier "
-                f"checkpoints are intact (latest committed: {'step %d' % latest.step if latest else 'none'})", cause)
+        return (
+            f"checkpoint of step {step} was not saved in {self.directory}: {cause}; earlier "
+            f"checkpoints are intact (latest committed: {'step %d' % latest.step if latest else 'none'})",
+            cause,
+        )
 
     def _broadcast(self, obj: Any) -> Any:
         if not self._distributed:

@@ -1,7 +1,8 @@
 """The on-disk layout of a checkpoint directory and its commit protocol; plain files, no torch.
 
 A checkpoint of step N is written into ``step_<N>.<session>.partial/``, N in 9 digits
-(``step_000000010.<session>.partial/``; every rank writes its DCP files there). Once every rank has finished writing and DCP's coordinator has written ``.metadata``,
+(``step_000000010.<session>.partial/``; every rank writes its DCP files there). Once every rank has finished
+writing and DCP's coordinator has written ``.metadata``,
 rank 0 writes a ``COMMITTED`` marker (JSON: step, world size, time) into it, fsyncs it, and renames
 the folder to ``step_<N>``; the rename is the commit point. A folder is a committed checkpoint only
 when its name is ``step_<N>`` *and* it holds the marker, so a partial write, a crash between the
@@ -65,9 +66,14 @@ def committed_checkpoints(directory: str | os.PathLike) -> list[CommittedCheckpo
             marker = json.loads((Path(entry.path) / MARKER).read_text())
         except (OSError, ValueError):
             continue
-        found.append(CommittedCheckpoint(step=int(match.group(1)), path=Path(entry.path),
-                                         world_size=int(marker.get("world_size", 0)),
-                                         committed_at=float(marker.get("committed_at", 0.0))))
+        found.append(
+            CommittedCheckpoint(
+                step=int(match.group(1)),
+                path=Path(entry.path),
+                world_size=int(marker.get("world_size", 0)),
+                committed_at=float(marker.get("committed_at", 0.0)),
+            )
+        )
     return sorted(found, key=lambda c: c.step)
 
 

@@ -108,12 +108,15 @@ def check_entry(key: str, value: Any) -> None:
         ValueError: the key is reserved.
     """
     if key.startswith("_warmstart") or _RANK_SEP in key:
-        raise ValueError(f"checkpoint entry {key!r}: keys starting with '_warmstart' or containing "
-                         f"{_RANK_SEP!r} are reserved")
+        raise ValueError(
+            f"checkpoint entry {key!r}: keys starting with '_warmstart' or containing {_RANK_SEP!r} are reserved"
+        )
     inner = value.obj if isinstance(value, RankLocal) else value
     if isinstance(inner, torch.optim.Optimizer) and not _is_keyed_optimizer(inner):
-        raise TypeError(f"checkpoint entry {key!r} is a plain {type(inner).__name__}: wrap it as "
-                        f"OptimizerState(model, optimizer) so that it saves and loads by parameter name")
+        raise TypeError(
+            f"checkpoint entry {key!r} is a plain {type(inner).__name__}: wrap it as "
+            f"OptimizerState(model, optimizer) so that it saves and loads by parameter name"
+        )
 
 
 def prepare_for_load(value: Any) -> None:

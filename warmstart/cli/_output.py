@@ -21,8 +21,9 @@ def emit_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
-                justify: Sequence[str] | None = None) -> None:
+def print_table(
+    title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, justify: Sequence[str] | None = None
+) -> None:
     """Print an aligned table with rich (plain text when stdout is not a terminal)."""
     from rich.console import Console
     from rich.table import Table

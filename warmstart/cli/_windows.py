@@ -13,7 +13,14 @@ from typing import Any
 import click
 
 from warmstart.metrics.windows import (
-    DURATION_FORMS, RANGE_FORMS, TIME_FORMS, TimeFilter, format_time, parse_duration, parse_range, parse_time,
+    DURATION_FORMS,
+    RANGE_FORMS,
+    TIME_FORMS,
+    TimeFilter,
+    format_time,
+    parse_duration,
+    parse_range,
+    parse_time,
 )
 
 
@@ -41,22 +48,29 @@ RANGE = _Parsed("T1..T2", parse_range)
 def window_options(func: Callable) -> Callable:
     """Add ``--since``, ``--until``, ``--every`` and ``--exclude`` (see :func:`time_filter`)."""
     options = [
-        click.option("--since", type=TIME, default=None,
-                     help=f"Count only time from T on; T is {TIME_FORMS}."),
+        click.option("--since", type=TIME, default=None, help=f"Count only time from T on; T is {TIME_FORMS}."),
         click.option("--until", type=TIME, default=None, help="Count only time before T."),
-        click.option("--every", type=DURATION, default=None,
-                     help=f"Also report ETT% of consecutive windows of this length: {DURATION_FORMS}."),
-        click.option("--exclude", type=RANGE, multiple=True,
-                     help=f"Leave a range out of every total (e.g. a maintenance window): {RANGE_FORMS}. "
-                          f"Repeatable."),
+        click.option(
+            "--every",
+            type=DURATION,
+            default=None,
+            help=f"Also report ETT% of consecutive windows of this length: {DURATION_FORMS}.",
+        ),
+        click.option(
+            "--exclude",
+            type=RANGE,
+            multiple=True,
+            help=f"Leave a range out of every total (e.g. a maintenance window): {RANGE_FORMS}. Repeatable.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
     return func
 
 
-def time_filter(since: float | None, until: float | None, every: float | None,
-                exclude: Sequence[tuple[float, float]]) -> TimeFilter | None:
+def time_filter(
+    since: float | None, until: float | None, every: float | None, exclude: Sequence[tuple[float, float]]
+) -> TimeFilter | None:
     """The options as a :class:`TimeFilter`, or None when none was given.
 
     Raises:
@@ -65,8 +79,9 @@ def time_filter(since: float | None, until: float | None, every: float | None,
     if since is None and until is None and every is None and not exclude:
         return None
     if since is not None and until is not None and since >= until:
-        raise click.UsageError(f"--since {format_time(since)} is not before --until {format_time(until)}: "
-                               f"expected a non-empty interval")
+        raise click.UsageError(
+            f"--since {format_time(since)} is not before --until {format_time(until)}: expected a non-empty interval"
+        )
     return TimeFilter(since=since, until=until, exclude=tuple(exclude), every=every)
 
 

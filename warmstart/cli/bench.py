@@ -27,34 +27,95 @@ def group() -> None:
 
 
 @group.command("cold-vs-warm")
-@click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the figures of baseline, cold and warm (and the ratios) to this file.")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write a self-contained page: the figures side by side, then each run's breakdown and timeline.")
-@click.option("--steps", type=click.IntRange(min=4), default=120, show_default=True,
-              help="Training steps of each job (across its restart).")
+@click.option(
+    "--json",
+    "json_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the figures of baseline, cold and warm (and the ratios) to this file.",
+)
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a self-contained page: the figures side by side, then each run's breakdown and timeline.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=4),
+    default=120,
+    show_default=True,
+    help="Training steps of each job (across its restart).",
+)
 @click.option("--tables", type=click.IntRange(min=1), default=64, show_default=True, help="Embedding tables.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Samples per step and rank.")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
-              help="Steps between checkpoints.  [default: steps / 4]")
-@click.option("--fail-at-step", type=click.IntRange(min=1), default=None,
-              help="Step at which the first attempt dies.  [default: 5/8 of the steps]")
-@click.option("--checkpoint-mode", type=click.Choice(["async-thread", "async-process", "sync"]),
-              default="async-thread", show_default=True, help="How warmstart saves checkpoints (cold, warm).")
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where machines, checkpoints, run directories and logs go.  [default: a temporary folder]")
-@click.option("--keep/--no-keep", default=False, show_default=True,
-              help="Keep the work dir (always kept when --work-dir is given).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=10), default=900.0, show_default=True,
-              help="Seconds one configuration may run before it is stopped.")
-@click.option("--stall-timeout", "stall_timeout_s", type=click.FloatRange(min=1), default=180.0, show_default=True,
-              help="Seconds a configuration may record no new ETT event before it is stopped (its ranks' "
-                   "Python stacks are dumped into its log first).")
-@click.option("--no-preload", is_flag=True,
-              help="Run warm on machines without a preloader: every rank starts a new interpreter.")
-def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_every, fail_at_step,
-                 checkpoint_mode, work_dir, keep, timeout_s, stall_timeout_s, no_preload) -> None:
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=512, show_default=True, help="Samples per step and rank."
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Steps between checkpoints.  [default: steps / 4]",
+)
+@click.option(
+    "--fail-at-step",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Step at which the first attempt dies.  [default: 5/8 of the steps]",
+)
+@click.option(
+    "--checkpoint-mode",
+    type=click.Choice(["async-thread", "async-process", "sync"]),
+    default="async-thread",
+    show_default=True,
+    help="How warmstart saves checkpoints (cold, warm).",
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where machines, checkpoints, run directories and logs go.  [default: a temporary folder]",
+)
+@click.option(
+    "--keep/--no-keep",
+    default=False,
+    show_default=True,
+    help="Keep the work dir (always kept when --work-dir is given).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=10),
+    default=900.0,
+    show_default=True,
+    help="Seconds one configuration may run before it is stopped.",
+)
+@click.option(
+    "--stall-timeout",
+    "stall_timeout_s",
+    type=click.FloatRange(min=1),
+    default=180.0,
+    show_default=True,
+    help="Seconds a configuration may record no new ETT event before it is stopped (its ranks' "
+    "Python stacks are dumped into its log first).",
+)
+@click.option(
+    "--no-preload", is_flag=True, help="Run warm on machines without a preloader: every rank starts a new interpreter."
+)
+def cold_vs_warm(
+    json_file,
+    html_file,
+    steps,
+    tables,
+    batch_size,
+    checkpoint_every,
+    fail_at_step,
+    checkpoint_mode,
+    work_dir,
+    keep,
+    timeout_s,
+    stall_timeout_s,
+    no_preload,
+) -> None:
     """Run the reference job as baseline, cold and warm, each on fresh machines, and compare.
 
     baseline: no warmstart. cold: warmstart on, a throwaway `warmstart server` that starts empty.
@@ -76,14 +137,24 @@ def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_eve
     if fail_at_step >= steps:
         raise click.BadParameter(f"{fail_at_step} is not below --steps ({steps})", param_hint="--fail-at-step")
     if checkpoint_every > fail_at_step:
-        raise click.BadParameter(f"{checkpoint_every} is above --fail-at-step ({fail_at_step}): the restart "
-                                 "would have no checkpoint to resume from", param_hint="--checkpoint-every")
-    job = JobConfig(steps=steps, tables=tables, batch_size=batch_size, checkpoint_every=checkpoint_every,
-                    fail_at_step=fail_at_step, checkpoint_mode=checkpoint_mode)
+        raise click.BadParameter(
+            f"{checkpoint_every} is above --fail-at-step ({fail_at_step}): the restart "
+            "would have no checkpoint to resume from",
+            param_hint="--checkpoint-every",
+        )
+    job = JobConfig(
+        steps=steps,
+        tables=tables,
+        batch_size=batch_size,
+        checkpoint_every=checkpoint_every,
+        fail_at_step=fail_at_step,
+        checkpoint_mode=checkpoint_mode,
+    )
     temporary = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="warmstart-bench-")) if temporary else work_dir
-    options = BenchOptions(job=job, work_dir=work, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s,
-                           preload=not no_preload)
+    options = BenchOptions(
+        job=job, work_dir=work, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s, preload=not no_preload
+    )
     try:
         results = _run_with_progress(options)
         if temporary and not keep:
@@ -96,8 +167,11 @@ def cold_vs_warm(json_file, html_file, steps, tables, batch_size, checkpoint_eve
                 res.result.run_dir = str(kept)
             click.echo("event files: " + " ".join(str(r.run_dir) for r in results.values()), err=True)
         out = summary(results, options)
-        print_table("warmstart bench cold-vs-warm (reference TorchRec job, 2 ranks, 1 failure + restart)",
-                    ["figure", "baseline", "cold", "warm", "warm / baseline"], table_rows(results))
+        print_table(
+            "warmstart bench cold-vs-warm (reference TorchRec job, 2 ranks, 1 failure + restart)",
+            ["figure", "baseline", "cold", "warm", "warm / baseline"],
+            table_rows(results),
+        )
         if json_file:
             json_file.write_text(json.dumps(out, indent=2) + "\n")
             click.echo(f"wrote {json_file}", err=True)
@@ -128,11 +202,15 @@ def _run_with_progress(options):
 
         return run_cold_vs_warm(options, log_line)
 
-    columns = (TextColumn("{task.fields[config]:<8}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.description}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.fields[config]:<8}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as bar:
-        tasks = {name: bar.add_task("waiting", total=options.job.steps, config=name, start=False)
-                 for name in CONFIGS}
+        tasks = {name: bar.add_task("waiting", total=options.job.steps, config=name, start=False) for name in CONFIGS}
         started: set[str] = set()
 
         def progress(config: str, phase: str, step: int, total: int) -> None:

@@ -54,23 +54,44 @@ def stats(as_json: bool) -> None:
                 total = total + c
         totals[tier] = total.to_dict()
     if as_json:
-        emit_json({"cache_dir": str(settings.cache_dir), "local": local, "tiers": tiers, "totals": totals,
-                   "counters": counts.counters_dict()})
+        emit_json(
+            {
+                "cache_dir": str(settings.cache_dir),
+                "local": local,
+                "tiers": tiers,
+                "totals": totals,
+                "counters": counts.counters_dict(),
+            }
+        )
         return
     rows = []
     for (tier, kind), c in counts.items():
         lookups = c.hits + c.misses
-        rows.append([tier, KINDS.get(kind, kind), c.hits, c.misses,
-                     f"{100 * c.hits / lookups:.0f}%" if lookups else "-", c.errors + c.timeouts, c.rejected,
-                     _human_bytes(c.bytes_read), _human_bytes(c.bytes_written), f"{c.saved_s:.1f}"])
+        rows.append(
+            [
+                tier,
+                KINDS.get(kind, kind),
+                c.hits,
+                c.misses,
+                f"{100 * c.hits / lookups:.0f}%" if lookups else "-",
+                c.errors + c.timeouts,
+                c.rejected,
+                _human_bytes(c.bytes_read),
+                _human_bytes(c.bytes_written),
+                f"{c.saved_s:.1f}",
+            ]
+        )
     if not rows:
         click.echo(f"No cache activity recorded in {settings.cache_dir} yet.")
     else:
-        print_table(f"warmstart cache ({settings.cache_dir})",
-                    ["tier", "kind", "hits", "misses", "hit rate", "errors", "rejected", "read", "written",
-                     "saved s"], rows)
-    click.echo(f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of "
-               f"{_human_bytes(local['limit'])}")
+        print_table(
+            f"warmstart cache ({settings.cache_dir})",
+            ["tier", "kind", "hits", "misses", "hit rate", "errors", "rejected", "read", "written", "saved s"],
+            rows,
+        )
+    click.echo(
+        f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of {_human_bytes(local['limit'])}"
+    )
     counters = counts.counters_dict()
     if counters.get("recompiles"):
         click.echo(f"recompilations: {counters['recompiles']}")
@@ -116,9 +137,11 @@ def clear(local_: bool, remote: bool) -> None:
 
         keys = keys_for(settings.key_file, settings.secret)
         if keys is not None and not keys.can_sign:
-            raise click.UsageError(f"--remote: WARMSTART_KEY_FILE {settings.key_file} is a public key, which can only "
-                                   "read and verify: a job holding it never writes or deletes remote entries (use the "
-                                   "signing key, signing.key, with the writer URL)")
+            raise click.UsageError(
+                f"--remote: WARMSTART_KEY_FILE {settings.key_file} is a public key, which can only "
+                "read and verify: a job holding it never writes or deletes remote entries (use the "
+                "signing key, signing.key, with the writer URL)"
+            )
     if local_:
         tier = LocalTier(settings.cache_dir, settings.cache_size)
         removed = tier.clear()
@@ -133,8 +156,10 @@ def clear(local_: bool, remote: bool) -> None:
         try:
             removed = tier.clear()
         except redis.exceptions.NoPermissionError:
-            raise click.ClickException(f"remote: could not clear namespace {ns}: the URL's user may not delete entries "
-                                       "(a reader's URL can only read): use the writer URL (writer.url)") from None
+            raise click.ClickException(
+                f"remote: could not clear namespace {ns}: the URL's user may not delete entries "
+                "(a reader's URL can only read): use the writer URL (writer.url)"
+            ) from None
         except Exception as exc:
             raise click.ClickException(f"remote: could not clear namespace {ns}: {exc}") from None
         click.echo(f"remote: removed {removed} keys of namespace {ns}")
@@ -234,14 +259,24 @@ def explain(run_dir: Path | None, as_json: bool) -> None:
     except FileNotFoundError:
         # No job has logged a miss with this cache directory: a job whose every lookup hit logs none.
         # That is the answer, not a usage error.
-        result = Explanation(None, [], namespace(settings.namespace), dict(components(settings.namespace)), "",
-                             [], [], "not asked: no misses to explain")
+        result = Explanation(
+            None,
+            [],
+            namespace(settings.namespace),
+            dict(components(settings.namespace)),
+            "",
+            [],
+            [],
+            "not asked: no misses to explain",
+        )
     if as_json:
         emit_json(result.to_dict())
         return
     if result.run_dir is None:
-        click.echo(f"no misses: no job has logged a cache miss in {settings.cache_dir} (a job whose every "
-                   "lookup hit logs none)")
+        click.echo(
+            f"no misses: no job has logged a cache miss in {settings.cache_dir} (a job whose every "
+            "lookup hit logs none)"
+        )
         return
     _print_explanation(result)
 
@@ -258,14 +293,22 @@ def _print_explanation(result) -> None:
     if total:
         by_kind = result.by_kind()
         reasons = [r for r in MISS_REASONS if result.reasons.get(r)]
-        rows = [[KINDS.get(kind, kind), *[counts.get(r, 0) for r in reasons], sum(counts.values())]
-                for kind, counts in by_kind.items()]
+        rows = [
+            [KINDS.get(kind, kind), *[counts.get(r, 0) for r in reasons], sum(counts.values())]
+            for kind, counts in by_kind.items()
+        ]
         print_table("misses by kind and reason", ["kind", *reasons, "total"], rows)
     if result.others:
         names = sorted(result.components)
         columns = ["component", "this machine", *[f"{o['namespace']} ({o['key_id']})" for o in result.others[:4]]]
-        rows = [[name, _short(result.components.get(name, "")),
-                 *[_short(o["differs"].get(name, [None, "same"])[1]) for o in result.others[:4]]] for name in names]
+        rows = [
+            [
+                name,
+                _short(result.components.get(name, "")),
+                *[_short(o["differs"].get(name, [None, "same"])[1]) for o in result.others[:4]],
+            ]
+            for name in names
+        ]
         print_table("namespaces on the server", columns, rows, justify=["left"] * len(columns))
     if result.namespace_diff:
         console.print(f"this machine differs in: [bold]{', '.join(result.namespace_diff)}[/]", highlight=False)
@@ -275,17 +318,20 @@ def _print_explanation(result) -> None:
 
 def _short(text: str, width: int = 40) -> str:
     # A CPU's ISA list runs to 130 characters: the table shows its start, --json all of it.
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _single_flight_line(counters: dict[str, float]) -> str:
     """One line: how often this cache's jobs compiled an entry once for others, and waited for one."""
+
     def n(name: str, word: str) -> str:
         count = int(counters.get(name, 0))
         return f"{count} {word}{'' if count == 1 else 's'}"
 
-    line = (f"single-flight: {n('leases', 'lease')} taken (compiled for others), {n('waits', 'wait')} for "
-            f"another process's compile ({counters.get('wait_s', 0.0):.1f} s), {n('takeovers', 'takeover')}")
+    line = (
+        f"single-flight: {n('leases', 'lease')} taken (compiled for others), {n('waits', 'wait')} for "
+        f"another process's compile ({counters.get('wait_s', 0.0):.1f} s), {n('takeovers', 'takeover')}"
+    )
     if counters.get("wait_timeouts"):
         line += f", {n('wait_timeouts', 'wait')} past WARMSTART_COMPILE_WAIT_S"
     return line

@@ -30,8 +30,13 @@ class _BadInput(click.ClickException):
     exit_code = 2
 
 
-def _results(run_dirs: Sequence[Path], progress: bool = False,
-             time: TimeFilter | None = None, segments: bool = False, skip_empty: bool = False) -> Iterator[RunResult]:
+def _results(
+    run_dirs: Sequence[Path],
+    progress: bool = False,
+    time: TimeFilter | None = None,
+    segments: bool = False,
+    skip_empty: bool = False,
+) -> Iterator[RunResult]:
     """Compute each run directory's jobs, one directory at a time (events are dropped after); with
     ``time``, restricted and sliced by it. ``segments``: keep each job's segments even without ``time``.
 
@@ -90,11 +95,22 @@ def group() -> None:
 @group.command("report")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @json_option
-@click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="Also write a self-contained HTML page with the timeline and breakdown charts.")
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Also write a self-contained HTML page with the timeline and breakdown charts.",
+)
 @window_options
-def report(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None, since: float | None,
-           until: float | None, every: float | None, exclude: tuple[tuple[float, float], ...]) -> None:
+def report(
+    run_dirs: tuple[Path, ...],
+    as_json: bool,
+    html_file: Path | None,
+    since: float | None,
+    until: float | None,
+    every: float | None,
+    exclude: tuple[tuple[float, float], ...],
+) -> None:
     """ETT% of each run with its two-level breakdown (L1 figures, L2 buckets).
 
     RUN_DIR holds the run's *.jsonl event files (docs/reference.md#events), searched recursively.
@@ -119,11 +135,22 @@ def report(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None, si
 @group.command("fleet")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @json_option
-@click.option("--html", "html_file", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="Also write a self-contained HTML page: fleet ETT% over time and the jobs that lost the most.")
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Also write a self-contained HTML page: fleet ETT% over time and the jobs that lost the most.",
+)
 @window_options
-def fleet(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None, since: float | None,
-          until: float | None, every: float | None, exclude: tuple[tuple[float, float], ...]) -> None:
+def fleet(
+    run_dirs: tuple[Path, ...],
+    as_json: bool,
+    html_file: Path | None,
+    since: float | None,
+    until: float | None,
+    every: float | None,
+    exclude: tuple[tuple[float, float], ...],
+) -> None:
     """Fleet ETT%, weighted by device-seconds, over many runs.
 
     A directory holding several jobs' events (e.g. warmstart-runs/) counts each job.
@@ -156,8 +183,10 @@ def fleet(run_dirs: tuple[Path, ...], as_json: bool, html_file: Path | None, sin
         if held is not None and result.attempts:
             held.append(dataclasses.replace(result, timeline=[], rank_segments={}, ranks={}, slow_steps=None))
     if not seen:
-        raise _BadInput(f"no ETT events in {', '.join(map(str, run_dirs))} (expected run directories of *.jsonl "
-                        "event files, docs/reference.md#events)")
+        raise _BadInput(
+            f"no ETT events in {', '.join(map(str, run_dirs))} (expected run directories of *.jsonl "
+            "event files, docs/reference.md#events)"
+        )
     if series is not None:
         with every_usage_errors():
             total.windows = series.windows()
@@ -194,11 +223,15 @@ def _write_page(path: Path, page: str) -> None:
 
 
 @group.command("interval")
-@click.option("--blocking", "blocking_s", type=float, required=True,
-              help="Seconds one checkpoint blocks training.")
+@click.option("--blocking", "blocking_s", type=float, required=True, help="Seconds one checkpoint blocks training.")
 @click.option("--failures-per-day", type=float, required=True, help="Failures (any kind) per day of training.")
-@click.option("--current", "current_s", type=float, default=None,
-              help="The checkpoint interval in use (seconds), to compare its waste.")
+@click.option(
+    "--current",
+    "current_s",
+    type=float,
+    default=None,
+    help="The checkpoint interval in use (seconds), to compare its waste.",
+)
 @json_option
 def interval(blocking_s: float, failures_per_day: float, current_s: float | None, as_json: bool) -> None:
     """The checkpoint interval that minimises blocked plus lost time, and the waste at it.
@@ -221,13 +254,29 @@ def interval(blocking_s: float, failures_per_day: float, current_s: float | None
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--devices", type=int, default=None, help="Devices of the projected job (default: the run's).")
 @click.option("--days", type=float, default=None, help="End-to-end days of the projected job (default: the run's).")
-@click.option("--mtbf-h", "mtbf_h", type=float, default=None,
-              help="Its mean time between failures, hours (default: published figures at its size).")
-@click.option("--checkpoint-interval", "interval_s", type=float, default=None,
-              help="Its checkpoint interval, seconds (default: the advisor's optimum).")
+@click.option(
+    "--mtbf-h",
+    "mtbf_h",
+    type=float,
+    default=None,
+    help="Its mean time between failures, hours (default: published figures at its size).",
+)
+@click.option(
+    "--checkpoint-interval",
+    "interval_s",
+    type=float,
+    default=None,
+    help="Its checkpoint interval, seconds (default: the advisor's optimum).",
+)
 @json_option
-def project_cmd(run_dirs: tuple[Path, ...], devices: int | None, days: float | None, mtbf_h: float | None,
-                interval_s: float | None, as_json: bool) -> None:
+def project_cmd(
+    run_dirs: tuple[Path, ...],
+    devices: int | None,
+    days: float | None,
+    mtbf_h: float | None,
+    interval_s: float | None,
+    as_json: bool,
+) -> None:
     """ETT% and its breakdown projected to a job of N devices running D days, from each run's costs.
 
     Per job: one start and one shutdown. Per failure: one recovery and lost progress (half a

@@ -26,9 +26,15 @@ def group() -> None:
 
 
 @group.command()
-@click.option("--modules", default="", help="More modules to import, comma-separated (added to WARMSTART_PRELOAD_MODULES).")
-@click.option("--socket", "socket_path", default=None,
-              help="Where to listen. [default: $WARMSTART_PRELOAD_SOCKET, else a private path per user and environment]")
+@click.option(
+    "--modules", default="", help="More modules to import, comma-separated (added to WARMSTART_PRELOAD_MODULES)."
+)
+@click.option(
+    "--socket",
+    "socket_path",
+    default=None,
+    help="Where to listen. [default: $WARMSTART_PRELOAD_SOCKET, else a private path per user and environment]",
+)
 @click.option("--foreground", is_flag=True, help="Run in this process until SIGTERM (systemd, containers).")
 @json_option
 def start(modules, socket_path, foreground, as_json) -> None:
@@ -47,8 +53,10 @@ def start(modules, socket_path, foreground, as_json) -> None:
         emit_json(result)
         return
     state = "already running" if result.get("already_running") else "started"
-    click.echo(f"preloader {state}: pid {result['pid']}, {result['socket']}; imported "
-               f"{', '.join(result['modules'])} in {result['imports_s']:.1f} s")
+    click.echo(
+        f"preloader {state}: pid {result['pid']}, {result['socket']}; imported "
+        f"{', '.join(result['modules'])} in {result['imports_s']:.1f} s"
+    )
 
 
 @group.command()
@@ -67,9 +75,21 @@ def status(socket_path, as_json) -> None:
         return
     rows = []
     for s in found:
-        safe = "yes" if s["fork_safe"] else f"NO ({s['threads']} threads, CUDA {'on' if s['cuda_initialized'] else 'off'})"
-        rows.append([s["pid"], s["socket"], f"{time.time() - s['started_at']:.0f} s", s["served"],
-                     sum(s["refused"].values()), s["running"], safe, "yes" if s["stale"] else "no"])
+        safe = (
+            "yes" if s["fork_safe"] else f"NO ({s['threads']} threads, CUDA {'on' if s['cuda_initialized'] else 'off'})"
+        )
+        rows.append(
+            [
+                s["pid"],
+                s["socket"],
+                f"{time.time() - s['started_at']:.0f} s",
+                s["served"],
+                sum(s["refused"].values()),
+                s["running"],
+                safe,
+                "yes" if s["stale"] else "no",
+            ]
+        )
     print_table("preloaders", ["pid", "socket", "up", "served", "refused", "running", "fork-safe", "stale"], rows)
     for s in found:
         for reason, count in sorted(s["refused"].items(), key=lambda kv: -kv[1]):
@@ -85,7 +105,9 @@ def stop(socket_path, stop_all) -> None:
     """Stop a preloader: it serves no new process and ends when the programs it runs have ended."""
     from warmstart.preload import control as preload
 
-    targets = [s["socket"] for s in preload.preloaders()] if stop_all else [socket_path or preload.this_environment_socket()]
+    targets = (
+        [s["socket"] for s in preload.preloaders()] if stop_all else [socket_path or preload.this_environment_socket()]
+    )
     stopped = [path for path in targets if preload.stop(path) is not None]
     for path in stopped:
         click.echo(f"stopped the preloader at {path}")

@@ -16,9 +16,13 @@ from warmstart.cli._output import emit_json, json_option, print_table
 from warmstart.config import parse_size, server_settings
 
 _DIR_OPTION = click.option(
-    "--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=None,
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
     help="Server directory: config, secrets, logs, data. "
-         "[default: $WARMSTART_SERVER_DIR, else ~/.local/state/warmstart/server]")
+    "[default: $WARMSTART_SERVER_DIR, else ~/.local/state/warmstart/server]",
+)
 
 
 @click.group()
@@ -43,21 +47,48 @@ def group() -> None:
 @_DIR_OPTION
 @click.option("--cluster", type=int, default=None, help="Start N masters as a Redis Cluster (N >= 3; 0: one node).")
 @click.option("--foreground", is_flag=True, help="Stay in the foreground until SIGTERM/SIGINT (systemd, containers).")
-@click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Server certificate (PEM): TLS only, rediss:// URLs.")
-@click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Private key of --tls-cert (PEM).")
-@click.option("--tls-ca", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="CA clients verify the server with. [default: the certificate itself]")
+@click.option(
+    "--tls-cert",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Server certificate (PEM): TLS only, rediss:// URLs.",
+)
+@click.option(
+    "--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Private key of --tls-cert (PEM)."
+)
+@click.option(
+    "--tls-ca",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="CA clients verify the server with. [default: the certificate itself]",
+)
 @click.option("--no-tls", is_flag=True, help="Turn TLS off when a previous start from --dir had it on.")
 @click.option("--aof/--no-aof", default=None, help="Persist the cache in an append-only file. [default: off]")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics at :PORT/metrics (0: off).")
 @click.option("--advertise", default=None, help="Host name put in the URLs. [default: the bind address]")
-@click.option("--show-secrets", is_flag=True,
-              help="Also print the writer and reader URLs, passwords included (default: only the files holding them).")
+@click.option(
+    "--show-secrets",
+    is_flag=True,
+    help="Also print the writer and reader URLs, passwords included (default: only the files holding them).",
+)
 @json_option
-def start(port, bind, maxmemory, directory, cluster, foreground, tls_cert, tls_key, tls_ca, no_tls, aof,
-          metrics_port, advertise, show_secrets, as_json) -> None:
+def start(
+    port,
+    bind,
+    maxmemory,
+    directory,
+    cluster,
+    foreground,
+    tls_cert,
+    tls_key,
+    tls_ca,
+    no_tls,
+    aof,
+    metrics_port,
+    advertise,
+    show_secrets,
+    as_json,
+) -> None:
     """Start the cache server and say where its credentials are.
 
     Returns once every node answers (a Cluster: once it serves every slot). Passwords, the writer
@@ -73,10 +104,18 @@ def start(port, bind, maxmemory, directory, cluster, foreground, tls_cert, tls_k
     from warmstart import server
 
     directory = directory or _default_dir()
-    given = {"port": port, "bind": bind, "cluster": cluster, "aof": aof, "advertise": advertise,
-             "maxmemory": parse_size(maxmemory, "--maxmemory") if maxmemory is not None else None,
-             "metrics_port": (metrics_port or None) if metrics_port is not None else _UNSET,
-             "tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": tls_ca}
+    given = {
+        "port": port,
+        "bind": bind,
+        "cluster": cluster,
+        "aof": aof,
+        "advertise": advertise,
+        "maxmemory": parse_size(maxmemory, "--maxmemory") if maxmemory is not None else None,
+        "metrics_port": (metrics_port or None) if metrics_port is not None else _UNSET,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_ca": tls_ca,
+    }
     options = _merge_with_previous(directory, given, no_tls=no_tls)
     if foreground:
         code = server.run_foreground(options, on_ready=lambda state: _print_started(state, as_json, show_secrets))
@@ -137,11 +176,19 @@ def stop(directory, as_json) -> None:
 
 @group.command()
 @_DIR_OPTION
-@click.option("--user", "users", multiple=True, type=click.Choice(["writer", "reader", "admin"]),
-              help="Give this user a new password (repeatable).")
+@click.option(
+    "--user",
+    "users",
+    multiple=True,
+    type=click.Choice(["writer", "reader", "admin"]),
+    help="Give this user a new password (repeatable).",
+)
 @click.option("--secret", is_flag=True, help="Replace the HMAC secret (every job using it must get the new file).")
-@click.option("--key-pair", is_flag=True,
-              help="Replace the Ed25519 key pair: writers need the new signing.key, readers the new verify.pub.")
+@click.option(
+    "--key-pair",
+    is_flag=True,
+    help="Replace the Ed25519 key pair: writers need the new signing.key, readers the new verify.pub.",
+)
 @json_option
 def rotate(directory, users, secret, key_pair, as_json) -> None:
     """Replace passwords, the signing key pair and/or the HMAC secret; a running server takes new passwords at once.
@@ -170,22 +217,33 @@ def rotate(directory, users, secret, key_pair, as_json) -> None:
         raise click.UsageError(f"no server credentials in {directory}") from None
     new = rotate_files(directory, tuple(users), secret, key_pair)
     nodes = reload_acl(directory, old, new) if users else 0
-    result = {"dir": str(directory), "rotated_users": list(users), "rotated_secret": secret,
-              "rotated_key_pair": key_pair, "nodes_reloaded": nodes,
-              "writer_url_file": str(directory / URL_FILES["writer"]),
-              "reader_url_file": str(directory / URL_FILES["reader"]), "secret_file": str(new.secret_file),
-              "signing_key_file": str(new.signing_key_file), "verify_key_file": str(new.verify_key_file)}
+    result = {
+        "dir": str(directory),
+        "rotated_users": list(users),
+        "rotated_secret": secret,
+        "rotated_key_pair": key_pair,
+        "nodes_reloaded": nodes,
+        "writer_url_file": str(directory / URL_FILES["writer"]),
+        "reader_url_file": str(directory / URL_FILES["reader"]),
+        "secret_file": str(new.secret_file),
+        "signing_key_file": str(new.signing_key_file),
+        "verify_key_file": str(new.verify_key_file),
+    }
     if as_json:
         emit_json(result)
         return
     if users:
-        click.echo(f"new password for {', '.join(users)}; {nodes} running node(s) reloaded. New URLs: "
-                   f"{result['writer_url_file']}, {result['reader_url_file']}")
+        click.echo(
+            f"new password for {', '.join(users)}; {nodes} running node(s) reloaded. New URLs: "
+            f"{result['writer_url_file']}, {result['reader_url_file']}"
+        )
     if secret:
         click.echo(f"new HMAC secret in {new.secret_file}: give it to every job that uses it (WARMSTART_SECRET_FILE)")
     if key_pair:
-        click.echo(f"new key pair (key id {new.key_id()}): writers need {new.signing_key_file}, readers "
-                   f"{new.verify_key_file} (WARMSTART_KEY_FILE)")
+        click.echo(
+            f"new key pair (key id {new.key_id()}): writers need {new.signing_key_file}, readers "
+            f"{new.verify_key_file} (WARMSTART_KEY_FILE)"
+        )
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -233,7 +291,7 @@ def _print_started(state, as_json: bool, show_secrets: bool = False) -> None:
         "key_id": creds.key_id(),
         "secret_file": str(creds.secret_file),
         "mode": "cluster" if opts.cluster else "single",
-        "nodes": [{"host": opts.host, "port": p, "pid": pid} for p, pid in zip(opts.ports, state.pids)],
+        "nodes": [{"host": opts.host, "port": p, "pid": pid} for p, pid in zip(opts.ports, state.pids, strict=False)],
         "maxmemory": opts.maxmemory,
         "tls": opts.tls,
         "aof": opts.aof,
@@ -245,28 +303,40 @@ def _print_started(state, as_json: bool, show_secrets: bool = False) -> None:
         emit_json(info)
     else:
         shape = f"Redis Cluster of {opts.cluster} masters" if opts.cluster else "one Redis node"
-        click.echo(f"warmstart cache server up: {shape} on {opts.host}:{opts.ports[0]}, maxmemory "
-                   f"{_size(opts.maxmemory)} (allkeys-lru), TLS {'on' if opts.tls else 'off'}, "
-                   f"AOF {'on' if opts.aof else 'off'}")
-        rows = [("writer URL", info["writer_url_file"], "file, 0600: WARMSTART_CACHE_URL for jobs that fill the cache"),
-                ("reader URL", info["reader_url_file"], "file, 0600: WARMSTART_CACHE_URL for read-only consumers"),
-                ("signing key", info["signing_key_file"], f"0600: WARMSTART_KEY_FILE for writer jobs; key id {info['key_id']}"),
-                ("verify key", info["verify_key_file"], "public: WARMSTART_KEY_FILE for reader jobs"),
-                ("dir", info["dir"], f"stop with: warmstart server stop --dir {opts.dir}")]
+        click.echo(
+            f"warmstart cache server up: {shape} on {opts.host}:{opts.ports[0]}, maxmemory "
+            f"{_size(opts.maxmemory)} (allkeys-lru), TLS {'on' if opts.tls else 'off'}, "
+            f"AOF {'on' if opts.aof else 'off'}"
+        )
+        rows = [
+            ("writer URL", info["writer_url_file"], "file, 0600: WARMSTART_CACHE_URL for jobs that fill the cache"),
+            ("reader URL", info["reader_url_file"], "file, 0600: WARMSTART_CACHE_URL for read-only consumers"),
+            (
+                "signing key",
+                info["signing_key_file"],
+                f"0600: WARMSTART_KEY_FILE for writer jobs; key id {info['key_id']}",
+            ),
+            ("verify key", info["verify_key_file"], "public: WARMSTART_KEY_FILE for reader jobs"),
+            ("dir", info["dir"], f"stop with: warmstart server stop --dir {opts.dir}"),
+        ]
         if show_secrets:
-            rows[2:2] = [("writer url", info["writer_url"], "secret: the password is in it"),
-                         ("reader url", info["reader_url"], "secret: the password is in it")]
+            rows[2:2] = [
+                ("writer url", info["writer_url"], "secret: the password is in it"),
+                ("reader url", info["reader_url"], "secret: the password is in it"),
+            ]
         if info["metrics_url"]:
             rows.append(("metrics", info["metrics_url"], "Prometheus scrape target"))
         for name, value, hint in rows:
             click.echo(f"  {name:<12} {value}\n  {'':<12} ({hint})")
         q = shlex.quote
-        click.echo("Jobs that fill the cache (CI, trusted pipelines):\n"
-                   f"  export WARMSTART_CACHE_URL=\"$(cat {q(info['writer_url_file'])})\" "
-                   f"WARMSTART_KEY_FILE={q(info['signing_key_file'])}\n"
-                   "Every other job (copy verify.pub to it; it cannot sign, so it never writes):\n"
-                   f"  export WARMSTART_CACHE_URL=\"$(cat {q(info['reader_url_file'])})\" "
-                   f"WARMSTART_KEY_FILE={q(info['verify_key_file'])}")
+        click.echo(
+            "Jobs that fill the cache (CI, trusted pipelines):\n"
+            f'  export WARMSTART_CACHE_URL="$(cat {q(info["writer_url_file"])})" '
+            f"WARMSTART_KEY_FILE={q(info['signing_key_file'])}\n"
+            "Every other job (copy verify.pub to it; it cannot sign, so it never writes):\n"
+            f'  export WARMSTART_CACHE_URL="$(cat {q(info["reader_url_file"])})" '
+            f"WARMSTART_KEY_FILE={q(info['verify_key_file'])}"
+        )
     sys.stdout.flush()  # --foreground keeps running: whoever reads stdout needs the file names now
     _warn_plaintext(opts)
 
@@ -276,26 +346,49 @@ def _warn_plaintext(options) -> None:
     from warmstart.server.config import is_loopback
 
     if not options.tls and not is_loopback(options.bind):
-        click.echo(f"warmstart: warning: serving plaintext on {options.bind}: passwords and cache entries cross the "
-                   "network unencrypted; use --tls-cert/--tls-key unless every client is on a trusted network",
-                   err=True)
+        click.echo(
+            f"warmstart: warning: serving plaintext on {options.bind}: passwords and cache entries cross the "
+            "network unencrypted; use --tls-cert/--tls-key unless every client is on a trusted network",
+            err=True,
+        )
 
 
 def _print_status(result) -> None:
     shape = f"cluster, {result.nodes_up}/{len(result.nodes)} nodes up" if result.mode == "cluster" else "single node"
-    click.echo(f"warmstart cache server in {result.dir}: {'UP' if result.up else 'DOWN'} ({shape}, "
-               f"TLS {'on' if result.tls else 'off'})")
+    click.echo(
+        f"warmstart cache server in {result.dir}: {'UP' if result.up else 'DOWN'} ({shape}, "
+        f"TLS {'on' if result.tls else 'off'})"
+    )
     hit = "-" if result.hit_rate is None else f"{result.hit_rate * 100:.1f}%"
-    print_table(None, ["", "value"], [
-        ("memory used / max", f"{_size(result.used_memory)} / {_size(result.maxmemory)}"),
-        ("keys", result.keys), ("evicted keys", result.evicted_keys),
-        ("hit rate", f"{hit} ({result.keyspace_hits:,} hits, {result.keyspace_misses:,} misses)"),
-        ("connected clients", result.connected_clients),
-    ])
+    print_table(
+        None,
+        ["", "value"],
+        [
+            ("memory used / max", f"{_size(result.used_memory)} / {_size(result.maxmemory)}"),
+            ("keys", result.keys),
+            ("evicted keys", result.evicted_keys),
+            ("hit rate", f"{hit} ({result.keyspace_hits:,} hits, {result.keyspace_misses:,} misses)"),
+            ("connected clients", result.connected_clients),
+        ],
+    )
     if result.mode == "cluster" or not result.up:
-        print_table("nodes", ["node", "up", "pid", "memory", "keys", "evicted", "clients", "error"], [
-            (f"{n.host}:{n.port}", "yes" if n.up else "NO", n.pid, _size(n.used_memory), n.keys, n.evicted_keys,
-             n.connected_clients, n.error) for n in result.nodes])
+        print_table(
+            "nodes",
+            ["node", "up", "pid", "memory", "keys", "evicted", "clients", "error"],
+            [
+                (
+                    f"{n.host}:{n.port}",
+                    "yes" if n.up else "NO",
+                    n.pid,
+                    _size(n.used_memory),
+                    n.keys,
+                    n.evicted_keys,
+                    n.connected_clients,
+                    n.error,
+                )
+                for n in result.nodes
+            ],
+        )
     if result.namespace_bytes:
         title = "bytes per namespace" + ("" if result.namespace_bytes_exact else " (sampled estimate)")
         print_table(title, ["namespace", "bytes"], [(ns, _size(b)) for ns, b in result.namespace_bytes.items()])

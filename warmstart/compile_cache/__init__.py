@@ -36,8 +36,25 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f"warmstart.compile_cache.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
-__all__ = ["KINDS", "Hit", "LocalTier", "Miss", "ReadOnly", "RemoteTier", "Stats", "Storage", "StoreObserver",
-           "TieredStore", "add_observer", "get_store", "open_store", "reset_store", "set_store", "stats_path"]
+
+__all__ = [
+    "KINDS",
+    "Hit",
+    "LocalTier",
+    "Miss",
+    "ReadOnly",
+    "RemoteTier",
+    "Stats",
+    "Storage",
+    "StoreObserver",
+    "TieredStore",
+    "add_observer",
+    "get_store",
+    "open_store",
+    "reset_store",
+    "set_store",
+    "stats_path",
+]
 
 log = logging.getLogger("warmstart.cache")
 
@@ -117,28 +134,48 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
 
             keys = signing.keys_for(settings.key_file, settings.secret)
         except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
-            warn_once(f"remote-open:{type(exc).__name__}", "warmstart: remote cache tier off: cannot use %s (%s: %s)",
-                      redact_url(settings.cache_url), type(exc).__name__, _scrub(str(exc), settings.cache_url))
+            warn_once(
+                f"remote-open:{type(exc).__name__}",
+                "warmstart: remote cache tier off: cannot use %s (%s: %s)",
+                redact_url(settings.cache_url),
+                type(exc).__name__,
+                _scrub(str(exc), settings.cache_url),
+            )
             settings = dataclasses.replace(settings, cache_url=None)
     local = _open_local(settings, stats, keys.key_id if keys is not None else "")
     remote = None
     if settings.cache_url:
         try:
             if keys is not None:
-                remote = RemoteTier(settings.cache_url, keys=keys, namespace=namespace(settings.namespace),
-                                    components=components(settings.namespace), stats=stats)
+                remote = RemoteTier(
+                    settings.cache_url,
+                    keys=keys,
+                    namespace=namespace(settings.namespace),
+                    components=components(settings.namespace),
+                    stats=stats,
+                )
                 if not keys.can_sign:
-                    log.info("warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
-                             keys.scheme, keys.key_id)
+                    log.info(
+                        "warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
+                        keys.scheme,
+                        keys.key_id,
+                    )
                     remote = ReadOnly(remote)
             elif not _warned_no_secret:
-                log.warning("warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET, WARMSTART_SECRET_FILE or "
-                            "WARMSTART_KEY_FILE: remote cache refused (unsigned entries would run unverified code); "
-                            "using the local tier only")
+                log.warning(
+                    "warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET, WARMSTART_SECRET_FILE or "
+                    "WARMSTART_KEY_FILE: remote cache refused (unsigned entries would run unverified code); "
+                    "using the local tier only"
+                )
                 _warned_no_secret = True
         except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
-            warn_once(f"remote-open:{type(exc).__name__}", "warmstart: remote cache tier off: cannot use %s (%s: %s)",
-                      redact_url(settings.cache_url), type(exc).__name__, _scrub(str(exc), settings.cache_url))
+            warn_once(
+                f"remote-open:{type(exc).__name__}",
+                "warmstart: remote cache tier off: cannot use %s (%s: %s)",
+                redact_url(settings.cache_url),
+                type(exc).__name__,
+                _scrub(str(exc), settings.cache_url),
+            )
     if local is None and remote is None:
         return None
     if settings.mode == "ro":
@@ -147,17 +184,34 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
             remote = ReadOnly(remote)
     observers = []
     if persist_stats:
-        observers.append(MissLog(None, settings.cache_dir if local is not None else None,
-                                 namespace=namespace(settings.namespace),
-                                 key_id=remote.key_id if remote is not None else ""))
+        observers.append(
+            MissLog(
+                None,
+                settings.cache_dir if local is not None else None,
+                namespace=namespace(settings.namespace),
+                key_id=remote.key_id if remote is not None else "",
+            )
+        )
     single_flight = None
     if settings.compile_wait_s > 0:
-        single_flight = SingleFlight(local_dir=settings.cache_dir if local is not None else None,
-                                     local_writable=local is not None and not isinstance(local, ReadOnly),
-                                     remote=remote, stats=stats, wait_s=settings.compile_wait_s, budget=budget)
+        single_flight = SingleFlight(
+            local_dir=settings.cache_dir if local is not None else None,
+            local_writable=local is not None and not isinstance(local, ReadOnly),
+            remote=remote,
+            stats=stats,
+            wait_s=settings.compile_wait_s,
+            budget=budget,
+        )
     # Counts go next to a usable local tier only: never into a directory that was refused.
-    return TieredStore(local, remote, stats=stats, observers=observers, single_flight=single_flight, budget=budget,
-                       stats_file=stats_path(settings) if persist_stats and local is not None else None)
+    return TieredStore(
+        local,
+        remote,
+        stats=stats,
+        observers=observers,
+        single_flight=single_flight,
+        budget=budget,
+        stats_file=stats_path(settings) if persist_stats and local is not None else None,
+    )
 
 
 def _open_local(settings: Settings, stats: "Stats", key_id: str) -> "LocalTier | None":
@@ -168,16 +222,26 @@ def _open_local(settings: Settings, stats: "Stats", key_id: str) -> "LocalTier |
     try:
         if not settings.cache_dir_shared:
             check_private(settings.cache_dir)
-        return LocalTier(settings.cache_dir, settings.cache_size, stats, namespace=namespace(settings.namespace),
-                         key_id=key_id)
+        return LocalTier(
+            settings.cache_dir, settings.cache_size, stats, namespace=namespace(settings.namespace), key_id=key_id
+        )
     except UnsafeCacheDir as exc:
-        warn_once("local-unsafe", "warmstart: local cache tier off: %s, so others could run code in this job; "
-                  "make it yours and private (chmod 700), or set WARMSTART_CACHE_DIR_SHARED=1 if it is shared on "
-                  "purpose", exc)
+        warn_once(
+            "local-unsafe",
+            "warmstart: local cache tier off: %s, so others could run code in this job; "
+            "make it yours and private (chmod 700), or set WARMSTART_CACHE_DIR_SHARED=1 if it is shared on "
+            "purpose",
+            exc,
+        )
     except Exception as exc:  # a damaged database, a file in the way, no permission, a full disk
-        warn_once(f"local-open:{type(exc).__name__}", "warmstart: local cache tier off: cannot open %s (%s: %s)%s",
-                  settings.cache_dir / "store", type(exc).__name__, exc,
-                  "; remove it to start afresh" if type(exc).__name__ == "DatabaseError" else "")
+        warn_once(
+            f"local-open:{type(exc).__name__}",
+            "warmstart: local cache tier off: cannot open %s (%s: %s)%s",
+            settings.cache_dir / "store",
+            type(exc).__name__,
+            exc,
+            "; remove it to start afresh" if type(exc).__name__ == "DatabaseError" else "",
+        )
     return None
 
 

@@ -23,8 +23,9 @@ class CircuitBreaker:
         cooldown_s: first wait before probing; doubles after each failed probe, up to 8x.
     """
 
-    def __init__(self, probe: Callable[[], None], cooldown_s: float = _defaults.BREAKER_COOLDOWN_S,
-                 name: str = "remote") -> None:
+    def __init__(
+        self, probe: Callable[[], None], cooldown_s: float = _defaults.BREAKER_COOLDOWN_S, name: str = "remote"
+    ) -> None:
         self._probe = probe
         self._cooldown_s = cooldown_s
         self._name = name

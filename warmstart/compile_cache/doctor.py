@@ -100,8 +100,11 @@ def diagnose(environ: Mapping[str, str] | None = None) -> Diagnosis:
         diagnosis._add(SETTINGS, FAIL, str(exc))
         return diagnosis
     diagnosis._add(SETTINGS, OK, f"mode {settings.mode}, local dir {settings.cache_dir}")
-    diagnosis._add("enabled", OK if settings.enabled else WARN,
-                   "WARMSTART=1" if settings.enabled else "WARMSTART is not 1: jobs will not use the cache")
+    diagnosis._add(
+        "enabled",
+        OK if settings.enabled else WARN,
+        "WARMSTART=1" if settings.enabled else "WARMSTART is not 1: jobs will not use the cache",
+    )
     _check_local(settings, diagnosis)
     _check_remote(settings, diagnosis)
     _check_tmpdir(environ, diagnosis)
@@ -135,15 +138,19 @@ def _check_local(settings, diagnosis: Diagnosis) -> None:
         finally:
             tier.close()
     except UnsafeCacheDir as exc:
-        diagnosis._add("local tier", FAIL, f"{exc}: jobs refuse it (chmod 700 it, or set WARMSTART_CACHE_DIR_SHARED=1 "
-                       "if it is shared on purpose)")
+        diagnosis._add(
+            "local tier",
+            FAIL,
+            f"{exc}: jobs refuse it (chmod 700 it, or set WARMSTART_CACHE_DIR_SHARED=1 if it is shared on purpose)",
+        )
         return
     except Exception as exc:  # a damaged database, a file in the way, no permission, a full disk
         diagnosis._add("local tier", FAIL, f"{settings.cache_dir}: {exc}")
         return
     if ok:
-        diagnosis._add("local tier", OK, f"{settings.cache_dir} is writable, limit "
-                       f"{settings.cache_size / 1024**3:.1f} GiB")
+        diagnosis._add(
+            "local tier", OK, f"{settings.cache_dir} is writable, limit {settings.cache_size / 1024**3:.1f} GiB"
+        )
     else:
         diagnosis._add("local tier", FAIL, f"{settings.cache_dir}: write/read round trip failed")
 
@@ -162,20 +169,31 @@ def _check_remote(settings, diagnosis: Diagnosis) -> None:
         diagnosis._add("signing key", FAIL, str(exc))
         return
     if keys is None:
-        diagnosis._add("signing key", FAIL, "no WARMSTART_KEY_FILE, WARMSTART_SECRET or WARMSTART_SECRET_FILE: jobs "
-                       "will refuse the remote tier")
+        diagnosis._add(
+            "signing key",
+            FAIL,
+            "no WARMSTART_KEY_FILE, WARMSTART_SECRET or WARMSTART_SECRET_FILE: jobs will refuse the remote tier",
+        )
         return
     diagnosis.key_id = keys.key_id
     if keys.scheme == "ed25519":
         role = "private key: signs and verifies" if keys.can_sign else "public key: verifies only, never writes"
         diagnosis._add("signing key", OK, f"Ed25519 {role} (key id {keys.key_id})")
     else:
-        diagnosis._add("signing key", OK, f"{len(settings.secret)}-byte HMAC secret (key id {keys.key_id}); every "
-                       "holder can sign: prefer WARMSTART_KEY_FILE (Ed25519) for shared caches")
+        diagnosis._add(
+            "signing key",
+            OK,
+            f"{len(settings.secret)}-byte HMAC secret (key id {keys.key_id}); every "
+            "holder can sign: prefer WARMSTART_KEY_FILE (Ed25519) for shared caches",
+        )
     diagnosis.namespace, diagnosis.components = namespace(settings.namespace), dict(components(settings.namespace))
     parts = diagnosis.components
-    diagnosis._add("namespace", OK, f"{diagnosis.namespace} (torch {parts['torch']}, {parts['python_abi']}, "
-                   f"{parts['gpu_arch']}, cpu {parts['cpu_isa'].split(':')[0]})")
+    diagnosis._add(
+        "namespace",
+        OK,
+        f"{diagnosis.namespace} (torch {parts['torch']}, {parts['python_abi']}, "
+        f"{parts['gpu_arch']}, cpu {parts['cpu_isa'].split(':')[0]})",
+    )
     tier = _connect(settings, keys, diagnosis)
     if tier is None:
         return
@@ -221,19 +239,33 @@ def _check_round_trip(settings, tier, diagnosis: Diagnosis) -> None:
         tier.get(_PROBE_KIND, probe)
         # A read that fails is a miss like any other: only the tier's error count tells them apart.
         errors = tier.stats.get("remote", _PROBE_KIND).errors
-        diagnosis._add("read", OK if errors == 0 else FAIL, "reads work (read-only mode: no write attempted)"
-                       if errors == 0 else "reads fail: does this user have read permission?")
+        diagnosis._add(
+            "read",
+            OK if errors == 0 else FAIL,
+            "reads work (read-only mode: no write attempted)"
+            if errors == 0
+            else "reads fail: does this user have read permission?",
+        )
         return
     if not tier.put(_PROBE_KIND, probe, os.urandom(4096)):
-        diagnosis._add("write", FAIL, "the server refused a write: read-only credentials? use "
-                       "WARMSTART_CACHE_MODE=ro for readers, or the writer URL")
+        diagnosis._add(
+            "write",
+            FAIL,
+            "the server refused a write: read-only credentials? use "
+            "WARMSTART_CACHE_MODE=ro for readers, or the writer URL",
+        )
         return
     start = time.perf_counter()
     ok = tier.get(_PROBE_KIND, probe).value is not None
     elapsed_ms = (time.perf_counter() - start) * 1000
     tier.delete(_PROBE_KIND, probe)
-    diagnosis._add("round trip", OK if ok else FAIL, f"wrote and read back a signed entry in {elapsed_ms:.1f} ms"
-                   if ok else "wrote an entry but could not read it back")
+    diagnosis._add(
+        "round trip",
+        OK if ok else FAIL,
+        f"wrote and read back a signed entry in {elapsed_ms:.1f} ms"
+        if ok
+        else "wrote an entry but could not read it back",
+    )
 
 
 def _check_key_ids(tier, diagnosis: Diagnosis) -> None:
@@ -241,8 +273,12 @@ def _check_key_ids(tier, diagnosis: Diagnosis) -> None:
         counts = tier.key_ids()
     except Exception as exc:
         if type(exc).__name__ == "NoPermissionError":  # the reader role, as warmstart server sets it up
-            diagnosis._add("secret in use", OK, "not counted: this URL's user (a reader) may read entries but "
-                           "not list them; the writer URL counts the entries under each key id")
+            diagnosis._add(
+                "secret in use",
+                OK,
+                "not counted: this URL's user (a reader) may read entries but "
+                "not list them; the writer URL counts the entries under each key id",
+            )
         else:
             diagnosis._add("secret in use", WARN, f"could not list entries ({type(exc).__name__}: {exc})")
         return
@@ -252,10 +288,13 @@ def _check_key_ids(tier, diagnosis: Diagnosis) -> None:
         diagnosis._add("secret in use", OK, f"{ours} entries under this secret's key id {tier.key_id}")
         return
     names = ", ".join(f"{kid} ({n})" for kid, n in sorted(counts.items(), key=lambda kv: -kv[1])[:3])
-    diagnosis._add("secret in use", WARN,
-                   f"{ours} entries under this secret's key id {tier.key_id}; {sum(counts.values())} under other "
-                   f"secrets: {names}. Jobs never read entries signed with another secret: give every job of the "
-                   "team the same WARMSTART_SECRET_FILE (old key ids fade out by LRU after a rotation)")
+    diagnosis._add(
+        "secret in use",
+        WARN,
+        f"{ours} entries under this secret's key id {tier.key_id}; {sum(counts.values())} under other "
+        f"secrets: {names}. Jobs never read entries signed with another secret: give every job of the "
+        "team the same WARMSTART_SECRET_FILE (old key ids fade out by LRU after a rotation)",
+    )
 
 
 def _check_tmpdir(environ: Mapping[str, str] | None, diagnosis: Diagnosis) -> None:

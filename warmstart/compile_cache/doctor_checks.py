@@ -53,10 +53,14 @@ def tmpdir_check(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
     longest = longest_socket_path(tmpdir)
     size = len(os.fsencode(tmpdir))
     if longest <= AF_UNIX_PATH_MAX:
-        return True, (f"{tmpdir} ({size} bytes): DataLoader workers' sockets under it take up to {longest} of "
-                      f"the {AF_UNIX_PATH_MAX} bytes AF_UNIX allows")
-    return False, (f"{tmpdir} is {size} bytes: DataLoader workers hand batches to the main process over a "
-                   f"socket under it of up to {longest} bytes, over the {AF_UNIX_PATH_MAX}-byte AF_UNIX limit "
-                   f"(\"AF_UNIX path too long\" in the worker; the batch is lost and the job hangs). Give the "
-                   f"job a TMPDIR of at most {MAX_TMPDIR_BYTES} bytes, e.g. export TMPDIR=$(mktemp -d "
-                   f"/tmp/job-XXXXXX), or call torch.multiprocessing.set_sharing_strategy('file_system') in the job")
+        return True, (
+            f"{tmpdir} ({size} bytes): DataLoader workers' sockets under it take up to {longest} of "
+            f"the {AF_UNIX_PATH_MAX} bytes AF_UNIX allows"
+        )
+    return False, (
+        f"{tmpdir} is {size} bytes: DataLoader workers hand batches to the main process over a "
+        f"socket under it of up to {longest} bytes, over the {AF_UNIX_PATH_MAX}-byte AF_UNIX limit "
+        f'("AF_UNIX path too long" in the worker; the batch is lost and the job hangs). Give the '
+        f"job a TMPDIR of at most {MAX_TMPDIR_BYTES} bytes, e.g. export TMPDIR=$(mktemp -d "
+        f"/tmp/job-XXXXXX), or call torch.multiprocessing.set_sharing_strategy('file_system') in the job"
+    )

@@ -131,6 +131,7 @@ def reset() -> None:
 
 # -- hooks, installed by torch_hooks -------------------------------------------------------------
 
+
 def hook_eval_frame(eval_frame: types.ModuleType) -> None:
     """Compile with a package when ``torch.compile`` is applied to a function that qualifies, and
     install the stored one first."""
@@ -219,8 +220,10 @@ def _note_flavor(flavor: str) -> None:
                 with contextlib.suppress(Exception):
                     _reset_precompile_entries(code)
     if installed or enabled():  # said only where compiled frames are on
-            log.info("warmstart: this process compiles in two ways (%s): compiled frames are not installed; "
-                 "Dynamo traces them", _mixed)
+        log.info(
+            "warmstart: this process compiles in two ways (%s): compiled frames are not installed; Dynamo traces them",
+            _mixed,
+        )
 
 
 def hook_guards(guards: types.ModuleType) -> None:
@@ -278,8 +281,10 @@ def hook_package(package_module: types.ModuleType) -> None:
         package._codes[code].bypassed = True
 
     # torch records the source lines of every function a frame inlined, to check them at load
-    for name, what, instead in (("_add_user_function", "a frame %s calls", record_unnamed),
-                                ("add_inlined_source", "a frame of %s", lambda package, _: package.bypass_current_entry())):
+    for name, what, instead in (
+        ("_add_user_function", "a frame %s calls", record_unnamed),
+        ("add_inlined_source", "a frame of %s", lambda package, _: package.bypass_current_entry()),
+    ):
         setattr(package_class, name, _not_packaged_on_error(getattr(package_class, name), what, instead))
     _hook_guard_loading(package_module)
 
@@ -326,8 +331,11 @@ def hook_constant_folds(torch_variables: types.ModuleType) -> None:
         state = getattr(_compiling, "state", None)
         if state is not None and self.value not in needs_guards and self.value not in pure:
             try:
-                if self.can_constant_fold_through() and check_unspec_or_constant_args(args, kwargs) \
-                        and getattr(self.value, "__module__", None) != "math":
+                if (
+                    self.can_constant_fold_through()
+                    and check_unspec_or_constant_args(args, kwargs)
+                    and getattr(self.value, "__module__", None) != "math"
+                ):
                     consts = [a.as_python_constant() for a in args]
                     named = {k: v.as_python_constant() for k, v in kwargs.items()}
                     state.folds.record(self.value, tuple(consts), named, self.value(*consts, **named))
@@ -423,6 +431,7 @@ def frame_compile(package: Any):
 
 # -- making and installing packages -----------------------------------------------------------------
 
+
 def _backend_id(backend: Any, kwargs: dict) -> str | None:
     """Inductor's options as a stable string; ``None`` when this compile is not packaged: another
     backend, a ``guard_filter_fn`` (it drops guards on purpose), torch's own precompile, or off."""
@@ -459,8 +468,15 @@ def _packaged_context(rebuild: tuple, fn: Any) -> Any:
     state = _Package(label=function.__qualname__)
     package = CompilePackage(fn=None, dynamo=None, ignore_inlined_sources=False)
     package.initialize(fn_key, None, ignore_inlined_sources=False)
-    state.pending = (package, fn_key, function, weakref.ref(module) if module is not None else None, backend_id,
-                     kwargs.get("dynamic"), bool(kwargs.get("nopython")))
+    state.pending = (
+        package,
+        fn_key,
+        function,
+        weakref.ref(module) if module is not None else None,
+        backend_id,
+        kwargs.get("dynamic"),
+        bool(kwargs.get("nopython")),
+    )
     with _lock:
         _packages[package] = state
     context = original_optimize(rebuild_ctx, backend, *args, **dict(kwargs, package=package))
@@ -580,11 +596,18 @@ def _load(package: Any, state: _Package, fn_key: Any) -> bool:
             state.folds.update(stored["folds"])
             return True
         except _ReadChanged as exc:
-            log.info("warmstart: compiled frames of %s not used: %s on the machine that compiled them; "
-                     "Dynamo traces them", state.label, exc)
+            log.info(
+                "warmstart: compiled frames of %s not used: %s on the machine that compiled them; Dynamo traces them",
+                state.label,
+                exc,
+            )
         except Exception as exc:
-            log.warning("warmstart: compiled frames of %s not used (%s: %s); Dynamo traces them", state.label,
-                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning(
+                "warmstart: compiled frames of %s not used (%s: %s); Dynamo traces them",
+                state.label,
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "",
+            )
         _refused.add(state.key)
         _reset(package)
         package.initialize(fn_key, None, ignore_inlined_sources=False)
@@ -735,6 +758,7 @@ def _skip_installed_names(module_names: set[str]) -> None:
 
 # -- saving ----------------------------------------------------------------------------------------
 
+
 def _save_ready() -> None:
     """Save every key with new frames whose compiled graphs are all recorded."""
     with _lock:
@@ -792,8 +816,10 @@ def _save(key: str) -> None:
         state.dirty = False
     # A code object without guarded code is stored as not packaged: torch would mark it as one Dynamo
     # skips, and a new machine must trace it instead.
-    codes = [code if code.guarded_codes or code.bypassed else dataclasses.replace(code, bypassed=True)
-             for code in merged.values()]
+    codes = [
+        code if code.guarded_codes or code.bypassed else dataclasses.replace(code, bypassed=True)
+        for code in merged.values()
+    ]
     if not saved or not any(not code.bypassed for code in codes):
         return
     store_key = key
@@ -803,12 +829,18 @@ def _save(key: str) -> None:
     fingerprint = _fingerprint(codes)
     if _stored.get(store_key) == fingerprint:
         return  # the store holds these frames already
-    entry = _DynamoCacheEntry(codes=codes, source_info=SourceInfo(inlined_sources=inlined), device_type=device_type,
-                              fn_name=codes[0].python_code.co_qualname,
-                              fn_first_lineno=codes[0].python_code.co_firstlineno)
+    entry = _DynamoCacheEntry(
+        codes=codes,
+        source_info=SourceInfo(inlined_sources=inlined),
+        device_type=device_type,
+        fn_name=codes[0].python_code.co_qualname,
+        fn_first_lineno=codes[0].python_code.co_firstlineno,
+    )
     full = PrecompileCacheEntry.from_cache_entry(entry, artifacts)
-    data = pickle.dumps({"format": _FORMAT, "entry": full, "identities": identities, "values": values,
-                         "folds": folds}, protocol=pickle.HIGHEST_PROTOCOL)
+    data = pickle.dumps(
+        {"format": _FORMAT, "entry": full, "identities": identities, "values": values, "folds": folds},
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
     _stored[store_key] = fingerprint
     store = get_store()
     if store is not None:
@@ -829,9 +861,14 @@ def _fingerprint(codes: list) -> bytes:
 
 
 def _code_ident(code: Any) -> tuple:
-    return (code.python_module, code.code_source, code.install_to_global,
-            tuple(code.function_names) if code.install_to_global else (),
-            code.python_code.co_qualname, code.python_code.co_firstlineno)
+    return (
+        code.python_module,
+        code.code_source,
+        code.install_to_global,
+        tuple(code.function_names) if code.install_to_global else (),
+        code.python_code.co_qualname,
+        code.python_code.co_firstlineno,
+    )
 
 
 def _guarded_digest(guarded_code: Any) -> bytes:
@@ -849,9 +886,13 @@ def _merge(merged: dict[tuple, Any], code: Any, seen: set[bytes]) -> None:
             guarded.append(guarded_code)
     have = merged.get(ident)
     if have is None:
-        merged[ident] = dataclasses.replace(code, guarded_codes=guarded, backend_ids=list(code.backend_ids),
-                                            import_sources=dict(code.import_sources),
-                                            function_names=list(code.function_names))
+        merged[ident] = dataclasses.replace(
+            code,
+            guarded_codes=guarded,
+            backend_ids=list(code.backend_ids),
+            import_sources=dict(code.import_sources),
+            function_names=list(code.function_names),
+        )
         return
     if code.bypassed and not have.bypassed:
         return
@@ -866,26 +907,35 @@ def _merge(merged: dict[tuple, Any], code: Any, seen: set[bytes]) -> None:
 
 # -- keys ----------------------------------------------------------------------------------------
 
+
 def _key(function: types.FunctionType, module: Any, backend_id: str, dynamic: Any, fullgraph: bool) -> str:
     import torch._dynamo.config
     import torch._functorch.config
     import torch._inductor.config
 
     h = hashlib.sha256()
-    for part in (f"format={_FORMAT}", function.__module__, function.__qualname__, code_digest(function.__code__),
-                 f"{type(module).__module__}.{type(module).__qualname__}\n{module!r}" if module is not None else "",
-                 backend_id, f"dynamic={dynamic} fullgraph={fullgraph}"):
+    for part in (
+        f"format={_FORMAT}",
+        function.__module__,
+        function.__qualname__,
+        code_digest(function.__code__),
+        f"{type(module).__module__}.{type(module).__qualname__}\n{module!r}" if module is not None else "",
+        backend_id,
+        f"dynamic={dynamic} fullgraph={fullgraph}",
+    ):
         h.update(part.encode() + b"\0")
     for config in (torch._dynamo.config, torch._functorch.config, torch._inductor.config):
         # Paths (where torch is installed, where debug output goes: the working directory) are this
         # machine's and change nothing Dynamo or Inductor produce.
-        settings = sorted((k, v) for k, v in config.save_config_portable().items()
-                          if not (isinstance(v, str) and os.path.isabs(v)))
+        settings = sorted(
+            (k, v) for k, v in config.save_config_portable().items() if not (isinstance(v, str) and os.path.isabs(v))
+        )
         h.update(stable_repr(settings).encode() + b"\0")
     return h.hexdigest()
 
 
 # -- identities of globals -------------------------------------------------------------------------
+
 
 class _NotPackaged(Exception):
     """A guard of the frame cannot be kept in a package."""
@@ -923,5 +973,3 @@ def _fail_open(where: str, exc: BaseException) -> None:
     from warmstart.compile_cache import torch_hooks
 
     torch_hooks._fail_open(where, exc)
-
-

@@ -19,8 +19,17 @@ _SOURCE_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']+)'\]")
 def code_digest(code: types.CodeType) -> str:
     """A digest of what a code object does, the same in every process (its file's path left out)."""
     h = hashlib.sha256()
-    for value in (code.co_qualname, code.co_firstlineno, code.co_argcount, code.co_kwonlyargcount,
-                  code.co_flags, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars):
+    for value in (
+        code.co_qualname,
+        code.co_firstlineno,
+        code.co_argcount,
+        code.co_kwonlyargcount,
+        code.co_flags,
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+        code.co_cellvars,
+    ):
         h.update(repr(value).encode() + b"\0")
     h.update(code.co_code)
     for const in code.co_consts:
@@ -117,11 +126,11 @@ def resolve(source: str, scope: dict, aliases: dict[str, str]) -> Any:
         obj = builtins.__dict__
     else:
         raise KeyError(name)
-    rest = source[root.end():]
+    rest = source[root.end() :]
     while rest:
         step = _SOURCE_STEP.match(rest)
         if step is None:
             raise ValueError(f"cannot follow {rest!r}")
         obj = getattr(obj, step.group(1)) if step.group(1) else obj[step.group(2)]
-        rest = rest[step.end():]
+        rest = rest[step.end() :]
     return obj

@@ -17,7 +17,13 @@ from pathlib import Path
 
 from warmstart.compile_cache.miss_log import last_run_dir, read_misses
 from warmstart.compile_cache.storage import (
-    ABSENT, EVICTED, MISS_REASONS, OTHER_KEY_ID, OTHER_NAMESPACE, REJECTED, SKIPPED,
+    ABSENT,
+    EVICTED,
+    MISS_REASONS,
+    OTHER_KEY_ID,
+    OTHER_NAMESPACE,
+    REJECTED,
+    SKIPPED,
 )
 from warmstart.config import Settings, redact_url
 
@@ -28,7 +34,7 @@ COMPONENT_ADVICE: dict[str, str] = {
     "triton": "Triton versions differ: install the same Triton (it comes with torch) as the jobs that filled the cache",
     "python_abi": "Python versions differ (their ABI): use the same Python as the jobs that filled the cache",
     "cpu_isa": "the CPUs differ in vector instructions: code compiled for one may not run on the other, so "
-               "these machines cannot share entries (give each machine type its own cache server or namespace)",
+    "these machines cannot share entries (give each machine type its own cache server or namespace)",
     "gpu_arch": "GPU architectures (or CUDA versions) differ: kernels are not portable between them",
     "format": "warmstart versions differ in their cache format: upgrade every job to the same warmstart",
 }
@@ -36,13 +42,13 @@ COMPONENT_ADVICE: dict[str, str] = {
 _REASON_ADVICE = {
     ABSENT: "never compiled against this cache: expected on a first start or after a code change",
     EVICTED: "the server evicted these blobs for memory: raise its --maxmemory (`warmstart server status` "
-             "shows evictions)",
+    "shows evictions)",
     OTHER_KEY_ID: "entries exist signed with another key: give this job the writers' verify.pub (or their "
-                  "secret) in WARMSTART_KEY_FILE / WARMSTART_SECRET",
+    "secret) in WARMSTART_KEY_FILE / WARMSTART_SECRET",
     REJECTED: "entries failed verification (damaged, or written by someone without the key): they were "
-              "never loaded; `warmstart cache doctor` checks the setup",
+    "never loaded; `warmstart cache doctor` checks the setup",
     SKIPPED: "the remote tier was not asked (its breaker was open after a failure, or lookups failed): "
-             "`warmstart cache doctor` checks the connection",
+    "`warmstart cache doctor` checks the connection",
 }
 _MAX_CHECKED = 5000  # misses asked about on the server; a bigger log is sampled from its start
 
@@ -82,8 +88,9 @@ class Explanation:
         """What to change, one line each, most telling first."""
         lines = []
         reasons = self.reasons
-        if reasons.get(OTHER_NAMESPACE) or (self.namespace_diff and not any(
-                o["namespace"] == self.namespace for o in self.others)):
+        if reasons.get(OTHER_NAMESPACE) or (
+            self.namespace_diff and not any(o["namespace"] == self.namespace for o in self.others)
+        ):
             lines += [f"{name}: {COMPONENT_ADVICE.get(name, 'differs')}" for name in self.namespace_diff]
         for reason in (OTHER_KEY_ID, EVICTED, REJECTED, SKIPPED, ABSENT):
             if reasons.get(reason):
@@ -116,8 +123,10 @@ def explain(settings: Settings, run_dir: Path | None = None) -> Explanation:
     if run_dir is None:
         run_dir = last_run_dir(settings.cache_dir)
         if run_dir is None:
-            raise FileNotFoundError(f"no job has logged a cache miss in {settings.cache_dir} yet; "
-                                    "give the job's run directory (WARMSTART_RUN_DIR)")
+            raise FileNotFoundError(
+                f"no job has logged a cache miss in {settings.cache_dir} yet; "
+                "give the job's run directory (WARMSTART_RUN_DIR)"
+            )
     misses = read_misses(run_dir)
     ours = namespace(settings.namespace)
     mine = dict(components(settings.namespace))
@@ -147,15 +156,17 @@ def _ask_server(settings: Settings, result: Explanation) -> None:
         others = [e for e in registry if (e["namespace"], e["key_id"]) != (result.namespace, result.key_id)]
         for entry in others:
             theirs = entry["components"]
-            differs = {name: [result.components.get(name, ""), str(theirs.get(name, ""))]
-                       for name in sorted(set(result.components) | set(theirs))
-                       if result.components.get(name, "") != str(theirs.get(name, ""))}
+            differs = {
+                name: [result.components.get(name, ""), str(theirs.get(name, ""))]
+                for name in sorted(set(result.components) | set(theirs))
+                if result.components.get(name, "") != str(theirs.get(name, ""))
+            }
             result.others.append({"namespace": entry["namespace"], "key_id": entry["key_id"], "differs": differs})
         pairs = [(str(o["namespace"]), str(o["key_id"])) for o in result.others]
         found_in: collections.Counter = collections.Counter()
         absent = [m for m in result.misses[:_MAX_CHECKED] if m["reason"] == ABSENT]
         answers = tier.holders([(str(m["kind"]), str(m["key"])) for m in absent], pairs) if pairs else []
-        for miss, holders in zip(absent, answers):
+        for miss, holders in zip(absent, answers, strict=True):
             if not holders:
                 continue
             same_ns = [p for p in holders if p[0] == result.namespace]

@@ -35,8 +35,18 @@ from typing import Any
 from warmstart.compile_cache.dynamo_identity import global_identity, named
 
 #: Guards that are not about a value a source names (checked by torch itself on every call).
-_NOT_VALUES = frozenset({"GLOBAL_STATE", "TORCH_FUNCTION_STATE", "SHAPE_ENV", "DEFAULT_DEVICE", "GRAD_MODE",
-                         "DETERMINISTIC_ALGORITHMS", "BACKEND_MATCH", "EMPTY_NN_MODULE_HOOKS_DICT"})
+_NOT_VALUES = frozenset(
+    {
+        "GLOBAL_STATE",
+        "TORCH_FUNCTION_STATE",
+        "SHAPE_ENV",
+        "DEFAULT_DEVICE",
+        "GRAD_MODE",
+        "DETERMINISTIC_ALGORITHMS",
+        "BACKEND_MATCH",
+        "EMPTY_NN_MODULE_HOOKS_DICT",
+    }
+)
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, slice, range, enum.Enum)
 _MAX_ITEMS = 32
 _MAX_REPR = 400
@@ -56,12 +66,15 @@ def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
         return f"{type(value).__qualname__} {value!r}"
     if isinstance(value, numpy.ndarray):
         return f"ndarray {value.dtype} {value.shape}"
-    if isinstance(value, _CONSTANTS) or isinstance(value, (torch.dtype, torch.device, torch.layout,
-                                                           torch.memory_format)):
+    if isinstance(value, _CONSTANTS) or isinstance(
+        value, (torch.dtype, torch.device, torch.layout, torch.memory_format)
+    ):
         return f"{type(value).__qualname__} {value!r}"
     if isinstance(value, torch.Tensor):
-        return (f"tensor {value.dtype} {value.device.type} {tuple(value.shape)} {tuple(value.stride())} "
-                f"requires_grad={value.requires_grad}")
+        return (
+            f"tensor {value.dtype} {value.device.type} {tuple(value.shape)} {tuple(value.stride())} "
+            f"requires_grad={value.requires_grad}"
+        )
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
     if isinstance(value, (tuple, list)):
         if depth >= 2 or len(value) > _MAX_ITEMS:
@@ -123,8 +136,10 @@ def changed_value(expected: list[tuple[str, str]], guards_state: Any) -> str | N
         if guard is None:
             return f"{name.partition(' ')[2]} is not guarded here"
         try:
-            now = describe(guard.originating_source.get_value(scope, _get_closure_vars(), cache),
-                           by_value=guard.create_fn_name() in _BY_VALUE)
+            now = describe(
+                guard.originating_source.get_value(scope, _get_closure_vars(), cache),
+                by_value=guard.create_fn_name() in _BY_VALUE,
+            )
         except Exception as exc:
             now = f"unreadable ({type(exc).__name__})"
         if now != was:
@@ -138,8 +153,9 @@ def pure_folds() -> frozenset:
     import torch
     import torch.nn._reduction
 
-    return frozenset({torch.is_complex, torch.is_floating_point, torch.promote_types, torch._assert,
-                      torch.nn._reduction.get_enum})
+    return frozenset(
+        {torch.is_complex, torch.is_floating_point, torch.promote_types, torch._assert, torch.nn._reduction.get_enum}
+    )
 
 
 class Folds:
@@ -182,7 +198,7 @@ def fold_results(calls: list[tuple[str, bytes]]) -> list[str]:
 def changed_fold(calls: dict[tuple[str, bytes], str]) -> str | None:
     """The first folded call whose result here is not the producer's, as a phrase."""
     ordered = sorted(calls)
-    for (name, arguments), now in zip(ordered, fold_results(ordered)):
+    for (name, arguments), now in zip(ordered, fold_results(ordered), strict=True):
         was = calls[(name, arguments)]
         if now != was:
             return f"{_call_text(name)} is {now} here, was {was}"
@@ -192,7 +208,7 @@ def changed_fold(calls: dict[tuple[str, bytes], str]) -> str | None:
 def variant(calls: list[tuple[str, bytes]], results: list[str]) -> str:
     """A digest of what the folded calls give: the variant of an entry a machine reads."""
     h = hashlib.sha256()
-    for (name, arguments), result in zip(calls, results):
+    for (name, arguments), result in zip(calls, results, strict=False):
         h.update(name.encode() + b"\0" + arguments + b"\0" + result.encode() + b"\0")
     return h.hexdigest()[:32]
 
@@ -215,8 +231,9 @@ def real_hook_guards():
         # The stored module holds no hooks dictionaries to measure: the expected length is 0.
         code = [f"not {self.arg_ref(guard)}"]
         self._set_guard_export_info(guard, code)
-        self.get_guard_manager(guard).add_dict_length_check_guard(0, get_verbose_code_parts(code, guard),
-                                                                  guard.user_stack)
+        self.get_guard_manager(guard).add_dict_length_check_guard(
+            0, get_verbose_code_parts(code, guard), guard.user_stack
+        )
 
     GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT = EMPTY_NN_MODULE_HOOKS_DICT
     try:

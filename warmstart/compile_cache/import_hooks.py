@@ -79,5 +79,10 @@ def _run(name: str, module: ModuleType) -> None:
     try:
         _hooks[name](module)
     except Exception as exc:  # a hook must cost what it patches, never the import
-        log.warning("warmstart: could not hook %s (%s: %s); it runs unpatched", name, type(exc).__name__, exc,
-                    exc_info=log.isEnabledFor(logging.DEBUG))
+        log.warning(
+            "warmstart: could not hook %s (%s: %s); it runs unpatched",
+            name,
+            type(exc).__name__,
+            exc,
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )

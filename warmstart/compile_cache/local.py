@@ -2,7 +2,8 @@
 
 diskcache is SQLite plus files, safe across processes. Its lock wait is kept short
 (``LOCAL_LOCK_TIMEOUT_S``) so a busy disk costs a miss, never a stall, and a database that stays locked
-past it (its holder stopped or stuck) turns the tier off for the process. Torch runs what this tier holds, so its directory is private: created
+past it (its holder stopped or stuck) turns the tier off for the process. Torch runs what this tier holds, so
+its directory is private: created
 with mode 0700, and refused by ``open_store`` (:func:`check_private`) when another user owns it or
 others can write it, unless it is shared on purpose (``WARMSTART_CACHE_DIR_SHARED=1``).
 """
@@ -67,8 +68,15 @@ class LocalTier:
 
     name = "local"
 
-    def __init__(self, directory: Path | str, size_limit: int, stats: Stats | None = None, *,
-                 namespace: str = "", key_id: str = "") -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        size_limit: int,
+        stats: Stats | None = None,
+        *,
+        namespace: str = "",
+        key_id: str = "",
+    ) -> None:
         self.directory = Path(directory)
         self.size_limit = size_limit
         self._prefix = f"{namespace}:{key_id}:"
@@ -79,8 +87,11 @@ class LocalTier:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.directory / "store").mkdir(mode=0o700, exist_ok=True)
         self._cache = diskcache.Cache(
-            str(self.directory / "store"), size_limit=size_limit, eviction_policy="least-recently-used",
-            timeout=_defaults.LOCAL_LOCK_TIMEOUT_S, disk_min_file_size=64 * 1024,
+            str(self.directory / "store"),
+            size_limit=size_limit,
+            eviction_policy="least-recently-used",
+            timeout=_defaults.LOCAL_LOCK_TIMEOUT_S,
+            disk_min_file_size=64 * 1024,
         )
 
     def get(self, kind: str, key: str) -> Lookup:
@@ -101,8 +112,9 @@ class LocalTier:
             self.stats.add(self.name, kind, misses=1)
             return Miss(ABSENT, self.name)
         elapsed = time.perf_counter() - start
-        self.stats.add(self.name, kind, hits=1, bytes_read=len(value), read_s=elapsed,
-                       saved_s=max(0.0, (cost or 0.0) - elapsed))
+        self.stats.add(
+            self.name, kind, hits=1, bytes_read=len(value), read_s=elapsed, saved_s=max(0.0, (cost or 0.0) - elapsed)
+        )
         return Hit(bytes(value), self.name, cost or 0.0)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
@@ -124,17 +136,26 @@ class LocalTier:
             # Held past the lock timeout: by a process that is stopped (a scheduler's suspend, a
             # debugger) or stuck. Every later call would wait as long again: off for this process.
             self._off = True
-            warn_once(f"local-locked:{self.directory}", "warmstart: local cache tier off for this process: its "
-                      "database in %s stayed locked for %.1f s (another process holds it: a stopped or stuck job?)",
-                      self.directory / "store", _defaults.LOCAL_LOCK_TIMEOUT_S)
+            warn_once(
+                f"local-locked:{self.directory}",
+                "warmstart: local cache tier off for this process: its "
+                "database in %s stayed locked for %.1f s (another process holds it: a stopped or stuck job?)",
+                self.directory / "store",
+                _defaults.LOCAL_LOCK_TIMEOUT_S,
+            )
             return
         if not _corrupt(exc):
             log.debug("local tier %s failed: %s", op, exc)
             return
         # A damaged database fails every call the same way: one line, then the tier stays off.
         self._off = True
-        warn_once(f"local-corrupt:{self.directory}", "warmstart: local cache tier off: %s is damaged (%s: %s); "
-                  "remove it to start afresh", self.directory / "store", type(exc).__name__, exc)
+        warn_once(
+            f"local-corrupt:{self.directory}",
+            "warmstart: local cache tier off: %s is damaged (%s: %s); remove it to start afresh",
+            self.directory / "store",
+            type(exc).__name__,
+            exc,
+        )
 
     def delete(self, kind: str, key: str) -> bool:
         """Remove one entry; True if it was there."""

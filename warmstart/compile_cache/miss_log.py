@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from warmstart._fileio import write_file
 from warmstart.compile_cache.storage import Lookup
 
 log = logging.getLogger("warmstart.cache")
@@ -46,8 +47,7 @@ class MissLog:
         namespace, key_id: what this process's store reads under, written with each miss.
     """
 
-    def __init__(self, run_dir: Path | None, cache_dir: Path | None, *, namespace: str = "",
-                 key_id: str = "") -> None:
+    def __init__(self, run_dir: Path | None, cache_dir: Path | None, *, namespace: str = "", key_id: str = "") -> None:
         self.run_dir = run_dir
         self.cache_dir = cache_dir
         self.namespace = namespace
@@ -63,8 +63,15 @@ class MissLog:
     def looked_up(self, kind: str, key: str, result: Lookup) -> None:
         if result or self._broken:
             return
-        line = {"ts": round(time.time(), 3), "kind": kind, "key": key[:_MAX_FIELD], "reason": result.reason,
-                "tier": result.tier, "namespace": self.namespace, "key_id": self.key_id}
+        line = {
+            "ts": round(time.time(), 3),
+            "kind": kind,
+            "key": key[:_MAX_FIELD],
+            "reason": result.reason,
+            "tier": result.tier,
+            "namespace": self.namespace,
+            "key_id": self.key_id,
+        }
         if result.detail:
             line["detail"] = result.detail[:_MAX_FIELD]
         try:
@@ -90,10 +97,8 @@ class MissLog:
 
 def _remember(cache_dir: Path, run_dir: Path) -> None:
     pointer = cache_dir / LAST_RUN_FILE
-    tmp = pointer.with_name(f".{LAST_RUN_FILE}.{os.getpid()}")
     try:
-        tmp.write_text(str(run_dir) + "\n")
-        os.replace(tmp, pointer)
+        write_file(pointer, str(run_dir) + "\n", 0o644)
     except OSError:
         log.debug("warmstart: cannot remember the last run directory in %s", cache_dir)
 

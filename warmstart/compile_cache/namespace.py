@@ -19,9 +19,28 @@ import sysconfig
 FORMAT_VERSION = 4
 
 # CPU flags that change which vector code Inductor generates or may run.
-_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-              "asimd", "sve", "sve2", "bf16", "i8mm")
+_ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
 
 
 def cpu_isa() -> str:

@@ -12,7 +12,8 @@ Layout under the key prefix ``ws:<namespace>:``:
   ``single_flight.py``): a random token, expiring unless its holder renews it.
 
 Identical large artifacts under different keys are stored once. Writes are ``SET NX``: the first
-writer wins when processes race (except for ``REPLACED_KINDS``, whose entries grow: the last wins). Chunk keys are predictable, so a chunk that was already there is
+writer wins when processes race (except for ``REPLACED_KINDS``, whose entries grow: the last wins). Chunk keys
+are predictable, so a chunk that was already there is
 read back and overwritten unless it holds exactly the intended bytes; readers check every chunk's
 length against the signed size before fetching or joining anything.
 
@@ -44,7 +45,17 @@ from warmstart import _defaults
 from warmstart.compile_cache import signing
 from warmstart.compile_cache.breaker import CircuitBreaker
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import ABSENT, EVICTED, REJECTED, REPLACED_KINDS, SKIPPED, Hit, Lookup, Miss, warn_once
+from warmstart.compile_cache.storage import (
+    ABSENT,
+    EVICTED,
+    REJECTED,
+    REPLACED_KINDS,
+    SKIPPED,
+    Hit,
+    Lookup,
+    Miss,
+    warn_once,
+)
 from warmstart.config import url_options, validate_cache_url
 from warmstart.errors import IntegrityError
 
@@ -62,9 +73,13 @@ what differs between this machine and the entries the server holds, without scan
 _POINTER_HEADER_MAX = 4096
 _REGISTRY_MAX_FIELDS = 1000  # a larger registry is not read: explaining must stay cheap for the server
 #: Failures that say the server (or cluster) cannot serve now: they open the circuit breaker.
-_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-                redis.exceptions.RedisClusterException,  # "cannot be connected", SlotNotCoveredError
-                redis.exceptions.ClusterError)  # ClusterDownError, MasterDownError
+_UNREACHABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    OSError,
+    redis.exceptions.RedisClusterException,  # "cannot be connected", SlotNotCoveredError
+    redis.exceptions.ClusterError,
+)  # ClusterDownError, MasterDownError
 
 # -- deadlines ---------------------------------------------------------------------------------
 # redis-py's socket_timeout bounds each socket read: a server that sends one byte just before each
@@ -187,8 +202,12 @@ class _Cluster(redis.RedisCluster):
         super().on_connect(connection)
 
 
-def connect(url: str, *, connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEOUT_S,
-            socket_timeout: float = _defaults.REMOTE_SOCKET_TIMEOUT_S) -> redis.Redis | redis.RedisCluster:
+def connect(
+    url: str,
+    *,
+    connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEOUT_S,
+    socket_timeout: float = _defaults.REMOTE_SOCKET_TIMEOUT_S,
+) -> redis.Redis | redis.RedisCluster:
     """A redis-py client for a warmstart URL, with short timeouts and no retries (the breaker decides).
 
     Cluster clients connect lazily on first use, like single-node ones.
@@ -198,11 +217,19 @@ def connect(url: str, *, connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEO
     options.pop("compress", None)  # warmstart's own option: redis-py must not see it
     parts = urlsplit(url)
     url = urlunsplit(parts._replace(query=""))  # redis-py gets the options as arguments instead
-    common = dict(socket_connect_timeout=options.pop("socket_connect_timeout", connect_timeout),
-                  socket_timeout=options.pop("socket_timeout", socket_timeout))
+    common = dict(
+        socket_connect_timeout=options.pop("socket_connect_timeout", connect_timeout),
+        socket_timeout=options.pop("socket_timeout", socket_timeout),
+    )
     if not parts.scheme.endswith("+cluster"):
-        return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                                    redis_connect_func=_on_connect, **common, **options)
+        return redis.Redis.from_url(
+            url,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            redis_connect_func=_on_connect,
+            **common,
+            **options,
+        )
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     nodes = []
@@ -210,9 +237,14 @@ def connect(url: str, *, connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEO
         host, _, port = hostport.rpartition(":")
         nodes.append(redis.cluster.ClusterNode(host, int(port)))
     return _LazyCluster(
-        startup_nodes=nodes, username=unquote(username) or None, password=unquote(password) or None,
-        ssl=parts.scheme.startswith("rediss"), retry=Retry(NoBackoff(), 0),
-        cluster_error_retry_attempts=0, **common, **options,
+        startup_nodes=nodes,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        ssl=parts.scheme.startswith("rediss"),
+        retry=Retry(NoBackoff(), 0),
+        cluster_error_retry_attempts=0,
+        **common,
+        **options,
     )
 
 
@@ -257,10 +289,19 @@ class RemoteTier:
     """Seconds one operation may take, plus its value's size at ``min_bytes_per_s``."""
     min_bytes_per_s: float = _defaults.REMOTE_MIN_BYTES_PER_S
 
-    def __init__(self, url: str, *, keys: signing.Keys | None = None, secret: bytes | None = None,
-                 namespace: str, components: Mapping[str, str] | None = None, stats: Stats | None = None,
-                 ttl_s: int = _defaults.REMOTE_TTL_S, chunk_bytes: int = _defaults.CHUNK_BYTES,
-                 inline_bytes: int = _defaults.INLINE_BYTES) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        keys: signing.Keys | None = None,
+        secret: bytes | None = None,
+        namespace: str,
+        components: Mapping[str, str] | None = None,
+        stats: Stats | None = None,
+        ttl_s: int = _defaults.REMOTE_TTL_S,
+        chunk_bytes: int = _defaults.CHUNK_BYTES,
+        inline_bytes: int = _defaults.INLINE_BYTES,
+    ) -> None:
         if keys is None:
             if not secret:
                 raise ValueError("RemoteTier needs keys or a non-empty secret")
@@ -298,8 +339,10 @@ class RemoteTier:
         if self._slow_in_a_row >= _defaults.REMOTE_SLOW_IN_A_ROW:
             self._slow_in_a_row = 0
             self.stats.bump("slow_trips")
-            self.breaker.trip(f"{_defaults.REMOTE_SLOW_IN_A_ROW} operations in a row took over "
-                              f"{_defaults.REMOTE_SLOW_SHARE:.0%} of their deadline, the last {elapsed_s:.2f} s")
+            self.breaker.trip(
+                f"{_defaults.REMOTE_SLOW_IN_A_ROW} operations in a row took over "
+                f"{_defaults.REMOTE_SLOW_SHARE:.0%} of their deadline, the last {elapsed_s:.2f} s"
+            )
 
     def _probe(self) -> None:
         """The breaker's health check: a PING that answers, and fast (a slow server stays off)."""
@@ -378,8 +421,9 @@ class RemoteTier:
             self.stats.add(self.name, kind, read_s=time.perf_counter() - start)
             return Miss(SKIPPED, self.name, f"{type(exc).__name__}: {exc}")
         elapsed = time.perf_counter() - start
-        self.stats.add(self.name, kind, hits=1, bytes_read=len(blob), read_s=elapsed,
-                       saved_s=max(0.0, pointer.cost_s - elapsed))
+        self.stats.add(
+            self.name, kind, hits=1, bytes_read=len(blob), read_s=elapsed, saved_s=max(0.0, pointer.cost_s - elapsed)
+        )
         return Hit(value, self.name, pointer.cost_s)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
@@ -403,13 +447,13 @@ class RemoteTier:
                 # before the chunks (another Cluster node) sees a miss, never a wrong value.
                 pipe = self._client.pipeline(transaction=False)
                 view = memoryview(blob)  # chunks without copies
-                chunks = [view[i * self._chunk_bytes:(i + 1) * self._chunk_bytes] for i in range(len(chunk_keys))]
-                for ckey, chunk in zip(chunk_keys, chunks):
+                chunks = [view[i * self._chunk_bytes : (i + 1) * self._chunk_bytes] for i in range(len(chunk_keys))]
+                for ckey, chunk in zip(chunk_keys, chunks, strict=True):
                     pipe.set(ckey, chunk, nx=True, ex=self._ttl_s)
                 pipe.set(pkey, record, nx=kind not in REPLACED_KINDS, ex=self._ttl_s)
                 pipe.sadd(self._index_key, pkey, *chunk_keys)  # what `cache clear` deletes, without SCAN
                 results = pipe.execute()[:-1]
-                existing = [(k, c) for k, c, done in zip(chunk_keys, chunks, results) if not done]
+                existing = [(k, c) for k, c, done in zip(chunk_keys, chunks, results, strict=True) if not done]
                 if existing:
                     self._check_chunks(existing)
                 if not results[-1]:
@@ -473,10 +517,16 @@ class RemoteTier:
         if not all(lengths):
             return None
         first = lengths[0]
-        if (any(length != len(part) for length, part in zip(lengths, parts)) or sum(lengths) != pointer.size
-                or any(length != first for length in lengths[:-1]) or lengths[-1] > first):
-            raise IntegrityError(f"blob chunks of {pointer.size}-byte blob have lengths {lengths[:4]}"
-                                 f"{'...' if n > 4 else ''}, not what its signed pointer allows")
+        if (
+            any(length != len(part) for length, part in zip(lengths, parts, strict=True))
+            or sum(lengths) != pointer.size
+            or any(length != first for length in lengths[:-1])
+            or lengths[-1] > first
+        ):
+            raise IntegrityError(
+                f"blob chunks of {pointer.size}-byte blob have lengths {lengths[:4]}"
+                f"{'...' if n > 4 else ''}, not what its signed pointer allows"
+            )
         blob = parts[0] if n == 1 else b"".join(parts)
         signing.check_blob(pointer, blob)
         return blob
@@ -495,14 +545,18 @@ class RemoteTier:
         replies = pipe.execute()
         fix = self._client.pipeline(transaction=False)
         planted = 0
-        for (ckey, chunk), length, held in zip(existing, replies[0::2], replies[1::2]):
+        for (ckey, chunk), length, held in zip(existing, replies[0::2], replies[1::2], strict=True):
             if length != len(chunk) or held != chunk:
                 fix.set(ckey, chunk, ex=self._ttl_s)
                 planted += 1
         if planted:
             fix.execute()
-            warn_once("remote-planted-chunk", "warmstart: %d remote blob chunk(s) held bytes other than their "
-                      "content address names; overwritten (someone without the secret wrote to the cache?)", planted)
+            warn_once(
+                "remote-planted-chunk",
+                "warmstart: %d remote blob chunk(s) held bytes other than their "
+                "content address names; overwritten (someone without the secret wrote to the cache?)",
+                planted,
+            )
 
     def _repair_pointer(self, pkey: str, record: bytes, kind: str, key: str, ours: signing.Pointer) -> None:
         # First writer wins, unless the existing pointer is unusable (its blob was evicted or damaged,
@@ -535,8 +589,13 @@ class RemoteTier:
             self.breaker.trip(f"{type(exc).__name__}: {exc}")
         elif not self._error_logged:  # not the server's state: worth one line, never a failure
             self._error_logged = True
-            log.warning("warmstart: remote %s %s failed (%s: %s); treated as a miss", kind,
-                        "write" if writing else "read", type(exc).__name__, exc)
+            log.warning(
+                "warmstart: remote %s %s failed (%s: %s); treated as a miss",
+                kind,
+                "write" if writing else "read",
+                type(exc).__name__,
+                exc,
+            )
 
     # -- operations --------------------------------------------------------------------------
     @_bounded
@@ -552,8 +611,13 @@ class RemoteTier:
         self._registered = True
         if self.components is None:
             return False
-        entry = {"namespace": self.namespace, "key_id": self.key_id, "scheme": self.keys.scheme,
-                 "components": dict(self.components), "ts": round(time.time(), 3)}
+        entry = {
+            "namespace": self.namespace,
+            "key_id": self.key_id,
+            "scheme": self.keys.scheme,
+            "components": dict(self.components),
+            "ts": round(time.time(), 3),
+        }
         try:
             self._client.hset(REGISTRY_KEY, f"{self.namespace}/{self.key_id}", json.dumps(entry, sort_keys=True))
             return True
@@ -594,12 +658,15 @@ class RemoteTier:
         answers: list[int] = []
         for start in range(0, len(questions), 1000):
             pipe = self._client.pipeline(transaction=False)
-            for name in questions[start:start + 1000]:
+            for name in questions[start : start + 1000]:
                 pipe.exists(name)
             with _deadline(self.op_deadline_s):
                 answers += pipe.execute()
         n = len(pairs)
-        return [[pair for pair, found in zip(pairs, answers[i * n:(i + 1) * n]) if found] for i in range(len(entries))]
+        return [
+            [pair for pair, found in zip(pairs, answers[i * n : (i + 1) * n], strict=True) if found]
+            for i in range(len(entries))
+        ]
 
     # -- leases (see single_flight.py) ----------------------------------------------------------
     def _lease_key(self, kind: str, key: str) -> str:
@@ -648,10 +715,10 @@ class RemoteTier:
         lost = []
         try:
             for kind, key, token in leases:
-                record = self.keys.sign_lease(signing.LeaseRecord(self.namespace, kind, key, token,
-                                                                  _now_ms() + ttl_ms))
-                if not self._compare_and_set(kind, key, token, lambda pipe, name: pipe.set(name, record, xx=True,
-                                                                                         px=ttl_ms)):
+                record = self.keys.sign_lease(signing.LeaseRecord(self.namespace, kind, key, token, _now_ms() + ttl_ms))
+                if not self._compare_and_set(
+                    kind, key, token, lambda pipe, name, record=record: pipe.set(name, record, xx=True, px=ttl_ms)
+                ):
                     lost.append((kind, key))
         except Exception as exc:
             self._lease_failed(exc)
@@ -695,8 +762,12 @@ class RemoteTier:
             lease = self.keys.verify_lease(record, namespace=self.namespace, kind=kind, key=key)
         except IntegrityError as exc:
             self.stats.bump("leases_ignored")
-            warn_once("lease-untrusted", "warmstart: ignoring a lease record that this job's key does not verify (%s): "
-                      "compiling instead of waiting for it", exc)
+            warn_once(
+                "lease-untrusted",
+                "warmstart: ignoring a lease record that this job's key does not verify (%s): "
+                "compiling instead of waiting for it",
+                exc,
+            )
             return None
         now = _now_ms()
         if not now < lease.expires_ms <= now + int(_defaults.LEASE_MAX_S * 1000):
@@ -729,7 +800,7 @@ class RemoteTier:
         for n, name in enumerate(self._client.sscan_iter(self._index_key, match=f"{self._prefix}p:*", count=1000)):
             if n >= limit:
                 break
-            parts = (name.decode() if isinstance(name, bytes) else name)[len(self._prefix):].split(":", 3)
+            parts = (name.decode() if isinstance(name, bytes) else name)[len(self._prefix) :].split(":", 3)
             if len(parts) == 4:
                 counts[parts[2]] = counts.get(parts[2], 0) + 1
         return counts
@@ -755,8 +826,9 @@ class RemoteTier:
         if self._client.hlen(REGISTRY_KEY) > _REGISTRY_MAX_FIELDS:
             return
         mine = f"{self.namespace}/".encode()
-        fields = [f for f in self._client.hkeys(REGISTRY_KEY)
-                  if (f if isinstance(f, bytes) else f.encode()).startswith(mine)]
+        fields = [
+            f for f in self._client.hkeys(REGISTRY_KEY) if (f if isinstance(f, bytes) else f.encode()).startswith(mine)
+        ]
         if fields:
             self._client.hdel(REGISTRY_KEY, *fields)
 

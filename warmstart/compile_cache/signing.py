@@ -79,15 +79,16 @@ _LEASE_TAG = "lease"
 
 
 def _lease_body(lease: LeaseRecord) -> bytes:
-    header = json.dumps([_LEASE_TAG, lease.namespace, lease.kind, lease.key, lease.token, int(lease.expires_ms)],
-                        separators=(",", ":")).encode()
+    header = json.dumps(
+        [_LEASE_TAG, lease.namespace, lease.kind, lease.key, lease.token, int(lease.expires_ms)], separators=(",", ":")
+    ).encode()
     return len(header).to_bytes(_LEN, "big") + header
 
 
 def _parse_lease(body: bytes, *, namespace: str, kind: str, key: str) -> LeaseRecord:
     header_len = int.from_bytes(body[:_LEN], "big")
     try:
-        tag, ns, k, key_, token, expires = json.loads(body[_LEN:_LEN + header_len])
+        tag, ns, k, key_, token, expires = json.loads(body[_LEN : _LEN + header_len])
     except (ValueError, TypeError) as exc:
         raise IntegrityError(f"not a lease record: {exc}") from None
     if tag != _LEASE_TAG or (ns, k, key_) != (namespace, kind, key) or len(body) != _LEN + header_len:
@@ -107,8 +108,16 @@ def key_id(secret: bytes) -> str:
 
 def _body(pointer: Pointer, inline: bytes) -> bytes:
     header = json.dumps(
-        [pointer.namespace, pointer.kind, pointer.key, pointer.digest, pointer.size, pointer.chunks,
-         pointer.compressed, round(pointer.cost_s, 4)],
+        [
+            pointer.namespace,
+            pointer.kind,
+            pointer.key,
+            pointer.digest,
+            pointer.size,
+            pointer.chunks,
+            pointer.compressed,
+            round(pointer.cost_s, 4),
+        ],
         separators=(",", ":"),
     ).encode()
     return len(header).to_bytes(_LEN, "big") + header + inline
@@ -133,7 +142,7 @@ def verify(secret: bytes, record: bytes, *, namespace: str, kind: str, key: str)
         raise IntegrityError("record is Ed25519-signed; this job verifies HMAC signatures only")
     if len(record) < len(MAGIC) + _MAC_LEN + _LEN or not record.startswith(MAGIC):
         raise IntegrityError("not a warmstart pointer record")
-    mac, body = record[len(MAGIC):len(MAGIC) + _MAC_LEN], record[len(MAGIC) + _MAC_LEN:]
+    mac, body = record[len(MAGIC) : len(MAGIC) + _MAC_LEN], record[len(MAGIC) + _MAC_LEN :]
     if not hmac.compare_digest(mac, hmac.new(secret, body, hashlib.sha256).digest()):
         raise IntegrityError("signature does not verify (wrong secret or tampered entry)")
     return _parse(body, namespace=namespace, kind=kind, key=key)
@@ -143,12 +152,12 @@ def _parse(body: bytes, *, namespace: str, kind: str, key: str) -> tuple[Pointer
     """The pointer and inline value of a *verified* body, checked against ``(namespace, kind, key)``."""
     header_len = int.from_bytes(body[:_LEN], "big")
     try:
-        ns, k, key_, digest, size, chunks, compressed, cost = json.loads(body[_LEN:_LEN + header_len])
+        ns, k, key_, digest, size, chunks, compressed, cost = json.loads(body[_LEN : _LEN + header_len])
     except (ValueError, TypeError) as exc:  # signed but unparsable: a writer bug, still never trusted
         raise IntegrityError(f"unparsable pointer record: {exc}") from None
     if (ns, k, key_) != (namespace, kind, key):
         raise IntegrityError("pointer record was signed for another key")
-    inline = body[_LEN + header_len:]
+    inline = body[_LEN + header_len :]
     pointer = Pointer(ns, k, key_, digest, int(size), int(chunks), bool(compressed), float(cost))
     if pointer.chunks == 0 and len(inline) != pointer.size:
         raise IntegrityError("inline value has the wrong length")
@@ -253,7 +262,7 @@ class HmacKeys(Keys):
     def _open(self, record: bytes) -> bytes:
         if len(record) < len(MAGIC) + _MAC_LEN + _LEN or not record.startswith(MAGIC):
             raise IntegrityError("not an HMAC-signed warmstart record")
-        mac, body = record[len(MAGIC):len(MAGIC) + _MAC_LEN], record[len(MAGIC) + _MAC_LEN:]
+        mac, body = record[len(MAGIC) : len(MAGIC) + _MAC_LEN], record[len(MAGIC) + _MAC_LEN :]
         if not hmac.compare_digest(mac, hmac.new(self._secret, body, hashlib.sha256).digest()):
             raise IntegrityError("signature does not verify (wrong secret or tampered record)")
         return body
@@ -265,9 +274,11 @@ class HmacKeys(Keys):
 _PKCS8_ED25519 = bytes.fromhex("302e020100300506032b657004220420")
 _SPKI_ED25519 = bytes.fromhex("302a300506032b6570032100")
 _PEM_RE = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\s*(.*?)\s*-----END \1-----", re.S)
-KEY_FILE_ACCEPTED = ("a PEM file holding an Ed25519 private key (signing.key: signs and verifies) or public key "
-                     "(verify.pub: verifies only), e.g. from `warmstart server start` or "
-                     "`openssl genpkey -algorithm ed25519`")
+KEY_FILE_ACCEPTED = (
+    "a PEM file holding an Ed25519 private key (signing.key: signs and verifies) or public key "
+    "(verify.pub: verifies only), e.g. from `warmstart server start` or "
+    "`openssl genpkey -algorithm ed25519`"
+)
 
 
 class Ed25519Keys(Keys):
@@ -353,8 +364,9 @@ class Ed25519Keys(Keys):
             raise PermissionError(f"Ed25519 key {self.key_id}: only the public key is held")
         from cryptography.hazmat.primitives import serialization
 
-        return self._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption())
+        return self._private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     def public_pem(self) -> bytes:
         """SubjectPublicKeyInfo PEM of the public key (what readers get: ``verify.pub``)."""
@@ -377,8 +389,8 @@ class Ed25519Keys(Keys):
     def _open(self, record: bytes) -> bytes:
         if len(record) < len(ED25519_MAGIC) + _SIG_LEN + _LEN or not record.startswith(ED25519_MAGIC):
             raise IntegrityError("not an Ed25519-signed warmstart record")
-        signature = record[len(ED25519_MAGIC):len(ED25519_MAGIC) + _SIG_LEN]
-        body = record[len(ED25519_MAGIC) + _SIG_LEN:]
+        signature = record[len(ED25519_MAGIC) : len(ED25519_MAGIC) + _SIG_LEN]
+        body = record[len(ED25519_MAGIC) + _SIG_LEN :]
         try:
             self._public.verify(signature, ED25519_MAGIC + body)
         except self._invalid:
@@ -403,8 +415,11 @@ def load_key_file(path: str | os.PathLike) -> Ed25519Keys:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(KEY_FILE_VARIABLE, str(path),
-                          f"{KEY_FILE_ACCEPTED}; it cannot be read ({exc.strerror or type(exc).__name__})") from None
+        raise ConfigError(
+            KEY_FILE_VARIABLE,
+            str(path),
+            f"{KEY_FILE_ACCEPTED}; it cannot be read ({exc.strerror or type(exc).__name__})",
+        ) from None
     try:
         return Ed25519Keys.from_pem(data)
     except ValueError as exc:

@@ -112,9 +112,18 @@ class SingleFlight:
             starts once it is spent (see ``wait_budget.py``).
     """
 
-    def __init__(self, *, local_dir: Path | None, local_writable: bool, remote, stats: Stats,
-                 wait_s: float = _defaults.COMPILE_WAIT_S, ttl_s: float = _defaults.LEASE_TTL_S,
-                 poll_s: float = _defaults.LEASE_POLL_S, budget: WaitBudget | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        local_dir: Path | None,
+        local_writable: bool,
+        remote,
+        stats: Stats,
+        wait_s: float = _defaults.COMPILE_WAIT_S,
+        ttl_s: float = _defaults.LEASE_TTL_S,
+        poll_s: float = _defaults.LEASE_POLL_S,
+        budget: WaitBudget | None = None,
+    ) -> None:
         self.lock_dir = Path(local_dir) / "leases" if local_dir is not None else None
         self.local_writable = local_writable and self.lock_dir is not None
         self.remote = remote
@@ -134,8 +143,14 @@ class SingleFlight:
 
     # -- the store's side ------------------------------------------------------------------------
 
-    def resolve(self, kind: str, key: str, miss: Lookup, lookup: Callable[[], Lookup],
-                waiting: Callable[[], contextlib.AbstractContextManager[None]]) -> Lookup:
+    def resolve(
+        self,
+        kind: str,
+        key: str,
+        miss: Lookup,
+        lookup: Callable[[], Lookup],
+        waiting: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> Lookup:
         """After ``miss``: take the lease and return ``miss`` (this process compiles), or wait for the
         process that holds it and return ``lookup()``'s answer once it is done. Never raises, and
         returns within ``wait_s`` (and what is left of the budget) plus one server deadline."""
@@ -160,8 +175,9 @@ class SingleFlight:
             self.stats.bump("wait_s", round(time.monotonic() - start, 3))
             self.budget.charge(time.monotonic() - start, "another process's compile")
 
-    def _wait(self, kind: str, key: str, miss: Lookup, lookup: Callable[[], Lookup], held: _Held,
-              start: float) -> Lookup:
+    def _wait(
+        self, kind: str, key: str, miss: Lookup, lookup: Callable[[], Lookup], held: _Held, start: float
+    ) -> Lookup:
         deadline = start + min(self.wait_s, self.budget.remaining())
         pause = min(0.05, self.poll_s)
         partial = held.partial
@@ -175,8 +191,11 @@ class SingleFlight:
                     if time.monotonic() < deadline:
                         continue
                     self.stats.bump("wait_timeouts")
-                    log.info("warmstart: waited %.0f s for another process's compile of a %s entry; "
-                             "compiling it here", time.monotonic() - start, kind)
+                    log.info(
+                        "warmstart: waited %.0f s for another process's compile of a %s entry; compiling it here",
+                        time.monotonic() - start,
+                        kind,
+                    )
                     return miss
                 partial = None
                 # The lease is gone: its holder finished (the entry is readable now) or gave up.
@@ -383,8 +402,11 @@ class SingleFlight:
             with self._lock:
                 leases = list(self._held.values())
             now = time.monotonic()
-            expired = [lease for lease in leases if now - lease.taken_at > self.wait_s
-                       or (lease.release_at is not None and now >= lease.release_at)]
+            expired = [
+                lease
+                for lease in leases
+                if now - lease.taken_at > self.wait_s or (lease.release_at is not None and now >= lease.release_at)
+            ]
             for lease in expired:  # nobody waits longer than wait_s: holding it longer only misleads
                 log.debug("lease on a %s entry held for %.0f s: released", lease.kind, now - lease.taken_at)
                 self._release(lease)
@@ -395,7 +417,10 @@ class SingleFlight:
             remote = [lease for lease in leases if lease.remote and lease not in expired]
             if remote and self.remote is not None:
                 try:
-                    lost = set(self.remote.renew_leases([(l.kind, l.key, l.token) for l in remote], self.ttl_s) or ())
+                    lost = set(
+                        self.remote.renew_leases([(lease.kind, lease.key, lease.token) for lease in remote], self.ttl_s)
+                        or ()
+                    )
                 except Exception:  # the server failed: the leases lapse, waiters compile themselves
                     log.debug("could not renew leases", exc_info=True)
                     lost = set()
@@ -440,6 +465,7 @@ def _try_flock(path: Path, open_flags: int, lock: int) -> int | bool | None:
     except OSError as exc:
         os.close(fd)
         return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+
 
 _instances: weakref.WeakSet[SingleFlight] = weakref.WeakSet()
 

@@ -15,8 +15,21 @@ import weakref
 from collections import defaultdict
 from pathlib import Path
 
-FIELDS = ("hits", "misses", "writes", "errors", "timeouts", "rejected", "dropped",
-          "bytes_read", "bytes_written", "read_s", "saved_s")
+from warmstart._fileio import write_file
+
+FIELDS = (
+    "hits",
+    "misses",
+    "writes",
+    "errors",
+    "timeouts",
+    "rejected",
+    "dropped",
+    "bytes_read",
+    "bytes_written",
+    "read_s",
+    "saved_s",
+)
 
 
 @dataclasses.dataclass
@@ -112,9 +125,7 @@ class Stats:
                 total.add(tier, kind, **counts.to_dict())
             for name, n in self.counters_dict().items():
                 total.bump(name, n)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"tiers": total.to_dict(), "counters": total.counters_dict()}, indent=1))
-            os.replace(tmp, path)
+            write_file(path, json.dumps({"tiers": total.to_dict(), "counters": total.counters_dict()}, indent=1), 0o644)
 
 
 def load(path: Path) -> Stats:

@@ -59,10 +59,18 @@ class TieredStore:
     exit_flush_s: float = _defaults.EXIT_FLUSH_S
     """How long :meth:`close` (run at exit) waits for background writes."""
 
-    def __init__(self, local: Storage | None, remote: Storage | None, *, stats: Stats | None = None,
-                 stats_file: Path | None = None, queue_bytes: int = _defaults.WRITE_QUEUE_BYTES,
-                 observers: Iterable[StoreObserver] = (), single_flight: SingleFlight | None = None,
-                 budget: WaitBudget | None = None) -> None:
+    def __init__(
+        self,
+        local: Storage | None,
+        remote: Storage | None,
+        *,
+        stats: Stats | None = None,
+        stats_file: Path | None = None,
+        queue_bytes: int = _defaults.WRITE_QUEUE_BYTES,
+        observers: Iterable[StoreObserver] = (),
+        single_flight: SingleFlight | None = None,
+        budget: WaitBudget | None = None,
+    ) -> None:
         self.local = local
         self.budget = budget or WaitBudget(_defaults.MAX_WAIT_S)
         self.remote = remote
@@ -93,11 +101,16 @@ class TieredStore:
         try:
             result = self._get(kind, key)
             if not result and self.single_flight is not None:
-                result = self.single_flight.resolve(kind, key, result, lambda: self._get(kind, key),
-                                                    lambda: self._observed("waiting_on_peer", kind))
+                result = self.single_flight.resolve(
+                    kind, key, result, lambda: self._get(kind, key), lambda: self._observed("waiting_on_peer", kind)
+                )
         except Exception as exc:  # tiers never raise; this holds whatever changes under them
-            warn_once(f"store-get:{type(exc).__name__}", "warmstart: cache lookup failed (%s: %s); treated as a miss",
-                      type(exc).__name__, exc)
+            warn_once(
+                f"store-get:{type(exc).__name__}",
+                "warmstart: cache lookup failed (%s: %s); treated as a miss",
+                type(exc).__name__,
+                exc,
+            )
             result = Miss(SKIPPED, self.name, f"{type(exc).__name__}: {exc}")
         for observer in self.observers:
             try:
@@ -144,8 +157,12 @@ class TieredStore:
         try:
             return self._put(kind, key, value, cost_s=cost_s, sync=sync)
         except Exception as exc:
-            warn_once(f"store-put:{type(exc).__name__}", "warmstart: cache write failed (%s: %s); not cached",
-                      type(exc).__name__, exc)
+            warn_once(
+                f"store-put:{type(exc).__name__}",
+                "warmstart: cache write failed (%s: %s); not cached",
+                type(exc).__name__,
+                exc,
+            )
             return False
 
     def _put(self, kind: str, key: str, value: bytes, *, cost_s: float, sync: bool) -> bool:
@@ -182,8 +199,16 @@ class TieredStore:
         """Whether any tier takes writes (``WARMSTART_CACHE_MODE=ro`` makes none)."""
         return any(t is not None and not isinstance(t, ReadOnly) for t in (self.local, self.remote))
 
-    def _enqueue(self, tiers: tuple[Storage, ...], kind: str, key: str, value: bytes, cost_s: float,
-                 release: bool = False, writes_local: bool = False) -> bool:
+    def _enqueue(
+        self,
+        tiers: tuple[Storage, ...],
+        kind: str,
+        key: str,
+        value: bytes,
+        cost_s: float,
+        release: bool = False,
+        writes_local: bool = False,
+    ) -> bool:
         """Queue ``value`` for ``tiers``; False (each tier's write counted as dropped) when the queue
         is full. ``writes_local``: the caller writes the local tier itself then, so it is not dropped."""
         self._ensure_writer()
@@ -266,8 +291,7 @@ class TieredStore:
         with self.budget.waiting("writes at exit"):
             flushed = self.flush(timeout=min(self.exit_flush_s, self.budget.remaining()))
         if not flushed:
-            log.warning("warmstart: gave up waiting for remote cache writes at exit; dropped %d",
-                        self._drop_queued())
+            log.warning("warmstart: gave up waiting for remote cache writes at exit; dropped %d", self._drop_queued())
         if self.single_flight is not None:
             self.single_flight.release_all()
         if self.stats_file is not None:

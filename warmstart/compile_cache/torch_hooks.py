@@ -163,10 +163,10 @@ def _entry_from_command_line(args: list[str]) -> str | None:
             for j in range(1, len(arg)):  # a cluster of one-letter options: -Bu, -Im pkg.mod, -mpkg.mod
                 letter = arg[j]
                 if letter in ("m", "c"):
-                    value = arg[j + 1:] or (args[i + 1] if i + 1 < len(args) else "")
+                    value = arg[j + 1 :] or (args[i + 1] if i + 1 < len(args) else "")
                     return value if letter == "m" else f"-c {value}"
                 if letter in _OPTIONS_WITH_VALUE:
-                    if not arg[j + 1:]:
+                    if not arg[j + 1 :]:
                         i += 1  # the value is the next argument
                     break
             i += 1
@@ -195,9 +195,13 @@ def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -
     try:
         patch(module)
     except Exception:  # a torch change must cost caching, never the job
-        log.warning("warmstart: could not hook %s (torch %s; checked against %s); compiling uncached",
-                    name, getattr(sys.modules.get("torch"), "__version__", "?"), ", ".join(TORCH_VERSIONS_CHECKED),
-                    exc_info=log.isEnabledFor(logging.DEBUG))
+        log.warning(
+            "warmstart: could not hook %s (torch %s; checked against %s); compiling uncached",
+            name,
+            getattr(sys.modules.get("torch"), "__version__", "?"),
+            ", ".join(TORCH_VERSIONS_CHECKED),
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
 
 
 # -- torch's switches, in this process's config ------------------------------------------------
@@ -282,9 +286,14 @@ def _fail_open(where: str, exc: BaseException) -> None:
         log.debug("warmstart: %s failed", where, exc_info=True)
         return
     _warned = True
-    log.warning("warmstart: %s failed (%s: %s); torch compiles without the cache where it fails "
-                "(further failures are logged at debug level)", where, type(exc).__name__, exc,
-                exc_info=log.isEnabledFor(logging.DEBUG))
+    log.warning(
+        "warmstart: %s failed (%s: %s); torch compiles without the cache where it fails "
+        "(further failures are logged at debug level)",
+        where,
+        type(exc).__name__,
+        exc,
+        exc_info=log.isEnabledFor(logging.DEBUG),
+    )
 
 
 def _patch(module_name: str) -> Callable[[Callable[[ModuleType], None]], Callable[[ModuleType], None]]:
@@ -296,6 +305,7 @@ def _patch(module_name: str) -> Callable[[Callable[[ModuleType], None]], Callabl
 
 
 # -- FX graph, AOTAutograd, autotune, PGO ----------------------------------------------------
+
 
 @_patch("torch._inductor.remote_cache")
 def _hook_remote_caches(remote_cache: ModuleType) -> None:
@@ -347,6 +357,7 @@ def _install_store_backend(remote_cache: ModuleType) -> None:
 
 
 # -- compiled C++ objects ----------------------------------------------------------------------
+
 
 @_patch("torch._inductor.cpp_builder")
 def _hook_cpp_builder(cpp_builder: ModuleType) -> None:
@@ -455,8 +466,11 @@ def cpp_object_key(command_line: str, target: str) -> str | None:
     """
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-    roots = sorted({os.path.realpath(cache_dir()), cache_dir(), os.path.realpath(default_cache_dir()),
-                    default_cache_dir()}, key=len, reverse=True)
+    roots = sorted(
+        {os.path.realpath(cache_dir()), cache_dir(), os.path.realpath(default_cache_dir()), default_cache_dir()},
+        key=len,
+        reverse=True,
+    )
     parts: list[str] = []
     for token in shlex.split(command_line):
         if token == target:
@@ -477,18 +491,19 @@ def cpp_object_key(command_line: str, target: str) -> str | None:
 
 def _write_atomic(path: str, data: bytes) -> bool:
     try:
+        from pathlib import Path
+
+        from warmstart._fileio import write_file
+
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.ws{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
+        write_file(Path(path), data, 0o755)
         return True
     except OSError:
         return False
 
 
 # -- the vector-ISA probe ----------------------------------------------------------------------
+
 
 @_patch("torch._inductor.cpu_vec_isa")
 def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
@@ -548,6 +563,7 @@ def _lease_scope():
 
 
 # -- a frame's compile, and recompilations -----------------------------------------------------
+
 
 @_patch("torch._dynamo.convert_frame")
 def _hook_convert_frame(convert_frame: ModuleType) -> None:

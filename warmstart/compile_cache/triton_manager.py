@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
+
+from warmstart._fileio import write_file
 
 try:  # Triton checks that the manager class has a base named ``CacheManager``.
     from triton.runtime.cache import CacheManager
@@ -26,7 +27,8 @@ except ImportError:  # CPU-only installs: the same interface, so the manager is 
     class CacheManager(ABC):  # type: ignore[no-redef]
         """Triton's cache-manager interface (``triton/runtime/cache.py``)."""
 
-        def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
+        # Triton's base class has this no-op constructor too (B027: empty, not abstract, on purpose).
+        def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:  # noqa: B027
             pass
 
         @abstractmethod
@@ -41,14 +43,19 @@ except ImportError:  # CPU-only installs: the same interface, so the manager is 
         @abstractmethod
         def put_group(self, filename: str, group: dict[str, str]) -> None: ...
 
+
 KIND = "triton_kernel"
 
 
 def plain_name(name: object) -> bool:
     """Whether ``name`` is a bare file name, so that joined to a directory it stays inside it: no
     separator, not ``.`` or ``..``, no NUL (which would also make ``open`` raise)."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
-            and not any(sep in name for sep in ("/", "\\", os.sep, os.altsep or "/")))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "\0" not in name
+        and not any(sep in name for sep in ("/", "\\", os.sep, os.altsep or "/"))
+    )
 
 
 def _require_plain(name: str) -> None:
@@ -172,9 +179,5 @@ class WarmstartCacheManager(CacheManager):
     def _write(self, filename: str, data: bytes) -> str:
         # Same protocol as Triton's FileCacheManager: write to a private temp file, then rename.
         path = self._local(filename)
-        tmp = os.path.join(self.cache_dir, f"tmp.pid_{os.getpid()}_{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_file(Path(path), data, 0o644)
         return path
-

@@ -59,9 +59,12 @@ class WaitBudget:
             warn = self._spent >= self.total_s and not self._warned
             self._warned = self._warned or warn
         if warn:
-            log.warning("warmstart: this process has spent its %.0f s of waiting on the cache (WARMSTART_MAX_WAIT_S; "
-                        "the last on %s): it waits no more (no waiting for peers' compiles, no remote tier)",
-                        self.total_s, what)
+            log.warning(
+                "warmstart: this process has spent its %.0f s of waiting on the cache (WARMSTART_MAX_WAIT_S; "
+                "the last on %s): it waits no more (no waiting for peers' compiles, no remote tier)",
+                self.total_s,
+                what,
+            )
 
     @contextlib.contextmanager
     def waiting(self, what: str) -> Iterator[None]:

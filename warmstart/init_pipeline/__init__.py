@@ -17,21 +17,46 @@ from typing import Any
 
 from warmstart.init_pipeline.child_process import call_in_subprocess
 from warmstart.init_pipeline.graph import (
-    RUNS_ON, FailureChannel, Stage, StageFailed, StageTiming, StartupGraph, StartupResult,
+    RUNS_ON,
+    FailureChannel,
+    Stage,
+    StageFailed,
+    StageTiming,
+    StartupGraph,
+    StartupResult,
 )
 
 _LAZY = {
-    "cached_plan": "plan_cache", "resolve_plan": "plan_cache", "broadcast_plan": "plan_cache",
-    "PlanningFailed": "plan_cache", "PlanOutcome": "plan_cache", "PLAN_KIND": "plan_cache",
-    "plan_key": "cache_key", "plan_key_inputs": "cache_key",
-    "verify_plan": "plan_verify", "PlanMismatch": "plan_verify",
-    "TorchRecStartup": "stages", "CompileWarmup": "stages", "PrefetchedLoader": "stages",
-    "StoreFailureChannel": "stages", "torchrec_startup_graph": "stages", "release_process_groups": "stages",
+    "cached_plan": "plan_cache",
+    "resolve_plan": "plan_cache",
+    "broadcast_plan": "plan_cache",
+    "PlanningFailed": "plan_cache",
+    "PlanOutcome": "plan_cache",
+    "PLAN_KIND": "plan_cache",
+    "plan_key": "cache_key",
+    "plan_key_inputs": "cache_key",
+    "verify_plan": "plan_verify",
+    "PlanMismatch": "plan_verify",
+    "TorchRecStartup": "stages",
+    "CompileWarmup": "stages",
+    "PrefetchedLoader": "stages",
+    "StoreFailureChannel": "stages",
+    "torchrec_startup_graph": "stages",
+    "release_process_groups": "stages",
     "gloo_worker_threads": "stages",
 }
 
-__all__ = ["RUNS_ON", "FailureChannel", "Stage", "StageFailed", "StageTiming", "StartupGraph", "StartupResult",
-           "call_in_subprocess", *_LAZY]
+__all__ = [
+    "RUNS_ON",
+    "FailureChannel",
+    "Stage",
+    "StageFailed",
+    "StageTiming",
+    "StartupGraph",
+    "StartupResult",
+    "call_in_subprocess",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

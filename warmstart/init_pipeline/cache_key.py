@@ -33,26 +33,46 @@ written before are then never looked up again)."""
 _MAX_DEPTH = 64  # a guard against pathological nesting only: deeper settings must not be cut off
 
 # Attributes planners and their parts set while planning (search state, results, caches): not settings.
-_STATE_ATTRS = frozenset({
-    "_stats", "_debug", "_num_proposals", "_num_plans", "_best_plan", "_search_space",
-    "_sharder_map", "_sharder_data_map", "_last_stored_search_space", "_last_stored_module",
-    "_last_stored_sharders", "_last_reserved_topology", "_dense_storage", "_kjt_storage",
-    "_proposal_index", "_proposals", "_sharding_options_by_fqn", "_current_proposal",
-    "_best_perf_rating", "_num_inferior_perf", "_grouped_sharding_options", "_proposal_cache",
-    "_created_by_factory",
-})
+_STATE_ATTRS = frozenset(
+    {
+        "_stats",
+        "_debug",
+        "_num_proposals",
+        "_num_plans",
+        "_best_plan",
+        "_search_space",
+        "_sharder_map",
+        "_sharder_data_map",
+        "_last_stored_search_space",
+        "_last_stored_module",
+        "_last_stored_sharders",
+        "_last_reserved_topology",
+        "_dense_storage",
+        "_kjt_storage",
+        "_proposal_index",
+        "_proposals",
+        "_sharding_options_by_fqn",
+        "_current_proposal",
+        "_best_perf_rating",
+        "_num_inferior_perf",
+        "_grouped_sharding_options",
+        "_proposal_cache",
+        "_created_by_factory",
+    }
+)
 
 
-def plan_key(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *,
-             salt: str = "") -> str:
+def plan_key(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *, salt: str = "") -> str:
     """SHA-256 (hex) of :func:`plan_key_inputs`. Costs milliseconds; enumerates nothing."""
-    text = json.dumps(plan_key_inputs(planner, module, sharders, salt=salt), sort_keys=True,
-                      separators=(",", ":"), allow_nan=False)
+    text = json.dumps(
+        plan_key_inputs(planner, module, sharders, salt=salt), sort_keys=True, separators=(",", ":"), allow_nan=False
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def plan_key_inputs(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *,
-                    salt: str = "") -> dict[str, Any]:
+def plan_key_inputs(
+    planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *, salt: str = ""
+) -> dict[str, Any]:
     """Everything the plan depends on, as JSON-ready data (what :func:`plan_key` hashes)."""
     return {
         "format": FORMAT,
@@ -76,8 +96,11 @@ def _versions() -> dict[str, str | None]:
                 continue
         return None
 
-    return {"torch": torch.__version__, "torchrec": version("torchrec", "torchrec-nightly"),
-            "fbgemm": version("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu")}
+    return {
+        "torch": torch.__version__,
+        "torchrec": version("torchrec", "torchrec-nightly"),
+        "fbgemm": version("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu"),
+    }
 
 
 def claimed_modules(module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]") -> dict[str, tuple[Any, Any]]:
@@ -107,11 +130,24 @@ def _model_inputs(module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]
         configs = _table_configs(child)
         tables = []
         for name, param in sorted(sharder.shardable_parameters(child).items()):
-            tables.append({"name": name, "shape": [int(d) for d in param.shape], "dtype": str(param.dtype),
-                           "config": _canonical(configs.get(name))})
+            tables.append(
+                {
+                    "name": name,
+                    "shape": [int(d) for d in param.shape],
+                    "dtype": str(param.dtype),
+                    "config": _canonical(configs.get(name)),
+                }
+            )
         is_weighted = getattr(child, "is_weighted", None)
-        modules.append({"path": path, "type": _qualname(type(child)), "sharder": _qualname(type(sharder)),
-                        "is_weighted": bool(is_weighted()) if callable(is_weighted) else None, "tables": tables})
+        modules.append(
+            {
+                "path": path,
+                "type": _qualname(type(child)),
+                "sharder": _qualname(type(sharder)),
+                "is_weighted": bool(is_weighted()) if callable(is_weighted) else None,
+                "tables": tables,
+            }
+        )
     # Storage reservation subtracts the dense part (parameters and buffers) from every device.
     total_bytes = sum(t.numel() * t.element_size() for t in module.parameters())
     total_bytes += sum(t.numel() * t.element_size() for t in module.buffers())
@@ -130,8 +166,11 @@ def _table_configs(module: Any) -> dict[str, Any]:
 
 
 def _sharder_inputs(sharder: Any) -> dict[str, Any]:
-    return {"type": _qualname(type(sharder)), "module_type": _qualname(sharder.module_type),
-            "settings": _canonical(sharder)}
+    return {
+        "type": _qualname(type(sharder)),
+        "module_type": _qualname(sharder.module_type),
+        "settings": _canonical(sharder),
+    }
 
 
 def _qualname(obj: Any) -> str:
@@ -156,8 +195,11 @@ def _canonical(obj: Any, depth: int = 0, memo: dict[int, Any] | None = None) -> 
     if isinstance(obj, float):
         return _canonical(float(obj))
     if isinstance(obj, functools.partial):
-        return {"partial": _canonical(obj.func, depth + 1, memo), "args": _canonical(obj.args, depth + 1, memo),
-                "keywords": _canonical(obj.keywords, depth + 1, memo)}
+        return {
+            "partial": _canonical(obj.func, depth + 1, memo),
+            "args": _canonical(obj.args, depth + 1, memo),
+            "keywords": _canonical(obj.keywords, depth + 1, memo),
+        }
     if isinstance(obj, (type, *_FUNCTION_TYPES)) or callable(obj) and not hasattr(obj, "__dict__"):
         return _qualname(obj)
     if depth > _MAX_DEPTH:

@@ -17,8 +17,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def call_in_subprocess(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None = None, *,
-                       timeout_s: float | None = None, name: str = "subprocess") -> Any:
+def call_in_subprocess(
+    fn: Callable[..., Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float | None = None,
+    name: str = "subprocess",
+) -> Any:
     """Run ``fn(**kwargs)`` in a forked child and return its (pickled) result.
 
     The child inherits the parent's memory, so nothing but the result crosses the process boundary;

@@ -160,16 +160,19 @@ class StartupResult:
         """
         best: dict[str, tuple[float, list[str]]] = {}
         for name in self.timings:  # timings are inserted in topological order
-            before = max((best[d] for d in self.deps.get(name, ()) if d in best),
-                         key=lambda item: item[0], default=(0.0, []))
+            before = max(
+                (best[d] for d in self.deps.get(name, ()) if d in best), key=lambda item: item[0], default=(0.0, [])
+            )
             best[name] = (before[0] + self.timings[name].seconds, [*before[1], name])
         total, path = max(best.values(), key=lambda item: item[0], default=(0.0, []))
         return path, total
 
     def rows(self) -> list[tuple[str, str, str, str, str]]:
         """``(stage, where, start, end, seconds)`` per stage, for a table."""
-        return [(t.name, t.runs_on, f"{t.start:.3f}", f"{t.end:.3f}", f"{t.seconds:.3f}")
-                for t in sorted(self.timings.values(), key=lambda t: t.start)]
+        return [
+            (t.name, t.runs_on, f"{t.start:.3f}", f"{t.end:.3f}", f"{t.seconds:.3f}")
+            for t in sorted(self.timings.values(), key=lambda t: t.start)
+        ]
 
 
 class StartupGraph:
@@ -195,12 +198,20 @@ class StartupGraph:
             above ``channel_poll_s``).
     """
 
-    def __init__(self, name: str = "startup", *, rank: int | None = None, recorder: Any = None,
-                 channel: FailureChannel | None = None,
-                 collective_timeout_s: float = _DEFAULT_COLLECTIVE_TIMEOUT_S,
-                 abort_grace_s: float = _DEFAULT_ABORT_GRACE_S, poll_s: float = _DEFAULT_POLL_S,
-                 abort: Callable[[str], None] | None = None, channel_poll_s: float = 0.5,
-                 failure_linger_s: float = 1.5) -> None:
+    def __init__(
+        self,
+        name: str = "startup",
+        *,
+        rank: int | None = None,
+        recorder: Any = None,
+        channel: FailureChannel | None = None,
+        collective_timeout_s: float = _DEFAULT_COLLECTIVE_TIMEOUT_S,
+        abort_grace_s: float = _DEFAULT_ABORT_GRACE_S,
+        poll_s: float = _DEFAULT_POLL_S,
+        abort: Callable[[str], None] | None = None,
+        channel_poll_s: float = 0.5,
+        failure_linger_s: float = 1.5,
+    ) -> None:
         self.name = name
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.recorder = recorder
@@ -215,8 +226,17 @@ class StartupGraph:
 
     # -- declaring ---------------------------------------------------------------------------------
 
-    def add(self, name: str, fn: Callable[..., Any], *, deps: Iterable[str] = (), runs_on: str = "thread",
-            collective: bool = False, timeout_s: float | None = None, bucket: str | None = None) -> Stage:
+    def add(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        deps: Iterable[str] = (),
+        runs_on: str = "thread",
+        collective: bool = False,
+        timeout_s: float | None = None,
+        bucket: str | None = None,
+    ) -> Stage:
         """Declare a stage.
 
         Args:
@@ -236,8 +256,10 @@ class StartupGraph:
             ValueError: a duplicate or non-identifier name, or an unknown ``runs_on``.
         """
         if not name.isidentifier():
-            raise ValueError(f"stage name {name!r} is not valid: expected a Python identifier "
-                             "(it is passed to dependents as a keyword argument)")
+            raise ValueError(
+                f"stage name {name!r} is not valid: expected a Python identifier "
+                "(it is passed to dependents as a keyword argument)"
+            )
         if name in self._stages:
             raise ValueError(f"stage {name!r} is declared twice")
         if runs_on not in RUNS_ON:
@@ -263,8 +285,10 @@ class StartupGraph:
         for stage in self._stages.values():
             for dep in stage.deps:
                 if dep not in self._stages and dep not in known:
-                    raise ValueError(f"stage {stage.name!r} depends on {dep!r}, which is neither a stage "
-                                     f"nor an input (stages: {', '.join(self._stages)})")
+                    raise ValueError(
+                        f"stage {stage.name!r} depends on {dep!r}, which is neither a stage "
+                        f"nor an input (stages: {', '.join(self._stages)})"
+                    )
             sorter.add(stage.name, *(d for d in stage.deps if d in self._stages))
         try:
             sorter.prepare()
@@ -312,8 +336,10 @@ class StartupGraph:
             stage = self._stages[name]
             early = [d for d in stage.deps if d in self._stages]
             if stage.runs_on == "first" and early:
-                raise ValueError(f"stage {name!r} runs first but depends on the stages {', '.join(early)}: "
-                                 "a 'first' stage may depend only on the graph's inputs")
+                raise ValueError(
+                    f"stage {name!r} runs first but depends on the stages {', '.join(early)}: "
+                    "a 'first' stage may depend only on the graph's inputs"
+                )
         return _Run(self, order, inputs, sequential=sequential).execute()
 
 
@@ -351,8 +377,7 @@ class _Run:
                 for name in self.order:
                     if self.stages[name].runs_on == "first":
                         self._run_main(name)
-            watchdog = threading.Thread(target=self._watch, name=f"warmstart-{self.graph.name}-watchdog",
-                                        daemon=True)
+            watchdog = threading.Thread(target=self._watch, name=f"warmstart-{self.graph.name}-watchdog", daemon=True)
             watchdog.start()
             with self.cond:
                 self.before_threads = False
@@ -360,7 +385,7 @@ class _Run:
             for name in self.order:
                 if self.stages[name].runs_on != "main" and not self.sequential:
                     continue
-                self._wait(lambda: all(d in self.values for d in self.stages[name].deps))
+                self._wait(lambda name=name: all(d in self.values for d in self.stages[name].deps))
                 self._run_main(name)
             self._wait(lambda: all(n in self.timings for n in self.order))
         except StageFailed as failed:
@@ -373,9 +398,12 @@ class _Run:
             with self.cond:
                 self.finished = True
                 self.cond.notify_all()
-        return StartupResult(values=self.values, wall_s=time.monotonic() - self.t0,
-                             timings={n: self.timings[n] for n in self.order},
-                             deps={n: self.stages[n].deps for n in self.order})
+        return StartupResult(
+            values=self.values,
+            wall_s=time.monotonic() - self.t0,
+            timings={n: self.timings[n] for n in self.order},
+            deps={n: self.stages[n].deps for n in self.order},
+        )
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         # Short waits so a failure anywhere (a thread, the watchdog, a peer) is raised promptly.
@@ -400,8 +428,9 @@ class _Run:
             if all(d in self.values for d in stage.deps):
                 self.started.add(name)
                 self.running[name] = time.monotonic()
-                threading.Thread(target=self._run_off_main, args=(stage,), daemon=True,
-                                 name=f"warmstart-stage-{name}").start()
+                threading.Thread(
+                    target=self._run_off_main, args=(stage,), daemon=True, name=f"warmstart-stage-{name}"
+                ).start()
 
     def _call(self, stage: Stage) -> Any:
         """The stage's function on its dependencies' results, as a span (process stages in a child)."""
@@ -449,15 +478,26 @@ class _Run:
         with self.cond:
             self.main_stage = None
             self.values[name] = value
-            self.timings[name] = StageTiming(name, start - self.t0, end - self.t0,
-                                             stage.runs_on if self.sequential or stage.runs_on == "first" else "main")
+            self.timings[name] = StageTiming(
+                name,
+                start - self.t0,
+                end - self.t0,
+                stage.runs_on if self.sequential or stage.runs_on == "first" else "main",
+            )
             self._start_ready()
             self.cond.notify_all()
 
     # -- failures --------------------------------------------------------------------------------
 
-    def _fail(self, stage: str, exc: BaseException, *, rank: int | None = None, reason: str | None = None,
-              publish: bool = True) -> None:
+    def _fail(
+        self,
+        stage: str,
+        exc: BaseException,
+        *,
+        rank: int | None = None,
+        reason: str | None = None,
+        publish: bool = True,
+    ) -> None:
         """Record the first failure, tell the peers, wake the main thread."""
         rank = self.graph.rank if rank is None else rank
         if isinstance(exc, StageFailed) and reason is None:
@@ -491,8 +531,11 @@ class _Run:
                     return
                 now = time.monotonic()
                 main_stage = self.main_stage
-                overdue = [n for n, s in self.running.items()
-                           if self.stages[n].timeout_s is not None and now - s > self.stages[n].timeout_s]
+                overdue = [
+                    n
+                    for n, s in self.running.items()
+                    if self.stages[n].timeout_s is not None and now - s > self.stages[n].timeout_s
+                ]
             for name in overdue:
                 self._fail(name, TimeoutError(f"still running after {self.stages[name].timeout_s:g} s"))
             if main_stage is not None and now - main_stage[1] > main_stage[2]:
@@ -502,10 +545,19 @@ class _Run:
                 message = channel.poll()
                 if message is not None:
                     peer = _parse_message(message)
-                    self._fail(peer["stage"], StageFailed(peer["stage"], peer["rank"], peer["reason"]),
-                               rank=peer["rank"], reason=peer["reason"], publish=False)
-            if self.failure is not None and self.failed_at is not None and main_stage is not None \
-                    and time.monotonic() - self.failed_at > self.graph.abort_grace_s:
+                    self._fail(
+                        peer["stage"],
+                        StageFailed(peer["stage"], peer["rank"], peer["reason"]),
+                        rank=peer["rank"],
+                        reason=peer["reason"],
+                        publish=False,
+                    )
+            if (
+                self.failure is not None
+                and self.failed_at is not None
+                and main_stage is not None
+                and time.monotonic() - self.failed_at > self.graph.abort_grace_s
+            ):
                 with self.cond:
                     still_inside = self.main_stage is not None and self.main_stage[0] == main_stage[0]
                 if still_inside:
@@ -513,11 +565,13 @@ class _Run:
                     return
 
     def _abort(self, inside: str) -> None:
-        message = (f"warmstart: {self.failure}; aborting rank {self.graph.rank}, which is stuck in "
-                   f"collective stage {inside!r}")
+        message = (
+            f"warmstart: {self.failure}; aborting rank {self.graph.rank}, which is stuck in collective stage {inside!r}"
+        )
         # os._exit skips the recorder's exit hooks: record why this attempt dies, then flush.
         peer_or_timeout = self.failure is not None and (
-            self.failure.rank != self.graph.rank or isinstance(self.cause, TimeoutError))
+            self.failure.rank != self.graph.rank or isinstance(self.cause, TimeoutError)
+        )
         try:
             self.recorder.failure(message, "infra" if peer_or_timeout else "user")
             self.recorder.flush()

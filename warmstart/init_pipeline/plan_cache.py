@@ -63,9 +63,16 @@ class PlanOutcome:
     error: str | None = None
 
 
-def cached_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]] | None" = None, *,
-                pg: "dist.ProcessGroup | None" = None, store: Any = None, plan_in_subprocess: bool = False,
-                salt: str = "") -> "ShardingPlan":
+def cached_plan(
+    planner: Any,
+    module: "nn.Module",
+    sharders: "list[ModuleSharder[nn.Module]] | None" = None,
+    *,
+    pg: "dist.ProcessGroup | None" = None,
+    store: Any = None,
+    plan_in_subprocess: bool = False,
+    salt: str = "",
+) -> "ShardingPlan":
     """The plan ``planner`` would return for ``module``, served from the cache when nothing changed.
 
     Same result as ``planner.collective_plan(module, sharders, pg)`` (or ``planner.plan(module,
@@ -103,17 +110,27 @@ def cached_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder
             return planner.plan(module, sharders)
         return planner.collective_plan(module, sharders, pg)
     if pg is None:
-        return _plan_or_raise(resolve_plan(planner, module, sharders, store=store,
-                                           plan_in_subprocess=plan_in_subprocess, salt=salt))
+        return _plan_or_raise(
+            resolve_plan(planner, module, sharders, store=store, plan_in_subprocess=plan_in_subprocess, salt=salt)
+        )
     outcome = None
     if pg.rank() == 0:
-        outcome = resolve_plan(planner, module, sharders, store=store, plan_in_subprocess=plan_in_subprocess,
-                               salt=salt, catch=True)
+        outcome = resolve_plan(
+            planner, module, sharders, store=store, plan_in_subprocess=plan_in_subprocess, salt=salt, catch=True
+        )
     return broadcast_plan(outcome, pg)
 
 
-def resolve_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *,
-                 store: Any, plan_in_subprocess: bool = False, salt: str = "", catch: bool = False) -> PlanOutcome:
+def resolve_plan(
+    planner: Any,
+    module: "nn.Module",
+    sharders: "list[ModuleSharder[nn.Module]]",
+    *,
+    store: Any,
+    plan_in_subprocess: bool = False,
+    salt: str = "",
+    catch: bool = False,
+) -> PlanOutcome:
     """On this rank alone: look the plan up, verify it, or plan (and store the plan) on a miss.
 
     Args:
@@ -144,8 +161,9 @@ def resolve_plan(planner: Any, module: "nn.Module", sharders: "list[ModuleSharde
         if not catch:
             raise
         log.exception("warmstart: sharding plan failed")
-        return PlanOutcome(None, "planner", key, time.perf_counter() - start, rejected=rejected,
-                           error=f"{type(exc).__name__}: {exc}")
+        return PlanOutcome(
+            None, "planner", key, time.perf_counter() - start, rejected=rejected, error=f"{type(exc).__name__}: {exc}"
+        )
     plan_s = time.perf_counter() - plan_start
     if store is not None:
         _store_plan(store, key, plan, plan_s)
@@ -181,8 +199,9 @@ def _plan_or_raise(outcome: PlanOutcome) -> "ShardingPlan":
 # -- the store -----------------------------------------------------------------------------------
 
 
-def _load_plan(store: Any, key: str, planner: Any, module: "nn.Module",
-               sharders: "list[ModuleSharder[nn.Module]]") -> PlanOutcome | int:
+def _load_plan(
+    store: Any, key: str, planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]"
+) -> PlanOutcome | int:
     """Look ``key`` up and verify the entry.
 
     Returns:
@@ -199,8 +218,9 @@ def _load_plan(store: Any, key: str, planner: Any, module: "nn.Module",
         plan = entry["plan"]
         verify_plan(plan, planner, module, sharders)
     except Exception as exc:  # noqa: BLE001 - any unusable entry is a miss, counted and logged
-        log.warning("warmstart: cached sharding plan %s… rejected (%s: %s); planning again",
-                    key[:12], type(exc).__name__, exc)
+        log.warning(
+            "warmstart: cached sharding plan %s… rejected (%s: %s); planning again", key[:12], type(exc).__name__, exc
+        )
         _count_rejected(store)
         return 1
     return PlanOutcome(plan, "cache", key, plan_s=float(entry.get("plan_s", 0.0)))
@@ -209,8 +229,10 @@ def _load_plan(store: Any, key: str, planner: Any, module: "nn.Module",
 def _store_plan(store: Any, key: str, plan: "ShardingPlan", plan_s: float) -> None:
     """Write ``plan`` under ``key`` (the remote write goes in the background). Never raises."""
     try:
-        blob = pickle.dumps({"format": FORMAT, "key": key, "plan": plan, "plan_s": plan_s,
-                             "created": time.time()}, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps(
+            {"format": FORMAT, "key": key, "plan": plan, "plan_s": plan_s, "created": time.time()},
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
     except Exception:  # noqa: BLE001 - a plan that does not pickle is simply not cached
         log.warning("warmstart: sharding plan does not pickle; not cached", exc_info=True)
         return
@@ -221,4 +243,3 @@ def _count_rejected(store: Any) -> None:
     stats = getattr(store, "stats", None)
     if stats is not None:
         stats.add(VERIFY_TIER, PLAN_KIND, rejected=1)
-

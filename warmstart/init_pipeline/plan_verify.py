@@ -20,8 +20,15 @@ class PlanMismatch(WarmstartError, ValueError):
     """A cached plan does not fit the module, sharders or topology it was looked up for."""
 
 
-def verify_plan(plan: Any, planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *,
-                world_size: int | None = None, compute_device: str | None = None) -> None:
+def verify_plan(
+    plan: Any,
+    planner: Any,
+    module: "nn.Module",
+    sharders: "list[ModuleSharder[nn.Module]]",
+    *,
+    world_size: int | None = None,
+    compute_device: str | None = None,
+) -> None:
     """Check that ``plan`` fits ``module``, ``sharders`` and the planner's topology.
 
     Checks: the plan's module paths are exactly the sharded modules that have tables; each module's
@@ -46,12 +53,13 @@ def verify_plan(plan: Any, planner: Any, module: "nn.Module", sharders: "list[Mo
     if world_size is None or compute_device is None:
         raise PlanMismatch("cannot tell the world size and compute device of the planner")
     claimed = claimed_modules(module, sharders)
-    expected = {path: (child, sharder, dict(sharder.shardable_parameters(child)))
-                for path, (child, sharder) in claimed.items()}
+    expected = {
+        path: (child, sharder, dict(sharder.shardable_parameters(child))) for path, (child, sharder) in claimed.items()
+    }
     expected = {path: v for path, v in expected.items() if v[2]}
     if set(plan.plan) != set(expected):
         raise PlanMismatch(f"module paths differ: plan has {sorted(plan.plan)}, model has {sorted(expected)}")
-    for path, (child, sharder, params) in expected.items():
+    for path, (_child, sharder, params) in expected.items():
         module_plan = plan.plan[path]
         if set(module_plan) != set(params):
             missing, extra = sorted(set(params) - set(module_plan)), sorted(set(module_plan) - set(params))
@@ -60,12 +68,16 @@ def verify_plan(plan: Any, planner: Any, module: "nn.Module", sharders: "list[Mo
         for name, sharding in module_plan.items():
             where = f"{path}.{name}" if path else name
             if sharding.sharding_type not in allowed:
-                raise PlanMismatch(f"{where}: sharding type {sharding.sharding_type} is not offered on "
-                                   f"{compute_device} (offered: {allowed})")
+                raise PlanMismatch(
+                    f"{where}: sharding type {sharding.sharding_type} is not offered on "
+                    f"{compute_device} (offered: {allowed})"
+                )
             kernels = sharder.compute_kernels(sharding.sharding_type, compute_device)
             if sharding.compute_kernel not in kernels:
-                raise PlanMismatch(f"{where}: compute kernel {sharding.compute_kernel} is not offered for "
-                                   f"{sharding.sharding_type} on {compute_device}")
+                raise PlanMismatch(
+                    f"{where}: compute kernel {sharding.compute_kernel} is not offered for "
+                    f"{sharding.sharding_type} on {compute_device}"
+                )
             ranks = list(sharding.ranks or [])
             if not ranks or any(not 0 <= int(r) < world_size for r in ranks):
                 raise PlanMismatch(f"{where}: ranks {ranks} are not all below the world size {world_size}")
@@ -84,7 +96,7 @@ def _verify_tiling(where: str, shape: list[int], shards: list[Any], world_size: 
         offsets, sizes = list(shard.shard_offsets), list(shard.shard_sizes)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise PlanMismatch(f"{where}: a shard has {len(sizes)} dimensions, the table {len(shape)}")
-        if any(o < 0 or s <= 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+        if any(o < 0 or s <= 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
             raise PlanMismatch(f"{where}: shard at {offsets} of size {sizes} is outside the table {shape}")
         placement = shard.placement
         rank, device = placement.rank(), placement.device()
@@ -97,7 +109,7 @@ def _verify_tiling(where: str, shape: list[int], shards: list[Any], world_size: 
     for d in shape:
         volume *= d
     covered = 0
-    for offsets, sizes in boxes:
+    for _offsets, sizes in boxes:
         n = 1
         for s in sizes:
             n *= s
@@ -105,6 +117,6 @@ def _verify_tiling(where: str, shape: list[int], shards: list[Any], world_size: 
     if covered != volume:
         raise PlanMismatch(f"{where}: shards cover {covered} of {volume} elements")
     for i, (oa, sa) in enumerate(boxes):  # same volume and no overlap: an exact tiling
-        for ob, sb in boxes[i + 1:]:
-            if all(a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb)):
+        for ob, sb in boxes[i + 1 :]:
+            if all(a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb, strict=True)):
                 raise PlanMismatch(f"{where}: shards at {oa} and {ob} overlap")

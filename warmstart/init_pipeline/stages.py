@@ -105,8 +105,13 @@ class StoreFailureChannel:
             try:
                 env = os.environ
                 if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR"):
-                    self._store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                                                timeout=timedelta(seconds=5), wait_for_workers=False)
+                    self._store = dist.TCPStore(
+                        env["MASTER_ADDR"],
+                        int(env["MASTER_PORT"]),
+                        is_master=False,
+                        timeout=timedelta(seconds=5),
+                        wait_for_workers=False,
+                    )
                 elif dist.is_available() and dist.is_initialized():
                     self._store = dist.distributed_c10d._get_default_store()
             except Exception:  # noqa: BLE001
@@ -186,8 +191,11 @@ class CompileWarmup:
             compiled = torch.compile(module, **self.compile_kwargs)
         out = compiled(*self.example_inputs(device))
         if self.backward:
-            tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out])
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [
+                t
+                for t in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
             if tensors:
                 torch.stack([t.float().sum() for t in tensors]).sum().backward()
         return time.perf_counter() - start
@@ -242,9 +250,15 @@ class TorchRecStartup:
     dmp_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank: int | None = None,
-                           world_size: int | None = None, local_world_size: int | None = None,
-                           **graph_kwargs: Any) -> StartupGraph:
+def torchrec_startup_graph(
+    spec: TorchRecStartup,
+    *,
+    name: str = "startup",
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
+    **graph_kwargs: Any,
+) -> StartupGraph:
     """Build the TorchRec start-up graph (see the module docstring); add stages of your own, then ``run()``.
 
     Stage results: ``process_group_init`` (the process group), ``data_loader_init``
@@ -268,7 +282,9 @@ def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank
     env = os.environ
     rank = int(env.get("RANK", "0")) if rank is None else rank
     world_size = int(env.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(world_size))) if local_world_size is None else local_world_size
+    local_world_size = (
+        int(env.get("LOCAL_WORLD_SIZE", str(world_size))) if local_world_size is None else local_world_size
+    )
     device = torch.device(spec.device)
     if world_size > 1:
         graph_kwargs.setdefault("channel", StoreFailureChannel(name=name))
@@ -299,29 +315,38 @@ def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank
             from warmstart.compile_cache import get_store
 
             store = get_store()
-        outcome = resolve_plan(planner, model_meta, sharders, store=store, plan_in_subprocess=spec.plan_in_subprocess,
-                               catch=True)
+        outcome = resolve_plan(
+            planner, model_meta, sharders, store=store, plan_in_subprocess=spec.plan_in_subprocess, catch=True
+        )
         log.info("warmstart: sharding plan from %s in %.3f s", outcome.source, outcome.seconds)
         return outcome
 
     def sharding_plan_broadcast(sharding_plan: PlanOutcome | None, process_group_init: dist.ProcessGroup) -> Any:
         return broadcast_plan(sharding_plan, process_group_init)
 
-    def model_transform(model_meta: nn.Module, sharding_plan_broadcast: Any,
-                        process_group_init: dist.ProcessGroup) -> nn.Module:
+    def model_transform(
+        model_meta: nn.Module, sharding_plan_broadcast: Any, process_group_init: dist.ProcessGroup
+    ) -> nn.Module:
         from torchrec.distributed.model_parallel import DistributedModelParallel
         from torchrec.distributed.types import ShardingEnv
 
         pg = process_group_init
         sharding_env = ShardingEnv(dist.get_world_size(pg), dist.get_rank(pg), pg, output_dtensor=spec.output_dtensor)
-        return DistributedModelParallel(module=model_meta, env=sharding_env, device=device,
-                                        plan=sharding_plan_broadcast, sharders=sharders, **spec.dmp_kwargs)
+        return DistributedModelParallel(
+            module=model_meta,
+            env=sharding_env,
+            device=device,
+            plan=sharding_plan_broadcast,
+            sharders=sharders,
+            **spec.dmp_kwargs,
+        )
 
     graph.add("process_group_init", process_group_init, collective=True)
     graph.add("model_meta", model_meta, bucket="model_transform")
     graph.add("sharding_plan", sharding_plan, deps=["model_meta"])
     if spec.build_loader is not None:
         build_loader, prefetch = spec.build_loader, spec.prefetch_batches
+
         # The workers fork in a 'first' stage, before any stage thread exists: a fork while another
         # thread holds one of torch's locks (the RNG's, while a thread builds a module) leaves a
         # worker deadlocked. The first batches are then fetched in a thread with everything else.
@@ -330,28 +355,53 @@ def torchrec_startup_graph(spec: TorchRecStartup, *, name: str = "startup", rank
             return loader, iter(loader)
 
         graph.add("data_loader_start", data_loader_start, runs_on="first", bucket="data_loader_init")
-        graph.add("data_loader_init", lambda data_loader_start: PrefetchedLoader(
-            data_loader_start[0], prefetch, iterator=data_loader_start[1]), deps=["data_loader_start"])
+        graph.add(
+            "data_loader_init",
+            lambda data_loader_start: PrefetchedLoader(data_loader_start[0], prefetch, iterator=data_loader_start[1]),
+            deps=["data_loader_start"],
+        )
     if spec.compile_warmup is not None:
         warmup = spec.compile_warmup
         graph.add("compile_warmup", lambda: warmup.run(device), bucket="compile")
-    graph.add("sharding_plan_broadcast", sharding_plan_broadcast, deps=["sharding_plan", "process_group_init"],
-              collective=True, bucket="sharding_plan")
-    graph.add("model_transform", model_transform,
-              deps=["model_meta", "sharding_plan_broadcast", "process_group_init"], collective=True)
+    graph.add(
+        "sharding_plan_broadcast",
+        sharding_plan_broadcast,
+        deps=["sharding_plan", "process_group_init"],
+        collective=True,
+        bucket="sharding_plan",
+    )
+    graph.add(
+        "model_transform",
+        model_transform,
+        deps=["model_meta", "sharding_plan_broadcast", "process_group_init"],
+        collective=True,
+    )
     if spec.build_optimizer is not None:
         build_optimizer = spec.build_optimizer
         # On the main thread: it reads the parameters DistributedModelParallel just built.
-        graph.add("optimizer_init", lambda model_transform: build_optimizer(model_transform),
-                  deps=["model_transform"], runs_on="main", bucket="model_transform")
+        graph.add(
+            "optimizer_init",
+            lambda model_transform: build_optimizer(model_transform),
+            deps=["model_transform"],
+            runs_on="main",
+            bucket="model_transform",
+        )
     if spec.load_checkpoint is not None:
         hook = spec.load_checkpoint
         if spec.build_optimizer is not None:
-            graph.add("checkpoint_load", lambda model_transform, optimizer_init: hook(model_transform, optimizer_init),
-                      deps=["model_transform", "optimizer_init"], collective=True)
+            graph.add(
+                "checkpoint_load",
+                lambda model_transform, optimizer_init: hook(model_transform, optimizer_init),
+                deps=["model_transform", "optimizer_init"],
+                collective=True,
+            )
         else:
-            graph.add("checkpoint_load", lambda model_transform: hook(model_transform, None),
-                      deps=["model_transform"], collective=True)
+            graph.add(
+                "checkpoint_load",
+                lambda model_transform: hook(model_transform, None),
+                deps=["model_transform"],
+                collective=True,
+            )
     return graph
 
 
@@ -382,9 +432,12 @@ def release_process_groups() -> int | None:
     gc.collect()  # the groups referenced only from reference cycles (TorchRec modules) go now
     left = gloo_worker_threads()
     if left:
-        log.warning("warmstart: %d gloo worker thread(s) still running after destroy_process_group(): something "
-                    "still refers to a process group (a model, a ShardingEnv, a checkpointer); its threads "
-                    "will run into interpreter exit", left)
+        log.warning(
+            "warmstart: %d gloo worker thread(s) still running after destroy_process_group(): something "
+            "still refers to a process group (a model, a ShardingEnv, a checkpointer); its threads "
+            "will run into interpreter exit",
+            left,
+        )
     return left
 
 

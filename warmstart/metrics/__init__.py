@@ -22,9 +22,18 @@ from warmstart.metrics.recorder import NullRecorder, Recorder, get_recorder, res
 _CALCULATOR = ("RunResult", "compute", "compute_runs", "load_runs")
 
 __all__ = [
-    "Event", "EventFormatError", "TornLineWarning", "read_events", "write_events",
+    "Event",
+    "EventFormatError",
+    "TornLineWarning",
+    "read_events",
+    "write_events",
     *_CALCULATOR,
-    "Recorder", "NullRecorder", "get_recorder", "reset_process_recorder", "install_compile_spans", "CacheSpans",
+    "Recorder",
+    "NullRecorder",
+    "get_recorder",
+    "reset_process_recorder",
+    "install_compile_spans",
+    "CacheSpans",
 ]
 
 

@@ -42,8 +42,9 @@ def waste_fraction(interval_s: float, blocking_s: float, mtbf_s: float) -> float
     return blocking_s / interval_s + interval_s / (2.0 * mtbf_s)
 
 
-def advise_interval(blocking_s: float, failures_per_day: float, current_interval_s: float | None = None
-                    ) -> IntervalAdvice:
+def advise_interval(
+    blocking_s: float, failures_per_day: float, current_interval_s: float | None = None
+) -> IntervalAdvice:
     """The optimal checkpoint interval ``sqrt(2 * T * b)`` with ``T = 86400 / failures_per_day``.
 
     Args:
@@ -65,10 +66,17 @@ def advise_interval(blocking_s: float, failures_per_day: float, current_interval
     if current_interval_s is not None:
         current_waste = 100.0 * waste_fraction(current_interval_s, blocking_s, mtbf)
     return IntervalAdvice(
-        blocking_s=blocking_s, failures_per_day=failures_per_day, mtbf_s=mtbf, interval_s=interval,
-        waste_pct=100.0 * (blocked + lost), blocked_pct=100.0 * blocked, lost_pct=100.0 * lost,
-        first_order_valid=interval <= mtbf / 2, current_interval_s=current_interval_s,
-        current_waste_pct=current_waste)
+        blocking_s=blocking_s,
+        failures_per_day=failures_per_day,
+        mtbf_s=mtbf,
+        interval_s=interval,
+        waste_pct=100.0 * (blocked + lost),
+        blocked_pct=100.0 * blocked,
+        lost_pct=100.0 * lost,
+        first_order_valid=interval <= mtbf / 2,
+        current_interval_s=current_interval_s,
+        current_waste_pct=current_waste,
+    )
 
 
 def _positive(option: str, value: float, accepted: str) -> None:

@@ -54,8 +54,10 @@ def uninstall_compile_spans() -> None:
             return
         from torch._dynamo.callback import callback_handler
 
-        for registry, callback in ((callback_handler.start_callbacks, _on_start),
-                                   (callback_handler.end_callbacks, _on_end)):
+        for registry, callback in (
+            (callback_handler.start_callbacks, _on_start),
+            (callback_handler.end_callbacks, _on_end),
+        ):
             if callback in registry:
                 registry.remove(callback)
         _installed = False

@@ -38,12 +38,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from warmstart.metrics.buckets import (
-    CHECKPOINT_BLOCKING, EFFECTIVE, INIT_OTHER, LOST, PRELOAD_HANDOVER, RECOVERY, SHUTDOWN, STANDARD_BUCKETS,
+    CHECKPOINT_BLOCKING,
+    EFFECTIVE,
+    INIT_OTHER,
+    LOST,
+    PRELOAD_HANDOVER,
+    RECOVERY,
+    SHUTDOWN,
+    STANDARD_BUCKETS,
     span_bucket,
 )
 from warmstart.metrics.events import (
-    AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, Event, Failure, Step, TornLineWarning, TrainEnd,
-    event_files, read_events,
+    AttemptEnd,
+    AttemptStart,
+    Begin,
+    CheckpointCommitted,
+    End,
+    Event,
+    Failure,
+    Step,
+    TornLineWarning,
+    TrainEnd,
+    event_files,
+    read_events,
 )
 from warmstart.metrics.steps import SlowSteps, analyse_steps
 
@@ -173,11 +190,18 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         """The ``warmstart ett report --json`` object of this run (docs/reference.md#report-json)."""
         d = {
-            "job": self.job, "run_dir": self.run_dir, "e2e_s": self.e2e_s, "ett_pct": self.ett_pct,
-            "devices": self.devices, "buckets": dict(self.buckets), "l1": dict(self.l1),
+            "job": self.job,
+            "run_dir": self.run_dir,
+            "e2e_s": self.e2e_s,
+            "ett_pct": self.ett_pct,
+            "devices": self.devices,
+            "buckets": dict(self.buckets),
+            "l1": dict(self.l1),
             "attempts": [a.to_dict() for a in self.attempts],
             "ranks": {str(rank): value for rank, value in self.ranks.items()},
-            "start_ts": self.start_ts, "end_ts": self.end_ts, "warnings": list(self.warnings),
+            "start_ts": self.start_ts,
+            "end_ts": self.end_ts,
+            "warnings": list(self.warnings),
             "slow_steps": self.slow_steps.to_dict() if self.slow_steps is not None else None,
         }
         if self.windows is not None:
@@ -186,6 +210,7 @@ class RunResult:
 
 
 # -- loading -------------------------------------------------------------------------------------------
+
 
 def load_runs(run_dirs: Iterable[str | os.PathLike]) -> list[Run]:
     """Read every ``*.jsonl`` file under each run directory and group the events by job.
@@ -243,6 +268,7 @@ def _load_run_dir(run_dir: str | os.PathLike) -> list[Run]:
 
 # -- computing -----------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class _Frame:
     """One attempt's window on the job's timeline."""
@@ -284,9 +310,20 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
     frames = _frames(events, frame_events, notes, ranks_of, now)
     devices = max(max((e.devices for e in events if type(e) is AttemptStart and e.devices), default=1), len(ranks))
     if not frames:
-        return RunResult(job=run.job, run_dir=run.run_dir, start_ts=0.0, end_ts=0.0, e2e_s=0.0, ett_pct=0.0,
-                         devices=devices, buckets=ordered_buckets({}), l1=_l1([], {}), attempts=[], ranks={},
-                         warnings=notes)
+        return RunResult(
+            job=run.job,
+            run_dir=run.run_dir,
+            start_ts=0.0,
+            end_ts=0.0,
+            e2e_s=0.0,
+            ett_pct=0.0,
+            devices=devices,
+            buckets=ordered_buckets({}),
+            l1=_l1([], {}),
+            attempts=[],
+            ranks={},
+            warnings=notes,
+        )
     t0, t_end = frames[0].start, max(f.end for f in frames)
 
     job_segments: list[Segment] | None = [] if keep_segments else None
@@ -305,18 +342,30 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
             if own_segments is not None:
                 rank_segments[rank] = own_segments
         total = ordered_buckets(split.total)
-        rank_results[rank] = {"e2e_s": t_end - t0, "ett_pct": _pct(total[EFFECTIVE], t_end - t0),
-                              "buckets": total}
+        rank_results[rank] = {"e2e_s": t_end - t0, "ett_pct": _pct(total[EFFECTIVE], t_end - t0), "buckets": total}
 
     forked = {e.attempt for e in events if type(e) is Begin and e.span == PRELOAD_HANDOVER}
     attempts = [_attempt_result(f, job_split, i, f.attempt in forked) for i, f in enumerate(frames)]
     buckets = ordered_buckets(job_split.total)
     e2e = t_end - t0
-    return RunResult(job=run.job, run_dir=run.run_dir, start_ts=t0, end_ts=t_end, e2e_s=e2e,
-                     ett_pct=_pct(buckets[EFFECTIVE], e2e), devices=devices, buckets=buckets,
-                     l1=_l1(attempts, buckets), attempts=attempts, ranks=rank_results, warnings=notes,
-                     timeline=job_split.timeline, segments=job_segments or [], rank_segments=rank_segments,
-                     slow_steps=analyse_steps(events, primary))
+    return RunResult(
+        job=run.job,
+        run_dir=run.run_dir,
+        start_ts=t0,
+        end_ts=t_end,
+        e2e_s=e2e,
+        ett_pct=_pct(buckets[EFFECTIVE], e2e),
+        devices=devices,
+        buckets=buckets,
+        l1=_l1(attempts, buckets),
+        attempts=attempts,
+        ranks=rank_results,
+        warnings=notes,
+        timeline=job_split.timeline,
+        segments=job_segments or [],
+        rank_segments=rank_segments,
+        slow_steps=analyse_steps(events, primary),
+    )
 
 
 def compute_runs(run_dirs: Iterable[str | os.PathLike]) -> list[RunResult]:
@@ -324,8 +373,13 @@ def compute_runs(run_dirs: Iterable[str | os.PathLike]) -> list[RunResult]:
     return [compute(run) for run in load_runs(run_dirs)]
 
 
-def _frames(events: list[Event], frame_events: list[Event], notes: list[str],
-            ranks_of: dict[int, set[int]], now: float | None = None) -> list[_Frame]:
+def _frames(
+    events: list[Event],
+    frame_events: list[Event],
+    notes: list[str],
+    ranks_of: dict[int, set[int]],
+    now: float | None = None,
+) -> list[_Frame]:
     by_attempt: dict[int, list[Event]] = defaultdict(list)
     for ev in frame_events:
         by_attempt[ev.attempt].append(ev)
@@ -343,14 +397,23 @@ def _frames(events: list[Event], frame_events: list[Event], notes: list[str],
         first_failure = failures[0] if failures else None
         train_ends = [e.ts for e in evs if type(e) is TrainEnd]
         commits = [e.step for e in evs if type(e) is CheckpointCommitted]
-        raw.append(dict(
-            attempt=attempt, start=start, end=max(end, start), ended=bool(ends),
-            failure=None if first_failure is None else {
-                "ts": first_failure.ts, "reason": first_failure.reason, "category": first_failure.category},
-            train_end=train_ends[0] if train_ends else None,
-            committed=max(commits) if commits else None,
-            devices=max(max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1),
-                        len(ranks_of.get(attempt, ())))))
+        raw.append(
+            dict(
+                attempt=attempt,
+                start=start,
+                end=max(end, start),
+                ended=bool(ends),
+                failure=None
+                if first_failure is None
+                else {"ts": first_failure.ts, "reason": first_failure.reason, "category": first_failure.category},
+                train_end=train_ends[0] if train_ends else None,
+                committed=max(commits) if commits else None,
+                devices=max(
+                    max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1),
+                    len(ranks_of.get(attempt, ())),
+                ),
+            )
+        )
     raw.sort(key=lambda r: (r["start"], r["attempt"]))
     if now is not None and raw and not raw[-1]["ended"] and raw[-1]["failure"] is None:
         raw[-1]["end"] = max(raw[-1]["end"], now)  # still running: its clock runs to the present
@@ -361,13 +424,26 @@ def _frames(events: list[Event], frame_events: list[Event], notes: list[str],
         start = max(r["start"], cursor)
         failure = r["failure"]
         if failure is None and r["train_end"] is None and next_start < math.inf:
-            failure = {"ts": r["end"], "reason": "attempt ended without failure or train_end events",
-                       "category": "unknown"}
+            failure = {
+                "ts": r["end"],
+                "reason": "attempt ended without failure or train_end events",
+                "category": "unknown",
+            }
         stop = min(failure["ts"] if failure else r["end"], r["end"], next_start)
         stop = max(stop, start)
-        frames.append(_Frame(attempt=r["attempt"], start=start, stop=stop, end=max(r["end"], start),
-                             failed=failure is not None, failure=failure, train_end=r["train_end"],
-                             committed=r["committed"], devices=r["devices"]))
+        frames.append(
+            _Frame(
+                attempt=r["attempt"],
+                start=start,
+                stop=stop,
+                end=max(r["end"], start),
+                failed=failure is not None,
+                failure=failure,
+                train_end=r["train_end"],
+                committed=r["committed"],
+                devices=r["devices"],
+            )
+        )
         cursor = max(stop, min(r["end"], next_start))
     return frames
 
@@ -381,8 +457,15 @@ class _Split:
     timeline: list[AttemptTimeline]
 
 
-def _split(frames: list[_Frame], events: list[Event], t0: float, t_end: float, notes: list[str],
-           keep_timeline: bool, segments: list[Segment] | None = None) -> _Split:
+def _split(
+    frames: list[_Frame],
+    events: list[Event],
+    t0: float,
+    t_end: float,
+    notes: list[str],
+    keep_timeline: bool,
+    segments: list[Segment] | None = None,
+) -> _Split:
     """Assign every instant of [t0, t_end] to a bucket, using ``events`` for spans and steps; with
     ``segments``, also append each stretch of time to it."""
     by_attempt: dict[int, list[Event]] = defaultdict(list)
@@ -427,9 +510,15 @@ _M_SPAN_END, _M_LOOP_END, _M_STEP, _M_SPAN_BEGIN = range(4)
 _mark_order = operator.itemgetter(0, 1)
 
 
-def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], notes: list[str],
-                 keep_timeline: bool, segments: list[Segment] | None = None,
-                 index: int = 0) -> tuple[float, tuple, AttemptTimeline | None]:
+def _fill_window(
+    frame: _Frame,
+    evs: list[Event],
+    buckets: dict[str, float],
+    notes: list[str],
+    keep_timeline: bool,
+    segments: list[Segment] | None = None,
+    index: int = 0,
+) -> tuple[float, tuple, AttemptTimeline | None]:
     """Sweep one attempt's window; return its pre-first-step seconds, step stats and timeline.
 
     With ``segments``, each stretch the sweep attributes is also appended there (as attempt ``index``).
@@ -514,15 +603,26 @@ def _fill_window(frame: _Frame, evs: list[Event], buckets: dict[str, float], not
             lost_from = next((ev.ts for ev in steps if committed is None or ev.step > committed), None)
         stride = max(1, len(steps) // _MAX_TIMELINE_STEPS)
         tl = AttemptTimeline(
-            attempt=frame.attempt, start=s, end=e, first_step=first_step,
-            loop_end=loop_end if steps else None, train_end=train_end if train_end is not None and train_end < e else None,
-            lost_from=lost_from, failure=frame.failure,
+            attempt=frame.attempt,
+            start=s,
+            end=e,
+            first_step=first_step,
+            loop_end=loop_end if steps else None,
+            train_end=train_end if train_end is not None and train_end < e else None,
+            lost_from=lost_from,
+            failure=frame.failure,
             spans=[SpanMark(name, bucket, b, en, rank) for b, en, bucket, name, rank in spans],
             steps=[(ev.ts, ev.step) for ev in steps[::stride]],
             checkpoints=[(ev.ts, ev.step) for ev in evs if type(ev) is CheckpointCommitted],
-            recovery_before=None, recovery_after=None)
-    stat = (len(steps), steps[0].step if steps else None, steps[-1].step if steps else None,
-            sum([ev.samples for ev in steps if ev.samples]))
+            recovery_before=None,
+            recovery_after=None,
+        )
+    stat = (
+        len(steps),
+        steps[0].step if steps else None,
+        steps[-1].step if steps else None,
+        sum([ev.samples for ev in steps if ev.samples]),
+    )
     return init_s, stat, tl
 
 
@@ -537,8 +637,9 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[tuple[floa
         elif type(ev) is End:
             stack = open_spans.get((ev.rank, ev.span))
             if not stack:
-                notes.append(f"attempt {frame.attempt} rank {ev.rank}: 'end' of span {ev.span!r} without "
-                             f"'begin' ignored")
+                notes.append(
+                    f"attempt {frame.attempt} rank {ev.rank}: 'end' of span {ev.span!r} without 'begin' ignored"
+                )
                 continue
             begin, bucket = stack.pop()
             spans.append((begin, ev.ts, span_bucket(ev.span, bucket or ev.bucket), ev.span, ev.rank))
@@ -560,10 +661,24 @@ def _attempt_result(frame: _Frame, split: _Split, i: int, forked: bool) -> Attem
     steps, first, last, samples = split.step_stats[i]
     failure = None if frame.failure is None else dict(frame.failure)
     return AttemptResult(
-        attempt=frame.attempt, start_ts=frame.start, end_ts=frame.stop, devices=frame.devices, e2e_s=e2e,
-        ett_pct=_pct(buckets[EFFECTIVE], e2e), buckets=buckets, pre_first_step_s=split.pre_first_step[i],
-        recovery_wait_s=buckets[RECOVERY], failed=frame.failed, failure=failure, steps=steps,
-        first_step=first, last_step=last, last_committed_step=frame.committed, samples=samples, forked=forked)
+        attempt=frame.attempt,
+        start_ts=frame.start,
+        end_ts=frame.stop,
+        devices=frame.devices,
+        e2e_s=e2e,
+        ett_pct=_pct(buckets[EFFECTIVE], e2e),
+        buckets=buckets,
+        pre_first_step_s=split.pre_first_step[i],
+        recovery_wait_s=buckets[RECOVERY],
+        failed=frame.failed,
+        failure=failure,
+        steps=steps,
+        first_step=first,
+        last_step=last,
+        last_committed_step=frame.committed,
+        samples=samples,
+        forked=forked,
+    )
 
 
 def _l1(attempts: Sequence[AttemptResult], buckets: dict[str, float]) -> dict[str, Any]:

@@ -251,8 +251,11 @@ class _TornLines:
         rest = self.lines[TORN_WARNINGS_PER_FILE:]
         if rest:
             shown = ", ".join(str(line) for line, _ in rest[:20]) + (", ..." if len(rest) > 20 else "")
-            warnings.warn(f"{self.path}:{rest[0][0]}: {len(rest)} more torn lines skipped (lines {shown})",
-                          TornLineWarning, stacklevel=3)
+            warnings.warn(
+                f"{self.path}:{rest[0][0]}: {len(rest)} more torn lines skipped (lines {shown})",
+                TornLineWarning,
+                stacklevel=3,
+            )
         self.lines = []
 
 
@@ -313,7 +316,7 @@ def _is_json_prefix(text: str) -> bool:
     except json.JSONDecodeError as exc:
         if exc.pos >= len(text) or exc.msg.startswith("Unterminated string"):
             return True
-        return _PARTIAL_TOKEN.fullmatch(text[exc.pos:]) is not None
+        return _PARTIAL_TOKEN.fullmatch(text[exc.pos :]) is not None
     return False  # complete: not a fragment
 
 
@@ -360,16 +363,27 @@ def _parse_line(path: Path, line: int, raw: bytes, torn: _TornLines, last: bool)
             except ValueError:  # the split guessed wrong: the whole line is a fragment
                 pass
             else:
-                torn.note(line, "torn fragment skipped before the event on this line (a write cut short before "
-                                "its newline); the event was kept")
+                torn.note(
+                    line,
+                    "torn fragment skipped before the event on this line (a write cut short before "
+                    "its newline); the event was kept",
+                )
                 return event
         if not is_fragment(raw):
             shown = raw.decode("utf-8", "replace").strip()
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise EventFormatError(path, line, f"not an event: {shown!r} is not JSON and no fragment of an "
-                                               "interrupted write (expected one JSON object per line)") from None
-        torn.note(line, "torn last line skipped (the writer died mid-write)" if last else
-                  "torn line skipped (a fragment of an interrupted write)")
+            raise EventFormatError(
+                path,
+                line,
+                f"not an event: {shown!r} is not JSON and no fragment of an "
+                "interrupted write (expected one JSON object per line)",
+            ) from None
+        torn.note(
+            line,
+            "torn last line skipped (the writer died mid-write)"
+            if last
+            else "torn line skipped (a fragment of an interrupted write)",
+        )
         return None
     try:
         return parse_event(obj)

@@ -50,16 +50,30 @@ class FleetResult:
         self.failures += int(result.l1.get("failures", 0))
         for name, seconds in result.buckets.items():
             self.buckets[name] += seconds * weight
-        self.runs.append({"job": result.job, "run_dir": result.run_dir, "devices": weight,
-                          "e2e_s": result.e2e_s, "device_seconds": result.e2e_s * weight,
-                          "ett_pct": result.ett_pct, "failures": result.l1.get("failures", 0)})
+        self.runs.append(
+            {
+                "job": result.job,
+                "run_dir": result.run_dir,
+                "devices": weight,
+                "e2e_s": result.e2e_s,
+                "device_seconds": result.e2e_s * weight,
+                "ett_pct": result.ett_pct,
+                "failures": result.l1.get("failures", 0),
+            }
+        )
         self.run_buckets.append({name: seconds * weight for name, seconds in result.buckets.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """The ``warmstart ett fleet --json`` object (``buckets`` in device-seconds)."""
-        d = {"ett_pct": self.ett_pct, "jobs": self.jobs, "device_seconds": self.device_seconds,
-             "effective_device_seconds": self.effective_device_seconds, "failures": self.failures,
-             "buckets": ordered_buckets(self.buckets), "runs": list(self.runs)}
+        d = {
+            "ett_pct": self.ett_pct,
+            "jobs": self.jobs,
+            "device_seconds": self.device_seconds,
+            "effective_device_seconds": self.effective_device_seconds,
+            "failures": self.failures,
+            "buckets": ordered_buckets(self.buckets),
+            "runs": list(self.runs),
+        }
         if self.windows is not None:
             d["windows"] = [w.to_dict() for w in self.windows]
         return d

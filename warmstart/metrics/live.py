@@ -81,8 +81,7 @@ class Exporter:
         clock: the present, unix seconds: the job's open attempt runs until then.
     """
 
-    def __init__(self, recorder: Recorder, settings: MetricsSettings,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, recorder: Recorder, settings: MetricsSettings, clock: Callable[[], float] = time.time) -> None:
         from prometheus_client import CollectorRegistry
 
         self.recorder = recorder
@@ -133,17 +132,24 @@ class Exporter:
                 return self.snapshot
             # Recomputed even when nothing was written since the last look: the job's clock runs on
             # through a long compile or eval (to the present, which the calculator cannot know).
-            result = compute(Run(job=self.recorder.job, run_dir=str(self._tail.run_dir), events=events),
-                             now=self._clock())
+            result = compute(
+                Run(job=self.recorder.job, run_dir=str(self._tail.run_dir), events=events), now=self._clock()
+            )
             failures = {category: 0 for category in FAILURE_CATEGORIES}
             failures.update(result.l1["failures_by_category"])
             committed = [a.last_committed_step for a in result.attempts if a.last_committed_step is not None]
             effective = result.buckets[EFFECTIVE]
             self.snapshot = Snapshot(
-                ett_pct=result.ett_pct, recent_ett_pct=self._recent(result.e2e_s, effective), e2e_s=result.e2e_s,
-                buckets=dict(result.buckets), devices=max(result.devices, len(self._tail.ranks)), failures=failures,
-                attempts=len(result.attempts), steps=sum(a.steps for a in result.attempts),
-                last_committed_step=committed[-1] if committed else None)
+                ett_pct=result.ett_pct,
+                recent_ett_pct=self._recent(result.e2e_s, effective),
+                e2e_s=result.e2e_s,
+                buckets=dict(result.buckets),
+                devices=max(result.devices, len(self._tail.ranks)),
+                failures=failures,
+                attempts=len(result.attempts),
+                steps=sum(a.steps for a in result.attempts),
+                last_committed_step=committed[-1] if committed else None,
+            )
             return self.snapshot
 
     def stop(self, *, at_exit: bool = False) -> None:
@@ -284,44 +290,80 @@ class _Collector:
             return
         labels, snap = exporter._labels, exporter.snapshot
         if snap is not None:
+
             def one(family: Any, value: float) -> Any:
                 family.add_metric(labels, value)
                 return family
 
-            yield one(GaugeMetricFamily("warmstart_ett_percent", "ETT%: effective training time over "
-                                        "end-to-end time, as warmstart ett report computes it", labels=_LABELS),
-                      snap.ett_pct)
+            yield one(
+                GaugeMetricFamily(
+                    "warmstart_ett_percent",
+                    "ETT%: effective training time over end-to-end time, as warmstart ett report computes it",
+                    labels=_LABELS,
+                ),
+                snap.ett_pct,
+            )
             if snap.recent_ett_pct is not None:
-                yield one(GaugeMetricFamily("warmstart_ett_recent_percent", "ETT% over the last "
-                                            f"{_defaults.METRICS_WINDOW_S:g} s of the job's time", labels=_LABELS),
-                          snap.recent_ett_pct)
-            yield one(GaugeMetricFamily("warmstart_ett_e2e_seconds", "End-to-end seconds, from the job's "
-                                        "first attempt_start to its last event", labels=_LABELS), snap.e2e_s)
-            buckets = GaugeMetricFamily("warmstart_ett_bucket_seconds", "Seconds of end-to-end time per "
-                                        "bucket (they sum to warmstart_ett_e2e_seconds)", labels=[*_LABELS, "bucket"])
+                yield one(
+                    GaugeMetricFamily(
+                        "warmstart_ett_recent_percent",
+                        f"ETT% over the last {_defaults.METRICS_WINDOW_S:g} s of the job's time",
+                        labels=_LABELS,
+                    ),
+                    snap.recent_ett_pct,
+                )
+            yield one(
+                GaugeMetricFamily(
+                    "warmstart_ett_e2e_seconds",
+                    "End-to-end seconds, from the job's first attempt_start to its last event",
+                    labels=_LABELS,
+                ),
+                snap.e2e_s,
+            )
+            buckets = GaugeMetricFamily(
+                "warmstart_ett_bucket_seconds",
+                "Seconds of end-to-end time per bucket (they sum to warmstart_ett_e2e_seconds)",
+                labels=[*_LABELS, "bucket"],
+            )
             for name, seconds in snap.buckets.items():
                 buckets.add_metric([*labels, name], seconds)
             yield buckets
-            yield one(GaugeMetricFamily("warmstart_ett_devices", "Devices of the job: the most any "
-                                        "attempt_start declared (1 when none did)", labels=_LABELS), snap.devices)
-            failures = CounterMetricFamily("warmstart_ett_failures", "Failed attempts by category",
-                                           labels=[*_LABELS, "category"])
+            yield one(
+                GaugeMetricFamily(
+                    "warmstart_ett_devices",
+                    "Devices of the job: the most any attempt_start declared (1 when none did)",
+                    labels=_LABELS,
+                ),
+                snap.devices,
+            )
+            failures = CounterMetricFamily(
+                "warmstart_ett_failures", "Failed attempts by category", labels=[*_LABELS, "category"]
+            )
             for category, count in snap.failures.items():
                 failures.add_metric([*labels, category], count)
             yield failures
-            yield one(CounterMetricFamily("warmstart_ett_attempts", "Attempts started", labels=_LABELS),
-                      snap.attempts)
-            yield one(CounterMetricFamily("warmstart_ett_steps", "Training steps started, all attempts",
-                                          labels=_LABELS), snap.steps)
+            yield one(CounterMetricFamily("warmstart_ett_attempts", "Attempts started", labels=_LABELS), snap.attempts)
+            yield one(
+                CounterMetricFamily("warmstart_ett_steps", "Training steps started, all attempts", labels=_LABELS),
+                snap.steps,
+            )
             if snap.last_committed_step is not None:
-                yield one(GaugeMetricFamily("warmstart_ett_last_committed_step", "Step of the last durable "
-                                            "checkpoint", labels=_LABELS), snap.last_committed_step)
+                yield one(
+                    GaugeMetricFamily(
+                        "warmstart_ett_last_committed_step", "Step of the last durable checkpoint", labels=_LABELS
+                    ),
+                    snap.last_committed_step,
+                )
         counts = exporter._cache_counts()
         if counts:
-            families = {metric: CounterMetricFamily(f"warmstart_cache_{metric}", f"Compile-cache {metric} of "
-                                                    "this process by tier and artifact kind",
-                                                    labels=[*_LABELS, "tier", "kind"])
-                        for metric in ("hits", "misses")}
+            families = {
+                metric: CounterMetricFamily(
+                    f"warmstart_cache_{metric}",
+                    f"Compile-cache {metric} of this process by tier and artifact kind",
+                    labels=[*_LABELS, "tier", "kind"],
+                )
+                for metric in ("hits", "misses")
+            }
             for metric, tier, kind, value in counts:
                 families[metric].add_metric([*labels, tier, kind], value)
             yield from families.values()

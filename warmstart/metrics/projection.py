@@ -22,6 +22,7 @@ per-start and per-recovery costs are the run's own.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections import defaultdict
@@ -144,30 +145,46 @@ def measure(result: RunResult) -> RunCosts:
     recovered = _scaled(later, recover - waited)
     if waited:
         recovered[RECOVERY] = waited
-    leftover = {name: seconds - start_buckets.get(name, 0.0) - recovered.get(name, 0.0)
-                for name, seconds in _startup_buckets(result.attempts).items()}
+    leftover = {
+        name: seconds - start_buckets.get(name, 0.0) - recovered.get(name, 0.0)
+        for name, seconds in _startup_buckets(result.attempts).items()
+    }
     leftover["eval"] = buckets.get("eval", 0.0)
     return RunCosts(
-        job=result.job, run_dir=result.run_dir, devices=max(result.devices, len(result.ranks), 1),
-        e2e_s=result.e2e_s, ett_pct=result.ett_pct, failures=failures, start_s=start,
-        recovery_s=recover / failures if failures else None, shutdown_s=shutdown, loop_s=loop,
+        job=result.job,
+        run_dir=result.run_dir,
+        devices=max(result.devices, len(result.ranks), 1),
+        e2e_s=result.e2e_s,
+        ett_pct=result.ett_pct,
+        failures=failures,
+        start_s=start,
+        recovery_s=recover / failures if failures else None,
+        shutdown_s=shutdown,
+        loop_s=loop,
         checkpoints=max(checkpoints, 1 if blocking else 0),
-        blocking_s=blocking / max(checkpoints, 1), interval_s=interval,
+        blocking_s=blocking / max(checkpoints, 1),
+        interval_s=interval,
         blocking_loop_pct=100.0 * blocking / loop if loop else 0.0,
-        lost_per_failure_s=buckets.get(LOST, 0.0) / failures if failures else None, detection_s=detection,
-        other_loop_pct=100.0 * other / loop if loop else 0.0, start_buckets=start_buckets,
+        lost_per_failure_s=buckets.get(LOST, 0.0) / failures if failures else None,
+        detection_s=detection,
+        other_loop_pct=100.0 * other / loop if loop else 0.0,
+        start_buckets=start_buckets,
         recovery_buckets={k: v / failures for k, v in recovered.items()} if failures else dict(start_buckets),
-        loop_other_buckets=_scaled(leftover, 1.0) if other else {})
+        loop_other_buckets=_scaled(leftover, 1.0) if other else {},
+    )
 
 
 def _interval(result: RunResult, commits: list[list[float]], loop: float) -> float | None:
-    gaps = [b - a for ts in commits for a, b in zip(ts, ts[1:])]
+    gaps = [b - a for ts in commits for a, b in itertools.pairwise(ts)]
     if gaps:
         return statistics.median(gaps)
     # One commit per attempt: an attempt starts from its last checkpoint (or step 0), so its first
     # commit comes one interval after its first step.
-    firsts = [ts[0] - tl.first_step for tl, ts in zip(result.timeline, commits)
-              if ts and tl.first_step is not None and ts[0] > tl.first_step]
+    firsts = [
+        ts[0] - tl.first_step
+        for tl, ts in zip(result.timeline, commits, strict=True)
+        if ts and tl.first_step is not None and ts[0] > tl.first_step
+    ]
     if firsts:
         return statistics.median(firsts)
     checkpoints = sum(map(len, commits))
@@ -208,13 +225,15 @@ class Scale:
     """Its checkpoint interval (default: the advisor's optimum; the run's own with neither devices nor days)."""
 
     def __post_init__(self) -> None:
-        if self.devices is not None and (isinstance(self.devices, bool) or not isinstance(self.devices, int)
-                                         or self.devices < 1):
+        if self.devices is not None and (
+            isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1
+        ):
             raise ConfigError("--devices", self.devices, "a whole number of devices, at least 1")
-        for option, value, accepted in (("--days", self.days, "a positive number of days"),
-                                        ("--mtbf-h", self.mtbf_h, "a positive number of hours"),
-                                        ("--checkpoint-interval", self.checkpoint_interval_s,
-                                         "a positive number of seconds")):
+        for option, value, accepted in (
+            ("--days", self.days, "a positive number of days"),
+            ("--mtbf-h", self.mtbf_h, "a positive number of hours"),
+            ("--checkpoint-interval", self.checkpoint_interval_s, "a positive number of seconds"),
+        ):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(option, value, accepted)
 
@@ -258,18 +277,32 @@ class Projection:
         """Plain JSON-ready dict: the projection, the inputs it used, and what was measured."""
         hours = self.e2e_s / 3600.0
         return {
-            "job": self.costs.job, "run_dir": self.costs.run_dir, "devices": self.devices, "days": self.days,
-            "e2e_s": self.e2e_s, "projected_ett_pct": self.projected_ett_pct,
-            "measured_ett_pct": self.costs.ett_pct, "l1": dict(self.l1), "buckets": dict(self.buckets),
+            "job": self.costs.job,
+            "run_dir": self.costs.run_dir,
+            "devices": self.devices,
+            "days": self.days,
+            "e2e_s": self.e2e_s,
+            "projected_ett_pct": self.projected_ett_pct,
+            "measured_ett_pct": self.costs.ett_pct,
+            "l1": dict(self.l1),
+            "buckets": dict(self.buckets),
             "inputs": {
-                "devices": self.devices, "days": self.days, "mtbf_h": self.mtbf_h,
+                "devices": self.devices,
+                "days": self.days,
+                "mtbf_h": self.mtbf_h,
                 "failures_per_device_hour": self.failures / (self.devices * hours) if hours else 0.0,
-                "failures_from": self.failures_from, "checkpoint_interval_s": self.checkpoint_interval_s,
-                "interval_from": self.interval_from, "start_s": self.costs.start_s,
-                "recovery_s": self.recovery_s, "blocking_per_checkpoint_s": self.costs.blocking_s,
-                "lost_per_failure_s": self.lost_per_failure_s, "lost_from": self.lost_from,
-                "model_lost_per_failure_s": self.model_lost_per_failure_s, "detection_s": self.costs.detection_s,
-                "shutdown_s": self.costs.shutdown_s, "other_loop_pct": self.costs.other_loop_pct,
+                "failures_from": self.failures_from,
+                "checkpoint_interval_s": self.checkpoint_interval_s,
+                "interval_from": self.interval_from,
+                "start_s": self.costs.start_s,
+                "recovery_s": self.recovery_s,
+                "blocking_per_checkpoint_s": self.costs.blocking_s,
+                "lost_per_failure_s": self.lost_per_failure_s,
+                "lost_from": self.lost_from,
+                "model_lost_per_failure_s": self.model_lost_per_failure_s,
+                "detection_s": self.costs.detection_s,
+                "shutdown_s": self.costs.shutdown_s,
+                "other_loop_pct": self.costs.other_loop_pct,
                 "first_order_valid": self.first_order_valid,
             },
             "measured": self.costs.to_dict(),
@@ -322,7 +355,8 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
     if loop < 0:
         raise ProjectionError(
             f"{costs.run_dir}: job {costs.job}: start-up, shutdown and {failures:.1f} recoveries take "
-            f"{e2e - loop:,.0f} s, longer than the projected {e2e:,.0f} s")
+            f"{e2e - loop:,.0f} s, longer than the projected {e2e:,.0f} s"
+        )
     if interval_from == "run" or interval is None:  # the run's saves, as often as they blocked it
         blocking = loop * costs.blocking_loop_pct / 100.0
     else:
@@ -351,13 +385,31 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
     buckets[LOST] += lost
     buckets[CHECKPOINT_BLOCKING] += blocking
     buckets[SHUTDOWN] += costs.shutdown_s
-    l1 = {"time_to_start_s": costs.start_s, "time_to_recover_s": recover, "failures": failures,
-          "lost_progress_s": lost, "checkpoint_blocking_s": blocking, "shutdown_s": costs.shutdown_s}
+    l1 = {
+        "time_to_start_s": costs.start_s,
+        "time_to_recover_s": recover,
+        "failures": failures,
+        "lost_progress_s": lost,
+        "checkpoint_blocking_s": blocking,
+        "shutdown_s": costs.shutdown_s,
+    }
     valid = interval is None or mtbf_h is None or interval <= mtbf_h * 3600.0 / 2
     return Projection(
-        costs=costs, devices=devices, days=e2e / SECONDS_PER_DAY, e2e_s=e2e,
-        projected_ett_pct=100.0 * effective / e2e if e2e else 0.0, failures=failures,
-        failures_from=failures_from, mtbf_h=mtbf_h, checkpoint_interval_s=interval, interval_from=interval_from,
-        lost_per_failure_s=lost / failures if failures else 0.0, lost_from=lost_from,
-        model_lost_per_failure_s=model_lost, recovery_s=recovery, first_order_valid=valid, l1=l1,
-        buckets=ordered_buckets(buckets))
+        costs=costs,
+        devices=devices,
+        days=e2e / SECONDS_PER_DAY,
+        e2e_s=e2e,
+        projected_ett_pct=100.0 * effective / e2e if e2e else 0.0,
+        failures=failures,
+        failures_from=failures_from,
+        mtbf_h=mtbf_h,
+        checkpoint_interval_s=interval,
+        interval_from=interval_from,
+        lost_per_failure_s=lost / failures if failures else 0.0,
+        lost_from=lost_from,
+        model_lost_per_failure_s=model_lost,
+        recovery_s=recovery,
+        first_order_valid=valid,
+        l1=l1,
+        buckets=ordered_buckets(buckets),
+    )

@@ -30,8 +30,17 @@ from warmstart import _defaults, _launch
 from warmstart.config import ensure_job_id, job_identity, job_run_dir, metrics_on, new_job_id
 from warmstart.metrics.buckets import PRELOAD_HANDOVER, PROCESS_LAUNCH
 from warmstart.metrics.events import (
-    FAILURE_CATEGORIES, AttemptEnd, AttemptStart, Begin, CheckpointCommitted, End, EventWriter, Failure, Step,
-    TrainEnd, encode_events,
+    FAILURE_CATEGORIES,
+    AttemptEnd,
+    AttemptStart,
+    Begin,
+    CheckpointCommitted,
+    End,
+    EventWriter,
+    Failure,
+    Step,
+    TrainEnd,
+    encode_events,
 )
 
 log = logging.getLogger(__name__)
@@ -43,8 +52,17 @@ log = logging.getLogger(__name__)
 _KINDS = (AttemptStart, Begin, End, Step, CheckpointCommitted, Failure, TrainEnd, AttemptEnd)
 _ATTEMPT_START, _BEGIN, _END, _STEP, _CKPT, _FAILURE, _TRAIN_END, _ATTEMPT_END = range(len(_KINDS))
 _ENCODE_CHUNK = 1024  # events encoded per call: about half a millisecond
-_INFRA_ERRORS = frozenset({"ConnectionError", "TimeoutError", "DistError", "DistBackendError",
-                           "DistNetworkError", "DistStoreError", "BrokenPipeError"})
+_INFRA_ERRORS = frozenset(
+    {
+        "ConnectionError",
+        "TimeoutError",
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "BrokenPipeError",
+    }
+)
 
 _live: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _hooks_installed = False
@@ -94,8 +112,15 @@ class Recorder:
 
     enabled = True
 
-    def __init__(self, run_dir: str | os.PathLike, job: str | None = None, rank: int | None = None,
-                 attempt: int | None = None, *, flush_interval_s: float = _defaults.FLUSH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        job: str | None = None,
+        rank: int | None = None,
+        attempt: int | None = None,
+        *,
+        flush_interval_s: float = _defaults.FLUSH_INTERVAL_S,
+    ) -> None:
         if not job or rank is None or attempt is None:  # only then: explicit arguments need no environment
             identity = job_identity()
             job = job or identity.job_id or new_job_id()
@@ -163,8 +188,9 @@ class Recorder:
             ValueError: ``category`` is not one of those three.
         """
         if category not in FAILURE_CATEGORIES:
-            raise ValueError(f"failure category {category!r} is not valid: expected one of "
-                             f"{', '.join(FAILURE_CATEGORIES)}")
+            raise ValueError(
+                f"failure category {category!r} is not valid: expected one of {', '.join(FAILURE_CATEGORIES)}"
+            )
         self._append((_FAILURE, self._time(), category, str(reason)))
 
     def train_end(self) -> None:
@@ -223,8 +249,7 @@ class Recorder:
             except OSError as exc:
                 if not self._write_failed:  # log once: a full disk must not flood the job's log
                     self._write_failed = True
-                    log.warning("warmstart: cannot write ETT events to %s (%s); dropping them",
-                                self.path, exc)
+                    log.warning("warmstart: cannot write ETT events to %s (%s); dropping them", self.path, exc)
 
     def close(self) -> None:
         """Flush, stop the background thread and close the file. Safe to call twice."""
@@ -240,8 +265,9 @@ class Recorder:
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     # -- internals ---------------------------------------------------------------------------------
@@ -252,9 +278,10 @@ class Recorder:
         # Chunks: msgspec holds the GIL for a whole call, and a million-event call would stall the
         # training thread for a second; between chunks the interpreter can switch threads.
         for start in range(0, len(records), _ENCODE_CHUNK):
-            chunk = records[start:start + _ENCODE_CHUNK]
-            parts.append(self._encode_chunk([kinds[kind](ts, job, attempt, rank, *fields)
-                                             for kind, ts, *fields in chunk]))
+            chunk = records[start : start + _ENCODE_CHUNK]
+            parts.append(
+                self._encode_chunk([kinds[kind](ts, job, attempt, rank, *fields) for kind, ts, *fields in chunk])
+            )
         return b"".join(parts)
 
     def _encode_chunk(self, events: list[Any]) -> bytes:
@@ -402,8 +429,9 @@ def get_recorder() -> Recorder | NullRecorder:
             else:
                 identity = job_identity()
                 job = ensure_job_id(identity)
-                _process_recorder = Recorder(job_run_dir(identity, job), job=job, rank=identity.rank,
-                                             attempt=identity.attempt)
+                _process_recorder = Recorder(
+                    job_run_dir(identity, job), job=job, rank=identity.rank, attempt=identity.attempt
+                )
                 _process_recorder.process_launch()
                 _start_exporter(_process_recorder)
         return _process_recorder
@@ -507,8 +535,9 @@ def _install_process_hooks() -> None:
             return
         _hooks_installed = True
         atexit.register(_at_exit)
-        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                            after_in_child=_after_fork_in_child)
+        os.register_at_fork(
+            before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+        )
         _prev_excepthook = sys.excepthook
         sys.excepthook = _excepthook
         if threading.current_thread() is threading.main_thread():

@@ -25,9 +25,13 @@ from warmstart.metrics.fleet import FleetResult
 from warmstart.metrics.projection import Projection
 from warmstart.metrics.windows import FleetWindow, Window, format_time
 
-_L1_LABELS = (("time_to_start_s", "time to start"), ("time_to_recover_s", "time to recover"),
-              ("lost_progress_s", "lost progress"), ("checkpoint_blocking_s", "checkpoint blocking"),
-              ("shutdown_s", "shutdown"))
+_L1_LABELS = (
+    ("time_to_start_s", "time to start"),
+    ("time_to_recover_s", "time to recover"),
+    ("lost_progress_s", "lost progress"),
+    ("checkpoint_blocking_s", "checkpoint blocking"),
+    ("shutdown_s", "shutdown"),
+)
 
 
 def format_duration(seconds: float) -> str:
@@ -60,12 +64,21 @@ _COLOURS = {"good": "green", "fair": "yellow", "poor": "red"}
 
 def _headline(label: str, ett_pct: float | None) -> Text:
     colour = _COLOURS[_grade(ett_pct)]
-    return Text.assemble((label, "bold"), (f"{_ett_text(ett_pct):>6}", f"bold {colour}"), "  ",
-                         (_bar((ett_pct or 0.0) / 100, 30), colour))
+    return Text.assemble(
+        (label, "bold"),
+        (f"{_ett_text(ett_pct):>6}", f"bold {colour}"),
+        "  ",
+        (_bar((ett_pct or 0.0) / 100, 30), colour),
+    )
 
 
-def _table(out: Console, title: str | None, columns: Sequence[tuple[str, str]],
-           rows: Sequence[Sequence[str | Text]], free: int | None = None) -> None:
+def _table(
+    out: Console,
+    title: str | None,
+    columns: Sequence[tuple[str, str]],
+    rows: Sequence[Sequence[str | Text]],
+    free: int | None = None,
+) -> None:
     """Print a table whose rows never wrap: each column as wide as its widest cell, and the ``free``
     column (free text: a failure's reason, a run directory) cut with an ellipsis to the width left."""
     table = Table(title=title, title_justify="left", show_edge=False, header_style="bold")
@@ -88,39 +101,83 @@ def _cells(cell: str | Text) -> int:
 
 # -- terminal ------------------------------------------------------------------------------------------
 
+
 def print_run(result: RunResult, console: Console | None = None) -> None:
     """Print one run: ETT% large, the L1 figures, the L2 buckets, the attempts, the ranks."""
     out = _console(console)
     e2e = result.e2e_s
-    facts = Text(f"end-to-end {format_duration(e2e)} · {result.devices} device(s) · "
-                 f"{len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)", style="dim")
-    out.print(Panel(Group(_headline("ETT ", result.ett_pct), facts), title=f"[bold]{result.job}[/]",
-                    subtitle=result.run_dir, expand=False))
+    facts = Text(
+        f"end-to-end {format_duration(e2e)} · {result.devices} device(s) · "
+        f"{len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)",
+        style="dim",
+    )
+    out.print(
+        Panel(
+            Group(_headline("ETT ", result.ett_pct), facts),
+            title=f"[bold]{result.job}[/]",
+            subtitle=result.run_dir,
+            expand=False,
+        )
+    )
 
     by_cat = ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items())
-    _table(out, "L1: where the time went", (("figure", "left"), ("time", "right"), ("% of e2e", "right")),
-           [(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e)) for key, label in _L1_LABELS]
-           + [("failures", str(result.l1["failures"]), by_cat)])
+    _table(
+        out,
+        "L1: where the time went",
+        (("figure", "left"), ("time", "right"), ("% of e2e", "right")),
+        [(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e)) for key, label in _L1_LABELS]
+        + [("failures", str(result.l1["failures"]), by_cat)],
+    )
 
     held = [(name, seconds) for name, seconds in result.buckets.items() if seconds > 0]
     rows: list[Sequence[str | Text]] = [
-        (Text(name, style="green" if name == EFFECTIVE else "red" if name in (LOST, RECOVERY) else ""),
-         f"{seconds:,.2f}", _pct(seconds, e2e), _bar(seconds / e2e if e2e else 0)) for name, seconds in held]
+        (
+            Text(name, style="green" if name == EFFECTIVE else "red" if name in (LOST, RECOVERY) else ""),
+            f"{seconds:,.2f}",
+            _pct(seconds, e2e),
+            _bar(seconds / e2e if e2e else 0),
+        )
+        for name, seconds in held
+    ]
     rows.append((Text("end-to-end", style="bold"), f"{e2e:,.2f}", "100.0%", ""))
-    _table(out, "L2: buckets (they sum to end-to-end)",
-           (("bucket", "left"), ("seconds", "right"), ("%", "right"), ("", "left")), rows)
+    _table(
+        out,
+        "L2: buckets (they sum to end-to-end)",
+        (("bucket", "left"), ("seconds", "right"), ("%", "right"), ("", "left")),
+        rows,
+    )
     if len(held) < len(result.buckets):
         out.print(f"[dim]{len(result.buckets) - len(held)} empty bucket(s) hidden; --json lists all[/]")
 
     if len(result.attempts) > 1 or any(a.failed for a in result.attempts):
-        _table(out, "attempts (start-up: before the first step; waited: to be rescheduled)", (
-            ("#", "left"), ("wall", "right"), ("start-up", "right"), ("waited", "right"), ("steps", "right"),
-            ("lost", "right"), ("ETT%", "right"), ("ended by", "left")), [
-            (str(a.attempt), format_duration(a.e2e_s), format_duration(a.pre_first_step_s),
-             format_duration(a.recovery_wait_s), f"{a.steps:,}", format_duration(a.buckets[LOST]),
-             _ett_text(a.ett_pct).rstrip("%"),
-             "train_end" if not a.failed else f"{a.failure['category']}: {a.failure['reason']}")
-            for a in result.attempts], free=7)
+        _table(
+            out,
+            "attempts (start-up: before the first step; waited: to be rescheduled)",
+            (
+                ("#", "left"),
+                ("wall", "right"),
+                ("start-up", "right"),
+                ("waited", "right"),
+                ("steps", "right"),
+                ("lost", "right"),
+                ("ETT%", "right"),
+                ("ended by", "left"),
+            ),
+            [
+                (
+                    str(a.attempt),
+                    format_duration(a.e2e_s),
+                    format_duration(a.pre_first_step_s),
+                    format_duration(a.recovery_wait_s),
+                    f"{a.steps:,}",
+                    format_duration(a.buckets[LOST]),
+                    _ett_text(a.ett_pct).rstrip("%"),
+                    "train_end" if not a.failed else f"{a.failure['category']}: {a.failure['reason']}",
+                )
+                for a in result.attempts
+            ],
+            free=7,
+        )
     forked = [str(a.attempt) for a in result.attempts if a.forked]
     if forked:
         out.print(f"[dim]forked from a preloader (no new interpreter): attempt {', '.join(forked)}[/]")
@@ -129,10 +186,14 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
         for rank, data in sorted(result.ranks.items()):
             others = {k: v for k, v in data["buckets"].items() if k != EFFECTIVE and v > 0}
             worst = max(others, key=others.__getitem__) if others else None
-            rank_rows.append((str(rank), _ett_text(data["ett_pct"]).rstrip("%"),
-                              f"{worst} {_pct(others[worst], data['e2e_s'])}" if worst else "-"))
-        _table(out, "ranks", (("rank", "left"), ("ETT%", "right"), ("largest other bucket", "left")), rank_rows,
-               free=2)
+            rank_rows.append(
+                (
+                    str(rank),
+                    _ett_text(data["ett_pct"]).rstrip("%"),
+                    f"{worst} {_pct(others[worst], data['e2e_s'])}" if worst else "-",
+                )
+            )
+        _table(out, "ranks", (("rank", "left"), ("ETT%", "right"), ("largest other bucket", "left")), rank_rows, free=2)
     if result.slow_steps is not None and result.slow_steps.measured_steps:
         print_slow_steps(result, out)
     if result.windows is not None:
@@ -147,9 +208,14 @@ def print_windows(windows: Sequence[Window | FleetWindow], console: Console | No
     out = _console(console)
     fleet = any(isinstance(w, FleetWindow) for w in windows)
     offset = dt.datetime.now().astimezone().strftime("%z")
-    columns = [("since", "left"), ("length", "right"),
-               *([("device-h", "right"), ("jobs", "right")] if fleet else [("counted", "right")]),
-               ("ETT%", "right"), ("largest other bucket", "left"), ("failures", "right")]
+    columns = [
+        ("since", "left"),
+        ("length", "right"),
+        *([("device-h", "right"), ("jobs", "right")] if fleet else [("counted", "right")]),
+        ("ETT%", "right"),
+        ("largest other bucket", "left"),
+        ("failures", "right"),
+    ]
     rows = []
     for w in windows:
         counted = sum(w.buckets.values())
@@ -157,12 +223,14 @@ def print_windows(windows: Sequence[Window | FleetWindow], console: Console | No
         worst = max(others, key=others.__getitem__) if others else None
         ett = "-" if w.ett_pct is None else f"{w.ett_pct:.1f}"
         row = [dt.datetime.fromtimestamp(w.since).strftime("%m-%d %H:%M:%S"), format_duration(w.until - w.since)]
-        row += [f"{counted / 3600:,.2f}", f"{w.jobs:,}", ett] if isinstance(w, FleetWindow) else [
-            format_duration(counted), ett]
+        row += (
+            [f"{counted / 3600:,.2f}", f"{w.jobs:,}", ett]
+            if isinstance(w, FleetWindow)
+            else [format_duration(counted), ett]
+        )
         row += [f"{worst} {_pct(others[worst], counted)}" if worst else "-", str(w.failures)]
         rows.append(row)
-    _table(out, f"windows (local time, UTC{offset}; excluded time not counted)", columns, rows,
-           free=len(columns) - 2)
+    _table(out, f"windows (local time, UTC{offset}; excluded time not counted)", columns, rows, free=len(columns) - 2)
 
 
 def print_slow_steps(result: RunResult, console: Console | None = None, top: int = 5) -> None:
@@ -175,23 +243,43 @@ def print_slow_steps(result: RunResult, console: Console | None = None, top: int
     for line in _slow_summary(result).split("; "):
         out.print(Text(line, style="bold"))
     if slow.slowest_steps:
-        _table(out, "slowest steps", [(col, "right") for col in ("attempt", "step", "duration", "over ideal")],
-               [(str(s.attempt), f"{s.step:,}", _step_time(s.duration_s), _step_time(s.excess_s))
-                for s in slow.slowest_steps[:top]])
+        _table(
+            out,
+            "slowest steps",
+            [(col, "right") for col in ("attempt", "step", "duration", "over ideal")],
+            [
+                (str(s.attempt), f"{s.step:,}", _step_time(s.duration_s), _step_time(s.excess_s))
+                for s in slow.slowest_steps[:top]
+            ],
+        )
     for s in slow.interrupted:
-        out.print(f"[dim]step {s.step:,} of attempt {s.attempt} was running at the failure, "
-                  f"{_step_time(s.running_s)} in (not timed)[/]")
+        out.print(
+            f"[dim]step {s.step:,} of attempt {s.attempt} was running at the failure, "
+            f"{_step_time(s.running_s)} in (not timed)[/]"
+        )
     if len(result.ranks) < 2:
         return
     if not slow.slowest_ranks:
-        out.print(f"[dim]stragglers: none (no rank's step ended more than "
-                  f"{_step_time(slow.slow_above_s - slow.ideal_step_s)} after all the others')[/]")
+        out.print(
+            f"[dim]stragglers: none (no rank's step ended more than "
+            f"{_step_time(slow.slow_above_s - slow.ideal_step_s)} after all the others')[/]"
+        )
         return
-    _table(out, "stragglers: ranks whose step ended after every other rank's", (
-        ("rank", "right"), ("lagged steps", "right"), ("total lag", "right"), ("worst (attempt/step: lag)", "left")),
-        [(str(r.rank), f"{r.lagged_steps:,}", format_duration(r.lag_s),
-          ", ".join(f"{lag.attempt}/{lag.step}: {_step_time(lag.lag_s)}" for lag in r.worst[:3]))
-         for r in slow.slowest_ranks[:top]], free=3)
+    _table(
+        out,
+        "stragglers: ranks whose step ended after every other rank's",
+        (("rank", "right"), ("lagged steps", "right"), ("total lag", "right"), ("worst (attempt/step: lag)", "left")),
+        [
+            (
+                str(r.rank),
+                f"{r.lagged_steps:,}",
+                format_duration(r.lag_s),
+                ", ".join(f"{lag.attempt}/{lag.step}: {_step_time(lag.lag_s)}" for lag in r.worst[:3]),
+            )
+            for r in slow.slowest_ranks[:top]
+        ],
+        free=3,
+    )
 
 
 def _step_time(seconds: float) -> str:
@@ -201,29 +289,65 @@ def _step_time(seconds: float) -> str:
 
 def _slow_summary(result: RunResult) -> str:
     slow = result.slow_steps
-    return (f"slow steps: ideal step {_step_time(slow.ideal_step_s)} (trimmed median of {slow.measured_steps:,} "
-            f"steps of rank {slow.rank}); {slow.slow_count:,} slower than {_step_time(slow.slow_above_s)} "
-            f"lost {format_duration(slow.lost_s)} ({_pct(slow.lost_s, result.e2e_s)} of end-to-end)")
+    return (
+        f"slow steps: ideal step {_step_time(slow.ideal_step_s)} (trimmed median of {slow.measured_steps:,} "
+        f"steps of rank {slow.rank}); {slow.slow_count:,} slower than {_step_time(slow.slow_above_s)} "
+        f"lost {format_duration(slow.lost_s)} ({_pct(slow.lost_s, result.e2e_s)} of end-to-end)"
+    )
 
 
 def print_fleet(fleet: FleetResult, console: Console | None = None, top: int = 20) -> None:
     """Print fleet ETT%, the device-second weighted buckets and the jobs with the lowest ETT%."""
     out = _console(console)
     total = fleet.device_seconds
-    out.print(Panel(Group(
-        _headline("fleet ETT ", fleet.ett_pct),
-        Text(f"{fleet.jobs:,} job(s) · {total / 3600:,.1f} device-hours · {fleet.failures:,} failure(s)",
-             style="dim")), title="[bold]fleet[/] (weighted by device-seconds)", expand=False))
-    _table(out, "buckets (device-hours)",
-           (("bucket", "left"), ("device-hours", "right"), ("%", "right"), ("", "left")),
-           [(name, f"{seconds / 3600:,.2f}", _pct(seconds, total), _bar(seconds / total if total else 0))
-            for name, seconds in fleet.to_dict()["buckets"].items() if seconds > 0])
+    out.print(
+        Panel(
+            Group(
+                _headline("fleet ETT ", fleet.ett_pct),
+                Text(
+                    f"{fleet.jobs:,} job(s) · {total / 3600:,.1f} device-hours · {fleet.failures:,} failure(s)",
+                    style="dim",
+                ),
+            ),
+            title="[bold]fleet[/] (weighted by device-seconds)",
+            expand=False,
+        )
+    )
+    _table(
+        out,
+        "buckets (device-hours)",
+        (("bucket", "left"), ("device-hours", "right"), ("%", "right"), ("", "left")),
+        [
+            (name, f"{seconds / 3600:,.2f}", _pct(seconds, total), _bar(seconds / total if total else 0))
+            for name, seconds in fleet.to_dict()["buckets"].items()
+            if seconds > 0
+        ],
+    )
     worst = sorted(fleet.runs, key=lambda r: r["ett_pct"])[:top]
-    _table(out, f"lowest ETT% ({len(worst)} of {fleet.jobs:,})", (
-        ("job", "left"), ("devices", "right"), ("wall", "right"), ("ETT%", "right"), ("failures", "right"),
-        ("run dir", "left")),
-        [(r["job"], str(r["devices"]), format_duration(r["e2e_s"]), f"{r['ett_pct']:.1f}", str(r["failures"]),
-          r["run_dir"]) for r in worst], free=5)
+    _table(
+        out,
+        f"lowest ETT% ({len(worst)} of {fleet.jobs:,})",
+        (
+            ("job", "left"),
+            ("devices", "right"),
+            ("wall", "right"),
+            ("ETT%", "right"),
+            ("failures", "right"),
+            ("run dir", "left"),
+        ),
+        [
+            (
+                r["job"],
+                str(r["devices"]),
+                format_duration(r["e2e_s"]),
+                f"{r['ett_pct']:.1f}",
+                str(r["failures"]),
+                r["run_dir"],
+            )
+            for r in worst
+        ],
+        free=5,
+    )
     if fleet.windows is not None:
         print_windows(fleet.windows, out)
 
@@ -231,23 +355,32 @@ def print_fleet(fleet: FleetResult, console: Console | None = None, top: int = 2
 def print_interval(advice: IntervalAdvice, console: Console | None = None) -> None:
     """Print the advised checkpoint interval and the waste at it."""
     out = _console(console)
-    rows = [("blocking per checkpoint", format_duration(advice.blocking_s)),
-            ("failures per day", f"{advice.failures_per_day:g}"),
-            ("mean time between failures", format_duration(advice.mtbf_s)),
-            ("advised interval", format_duration(advice.interval_s)),
-            ("waste at it", f"{advice.waste_pct:.2f}% ({advice.blocked_pct:.2f}% blocked + "
-                            f"{advice.lost_pct:.2f}% lost)")]
+    rows = [
+        ("blocking per checkpoint", format_duration(advice.blocking_s)),
+        ("failures per day", f"{advice.failures_per_day:g}"),
+        ("mean time between failures", format_duration(advice.mtbf_s)),
+        ("advised interval", format_duration(advice.interval_s)),
+        ("waste at it", f"{advice.waste_pct:.2f}% ({advice.blocked_pct:.2f}% blocked + {advice.lost_pct:.2f}% lost)"),
+    ]
     if advice.current_interval_s is not None:
-        rows.append((f"waste at current {format_duration(advice.current_interval_s)}",
-                     f"{advice.current_waste_pct:.2f}%"))
-    _table(out, "checkpoint interval (first-order optimum sqrt(2·MTBF·blocking))",
-           (("", "left"), ("value", "right")), rows)
+        rows.append(
+            (f"waste at current {format_duration(advice.current_interval_s)}", f"{advice.current_waste_pct:.2f}%")
+        )
+    _table(
+        out, "checkpoint interval (first-order optimum sqrt(2·MTBF·blocking))", (("", "left"), ("value", "right")), rows
+    )
     if not advice.first_order_valid:
-        out.print("[yellow]warning:[/] the interval is not small against the time between failures; the "
-                  "first-order model is rough here")
+        out.print(
+            "[yellow]warning:[/] the interval is not small against the time between failures; the "
+            "first-order model is rough here"
+        )
 
 
-_LOST_FROM = {"run": "as its failures lost", "model": "interval / 2 + detection", "attempt": "its attempt: no checkpoint"}
+_LOST_FROM = {
+    "run": "as its failures lost",
+    "model": "interval / 2 + detection",
+    "attempt": "its attempt: no checkpoint",
+}
 
 #: What the projection assumes, printed under its figures.
 PROJECTION_ASSUMPTIONS = (
@@ -256,7 +389,8 @@ PROJECTION_ASSUMPTIONS = (
     "checkpoint, half an interval plus detection on average (without a committed checkpoint, all its "
     "attempt trained); failures are independent, at one rate per device-hour whatever their category; "
     "each interval of loop time blocks once on a checkpoint. At the run's own scale its failures lose "
-    "what they lost and its saves block as they did, so the projection reproduces the measured ETT%.")
+    "what they lost and its saves block as they did, so the projection reproduces the measured ETT%."
+)
 
 
 def print_projections(projections: Sequence[Projection], console: Console | None = None) -> None:
@@ -275,32 +409,58 @@ def print_projections(projections: Sequence[Projection], console: Console | None
         ("devices", [f"{p.devices:,}" for p in projections], ""),
         ("end-to-end", [format_duration(p.e2e_s) for p in projections], ""),
         ("failures", [f"{p.failures:,.1f} ({p.failures_from})" for p in projections], ""),
-        ("mean time between failures", ["-" if p.mtbf_h is None else format_duration(p.mtbf_h * 3600)
-                                        for p in projections], ""),
-        ("checkpoint interval", ["-" if p.checkpoint_interval_s is None else
-                                 f"{format_duration(p.checkpoint_interval_s)} ({p.interval_from})"
-                                 for p in projections], ""),
-        *[(label, [f"{format_duration(p.l1[key])} ({_pct(p.l1[key], p.e2e_s)})" for p in projections], "")
-          for key, label in _L1_LABELS],
+        (
+            "mean time between failures",
+            ["-" if p.mtbf_h is None else format_duration(p.mtbf_h * 3600) for p in projections],
+            "",
+        ),
+        (
+            "checkpoint interval",
+            [
+                "-"
+                if p.checkpoint_interval_s is None
+                else f"{format_duration(p.checkpoint_interval_s)} ({p.interval_from})"
+                for p in projections
+            ],
+            "",
+        ),
+        *[
+            (label, [f"{format_duration(p.l1[key])} ({_pct(p.l1[key], p.e2e_s)})" for p in projections], "")
+            for key, label in _L1_LABELS
+        ],
         ("per start (measured)", [format_duration(p.costs.start_s) for p in projections], "dim"),
         ("per recovery", [format_duration(p.recovery_s) for p in projections], "dim"),
         ("lost per failure", [format_duration(p.lost_per_failure_s) for p in projections], "dim"),
         ("  from", [_LOST_FROM[p.lost_from] for p in projections], "dim"),
-        ("  the model's", ["-" if p.model_lost_per_failure_s is None else format_duration(p.model_lost_per_failure_s)
-                           for p in projections], "dim"),
+        (
+            "  the model's",
+            [
+                "-" if p.model_lost_per_failure_s is None else format_duration(p.model_lost_per_failure_s)
+                for p in projections
+            ],
+            "dim",
+        ),
         ("blocking per checkpoint", [_step_time(p.costs.blocking_s) for p in projections], "dim"),
     ]
-    _table(out, title, [("", "left"), *[(p.costs.job, "right") for p in projections]],
-           [(Text(label, style=style), *[Text(c, style=style) for c in cells]) for label, cells, style in rows])
+    _table(
+        out,
+        title,
+        [("", "left"), *[(p.costs.job, "right") for p in projections]],
+        [(Text(label, style=style), *[Text(c, style=style) for c in cells]) for label, cells, style in rows],
+    )
     out.print(f"[dim]{PROJECTION_ASSUMPTIONS}[/]")
     for p in projections:
         if p.lost_from == "attempt" and p.failures:
-            out.print(f"[yellow]note:[/] {p.costs.job} committed no checkpoint: each failure loses all its attempt "
-                      "trained, so the job keeps about the training after its last failure (give "
-                      "--checkpoint-interval to project it with checkpoints)")
+            out.print(
+                f"[yellow]note:[/] {p.costs.job} committed no checkpoint: each failure loses all its attempt "
+                "trained, so the job keeps about the training after its last failure (give "
+                "--checkpoint-interval to project it with checkpoints)"
+            )
         if not p.first_order_valid:
-            out.print(f"[yellow]warning:[/] {p.costs.job}: the checkpoint interval is not small against the time "
-                      f"between failures; the first-order model is rough here")
+            out.print(
+                f"[yellow]warning:[/] {p.costs.job}: the checkpoint interval is not small against the time "
+                f"between failures; the first-order model is rough here"
+            )
 
 
 # -- HTML ----------------------------------------------------------------------------------------------
@@ -308,8 +468,11 @@ def print_projections(projections: Sequence[Projection], console: Console | None
 # plotly draws its mode bar (the chart toolbar) in the top right corner of a chart, where a centred or
 # long title runs under it. Every chart keeps its title in a band below the bar (_title, _TOP_MARGIN)
 # and drops the buttons that do nothing on these charts (box and lasso select, autoscale).
-_PLOT_CONFIG = {"displaylogo": False, "responsive": True,
-                "modeBarButtonsToRemove": ["select2d", "lasso2d", "autoScale2d"]}
+_PLOT_CONFIG = {
+    "displaylogo": False,
+    "responsive": True,
+    "modeBarButtonsToRemove": ["select2d", "lasso2d", "autoScale2d"],
+}
 _TOP_MARGIN = 66  # px above the plot area: the mode bar (about 25 px), then the title
 
 
@@ -380,21 +543,40 @@ def _timeline_figure(result: RunResult):
         _phase_bars(tl, f"attempt {tl.attempt}", bar)
     for name, marks in span_lanes.items():
         for s in marks:
-            bar(name, s.start, s.end, s.bucket, bucket_colour(s.bucket),
-                f"{html.escape(s.name)} (rank {s.rank}): {s.end - s.start:.3f} s")
+            bar(
+                name,
+                s.start,
+                s.end,
+                s.bucket,
+                bucket_colour(s.bucket),
+                f"{html.escape(s.name)} (rank {s.rank}): {s.end - s.start:.3f} s",
+            )
     fig = go.Figure()
     for name, trace in traces.items():
-        fig.add_trace(go.Bar(
-            y=trace["y"], x=trace["x"], base=trace["base"], orientation="h", name=name, legendgroup=name,
-            marker_color=trace["colour"], text=trace["text"], textposition="none",
-            hovertemplate="%{text}<br>from %{base:.3f} s<extra></extra>"))
+        fig.add_trace(
+            go.Bar(
+                y=trace["y"],
+                x=trace["x"],
+                base=trace["base"],
+                orientation="h",
+                name=name,
+                legendgroup=name,
+                marker_color=trace["colour"],
+                text=trace["text"],
+                textposition="none",
+                hovertemplate="%{text}<br>from %{base:.3f} s<extra></extra>",
+            )
+        )
     _markers(fig, result.timeline, t0)
     plot_px = 30 * len(lanes) + 20
     fig.update_layout(
-        title=_title(f"timeline of {html.escape(result.job)}"), barmode="overlay", template="plotly_white",
+        title=_title(f"timeline of {html.escape(result.job)}"),
+        barmode="overlay",
+        template="plotly_white",
         xaxis={"title": {"text": "seconds since the first attempt_start"}, "rangemode": "tozero"},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(lanes))},
-        **_legend_below(plot_px, sum(1 for t in fig.data if t.showlegend is not False), left=200))
+        **_legend_below(plot_px, sum(1 for t in fig.data if t.showlegend is not False), left=200),
+    )
     return fig
 
 
@@ -406,18 +588,31 @@ def _legend_below(plot_px: int, entries: int, left: int) -> dict[str, Any]:
     shrinks the plot to make room, which would move the legend."""
     bottom = _AXIS_PX + 8 + _LEGEND_ROW_PX * math.ceil(entries / 4)
     height = _TOP_MARGIN + plot_px + bottom
-    return {"height": height,
-            "legend": {"orientation": "h", "yref": "container", "yanchor": "top",
-                       "y": (bottom - _AXIS_PX) / height, "x": 0},
-            "margin": {"l": left, "r": 20, "t": _TOP_MARGIN, "b": bottom}}
+    return {
+        "height": height,
+        "legend": {
+            "orientation": "h",
+            "yref": "container",
+            "yanchor": "top",
+            "y": (bottom - _AXIS_PX) / height,
+            "x": 0,
+        },
+        "margin": {"l": left, "r": 20, "t": _TOP_MARGIN, "b": bottom},
+    }
 
 
 def _phase_bars(tl: AttemptTimeline, lane: str, bar) -> None:
     if tl.recovery_before:
         bar(lane, *tl.recovery_before, RECOVERY, bucket_colour(RECOVERY), "waiting to be rescheduled")
     first = tl.first_step if tl.first_step is not None else tl.end
-    bar(lane, tl.start, first, "start-up (before first step)", bucket_colour(INIT_OTHER),
-        "start-up: before the first step")
+    bar(
+        lane,
+        tl.start,
+        first,
+        "start-up (before first step)",
+        bucket_colour(INIT_OTHER),
+        "start-up: before the first step",
+    )
     if tl.first_step is not None and tl.loop_end is not None:
         lost_from = tl.lost_from if tl.lost_from is not None else tl.loop_end
         bar(lane, tl.first_step, lost_from, "training loop", bucket_colour(EFFECTIVE), "training loop")
@@ -435,8 +630,12 @@ def _markers(fig, timeline: Sequence[AttemptTimeline], t0: float) -> None:
 
     kinds = [
         ("steps", lambda tl: tl.steps, "step", {"symbol": "line-ns-open", "size": 9, "color": "#1b5e20"}),
-        ("checkpoint committed", lambda tl: tl.checkpoints, "checkpoint of step",
-         {"symbol": "diamond", "size": 10, "color": "#ff7f0e", "line": {"width": 1, "color": "black"}}),
+        (
+            "checkpoint committed",
+            lambda tl: tl.checkpoints,
+            "checkpoint of step",
+            {"symbol": "diamond", "size": 10, "color": "#ff7f0e", "line": {"width": 1, "color": "black"}},
+        ),
     ]
     seen: set[str] = set()
     for name, points_of, what, marker in kinds:
@@ -445,21 +644,46 @@ def _markers(fig, timeline: Sequence[AttemptTimeline], t0: float) -> None:
         for tl in timeline:
             points = points_of(tl)[::every]
             if points:
-                _marker_trace(fig, go, [ts - t0 for ts, _ in points], f"attempt {tl.attempt}", label,
-                              [f"{what} {n}" for _, n in points], marker, seen)
+                _marker_trace(
+                    fig,
+                    go,
+                    [ts - t0 for ts, _ in points],
+                    f"attempt {tl.attempt}",
+                    label,
+                    [f"{what} {n}" for _, n in points],
+                    marker,
+                    seen,
+                )
     for tl in timeline:
         if tl.failure:
-            _marker_trace(fig, go, [tl.failure["ts"] - t0], f"attempt {tl.attempt}", "failure",
-                          [html.escape(f"{tl.failure['category']}: {tl.failure['reason']}")],
-                          {"symbol": "x", "size": 14, "color": "#d62728", "line": {"width": 1, "color": "black"}},
-                          seen)
+            _marker_trace(
+                fig,
+                go,
+                [tl.failure["ts"] - t0],
+                f"attempt {tl.attempt}",
+                "failure",
+                [html.escape(f"{tl.failure['category']}: {tl.failure['reason']}")],
+                {"symbol": "x", "size": 14, "color": "#d62728", "line": {"width": 1, "color": "black"}},
+                seen,
+            )
 
 
-def _marker_trace(fig, go, xs: list[float], lane: str, name: str, texts: list[str], marker: dict[str, Any],
-                  seen: set[str]) -> None:
-    fig.add_trace(go.Scatter(x=xs, y=[lane] * len(xs), mode="markers", name=name, legendgroup=name,
-                             showlegend=name not in seen, marker=marker, text=texts,
-                             hovertemplate="%{text} at %{x:.3f} s<extra></extra>"))
+def _marker_trace(
+    fig, go, xs: list[float], lane: str, name: str, texts: list[str], marker: dict[str, Any], seen: set[str]
+) -> None:
+    fig.add_trace(
+        go.Scatter(
+            x=xs,
+            y=[lane] * len(xs),
+            mode="markers",
+            name=name,
+            legendgroup=name,
+            showlegend=name not in seen,
+            marker=marker,
+            text=texts,
+            hovertemplate="%{text} at %{x:.3f} s<extra></extra>",
+        )
+    )
     seen.add(name)
 
 
@@ -472,17 +696,31 @@ def _breakdown_figure(result: RunResult):
         ys = ["job"] + [f"attempt {a.attempt}" for a in result.attempts]
         xs = [result.buckets[name]] + [a.buckets.get(name, 0.0) for a in result.attempts]
         hover = html.escape(f"{name} ({bucket_label(name)})")
-        fig.add_trace(go.Bar(y=ys, x=xs, name=name, orientation="h", marker_color=bucket_colour(name),
-                             hovertemplate=f"{hover}: %{{x:.3f}} s<extra></extra>"))
-    fig.update_layout(title=_title("breakdown (seconds; the bars sum to end-to-end)"), barmode="stack",
-                      template="plotly_white", yaxis={"autorange": "reversed"},
-                      **_legend_below(40 * (len(result.attempts) + 1) + 10, len(names), left=100))
+        fig.add_trace(
+            go.Bar(
+                y=ys,
+                x=xs,
+                name=name,
+                orientation="h",
+                marker_color=bucket_colour(name),
+                hovertemplate=f"{hover}: %{{x:.3f}} s<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        title=_title("breakdown (seconds; the bars sum to end-to-end)"),
+        barmode="stack",
+        template="plotly_white",
+        yaxis={"autorange": "reversed"},
+        **_legend_below(40 * (len(result.attempts) + 1) + 10, len(names), left=100),
+    )
     return fig
 
 
-def _windows_figure(windows: Sequence[Window | FleetWindow],
-                    title: str = "ETT% per window (bars: each window's buckets, % of its counted time)",
-                    t0: float | None = None):
+def _windows_figure(
+    windows: Sequence[Window | FleetWindow],
+    title: str = "ETT% per window (bars: each window's buckets, % of its counted time)",
+    t0: float | None = None,
+):
     """Each window as a bar of its buckets (% of its counted time) under a line of ETT% per window.
 
     ``t0``: the x-axis counts seconds since then (a run's page, whose timeline below does the same);
@@ -507,18 +745,39 @@ def _windows_figure(windows: Sequence[Window | FleetWindow],
     fig = go.Figure()
     for name in names:
         hover = html.escape(f"{name} ({bucket_label(name)})")
-        fig.add_trace(go.Bar(
-            x=mids, y=[100 * w.buckets.get(name, 0.0) / t if t > 0 else 0 for w, t in zip(windows, totals)],
-            width=widths, name=name, marker_color=bucket_colour(name), opacity=0.55,
-            hovertemplate=f"{hover}: %{{y:.1f}}%<extra></extra>"))
-    fig.add_trace(go.Scatter(
-        x=mids, y=[w.ett_pct for w in windows], mode="lines+markers", name="ETT%", connectgaps=False,
-        line={"color": "#1b5e20", "width": 3}, marker={"size": 7},
-        text=[f"{format_time(w.since)} + {format_duration(w.until - w.since)}" for w in windows],
-        hovertemplate="ETT %{y:.1f}%<br>%{text}<extra></extra>"))
-    fig.update_layout(title=_title(title), barmode="stack", template="plotly_white", bargap=0,
-                      yaxis={"title": "% of counted time", "range": [0, 100]}, xaxis=xaxis,
-                      **_legend_below(280, len(names) + 1, left=60))
+        fig.add_trace(
+            go.Bar(
+                x=mids,
+                y=[100 * w.buckets.get(name, 0.0) / t if t > 0 else 0 for w, t in zip(windows, totals, strict=True)],
+                width=widths,
+                name=name,
+                marker_color=bucket_colour(name),
+                opacity=0.55,
+                hovertemplate=f"{hover}: %{{y:.1f}}%<extra></extra>",
+            )
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=mids,
+            y=[w.ett_pct for w in windows],
+            mode="lines+markers",
+            name="ETT%",
+            connectgaps=False,
+            line={"color": "#1b5e20", "width": 3},
+            marker={"size": 7},
+            text=[f"{format_time(w.since)} + {format_duration(w.until - w.since)}" for w in windows],
+            hovertemplate="ETT %{y:.1f}%<br>%{text}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=_title(title),
+        barmode="stack",
+        template="plotly_white",
+        bargap=0,
+        yaxis={"title": "% of counted time", "range": [0, 100]},
+        xaxis=xaxis,
+        **_legend_below(280, len(names) + 1, left=60),
+    )
     return fig
 
 
@@ -533,39 +792,59 @@ def _slow_steps_html(result: RunResult) -> str:
     slow = result.slow_steps
     if slow is None or slow.ideal_step_s is None:
         return ""
-    steps = _html_table(("attempt", "step", "duration", "over ideal"), [
-        (s.attempt, f"{s.step:,}", _step_time(s.duration_s), _step_time(s.excess_s)) for s in slow.slowest_steps])
+    steps = _html_table(
+        ("attempt", "step", "duration", "over ideal"),
+        [(s.attempt, f"{s.step:,}", _step_time(s.duration_s), _step_time(s.excess_s)) for s in slow.slowest_steps],
+    )
     ranks = ""
     if slow.slowest_ranks:
-        ranks = "<div><h3>Stragglers</h3>" + _html_table(("rank", "lagged steps", "total lag", "worst steps"), [
-            (r.rank, f"{r.lagged_steps:,}", format_duration(r.lag_s),
-             ", ".join(f"{lag.attempt}/{lag.step}: {_step_time(lag.lag_s)}" for lag in r.worst[:5]))
-            for r in slow.slowest_ranks]) + "</div>"
-    return (f'<div class="slow"><h3>Slow steps</h3><p>{html.escape(_slow_summary(result))}</p>'
-            f'<div class="tables"><div>{steps}</div>{ranks}</div></div>')
+        ranks = (
+            "<div><h3>Stragglers</h3>"
+            + _html_table(
+                ("rank", "lagged steps", "total lag", "worst steps"),
+                [
+                    (
+                        r.rank,
+                        f"{r.lagged_steps:,}",
+                        format_duration(r.lag_s),
+                        ", ".join(f"{lag.attempt}/{lag.step}: {_step_time(lag.lag_s)}" for lag in r.worst[:5]),
+                    )
+                    for r in slow.slowest_ranks
+                ],
+            )
+            + "</div>"
+        )
+    return (
+        f'<div class="slow"><h3>Slow steps</h3><p>{html.escape(_slow_summary(result))}</p>'
+        f'<div class="tables"><div>{steps}</div>{ranks}</div></div>'
+    )
 
 
 def _run_section(result: RunResult, index: int) -> str:
     e2e = result.e2e_s
     l1_rows = [(label, format_duration(result.l1[key]), _pct(result.l1[key], e2e)) for key, label in _L1_LABELS]
-    l1_rows.append(("failures", result.l1["failures"],
-                    ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items())))
-    l2_rows = [(name, f"{s:,.3f}", _pct(s, e2e), bucket_label(name))
-               for name, s in result.buckets.items() if s > 0]
+    l1_rows.append(
+        ("failures", result.l1["failures"], ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items()))
+    )
+    l2_rows = [(name, f"{s:,.3f}", _pct(s, e2e), bucket_label(name)) for name, s in result.buckets.items() if s > 0]
     timeline = _plot_div(_timeline_figure(result), f"timeline-{index}")
     breakdown = _plot_div(_breakdown_figure(result), f"breakdown-{index}")
-    windows = (_plot_div(_windows_figure(result.windows, t0=result.start_ts), f"windows-{index}")
-               if result.windows else "")
+    windows = (
+        _plot_div(_windows_figure(result.windows, t0=result.start_ts), f"windows-{index}") if result.windows else ""
+    )
     hidden = _lanes(result)[2]
-    hidden_html = (f'<p class="note">Spans too short to draw in the timeline: {html.escape(", ".join(hidden))}.</p>'
-                   if hidden else "")
+    hidden_html = (
+        f'<p class="note">Spans too short to draw in the timeline: {html.escape(", ".join(hidden))}.</p>'
+        if hidden
+        else ""
+    )
     warnings_html = "".join(f"<li>{html.escape(w)}</li>" for w in result.warnings)
     return f"""
 <section class="run">
   <h2>{html.escape(result.job)} <small>{html.escape(result.run_dir)}</small></h2>
   <div class="headline"><span class="ett {_grade(result.ett_pct)}">{_ett_text(result.ett_pct)}</span> ETT
     <span class="facts">end-to-end {format_duration(e2e)} · {result.devices} device(s) ·
-    {len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)</span></div>
+    {len(result.attempts)} attempt(s) · {result.l1["failures"]} failure(s)</span></div>
   <div class="tables"><div><h3>L1</h3>{_html_table(("figure", "time", "% of e2e"), l1_rows)}</div>
   <div><h3>L2 buckets</h3>{_html_table(("bucket", "seconds", "% of e2e", "what"), l2_rows)}</div></div>
   {_slow_steps_html(result)}
@@ -573,12 +852,13 @@ def _run_section(result: RunResult, index: int) -> str:
   {windows}
   {timeline}
   {hidden_html}
-  {f'<ul class="warnings">{warnings_html}</ul>' if warnings_html else ''}
+  {f'<ul class="warnings">{warnings_html}</ul>' if warnings_html else ""}
 </section>"""
 
 
-def render_html(results: Sequence[RunResult], title: str = "warmstart ETT report", *,
-                intro: Sequence[Sequence[Any]] | None = None) -> str:
+def render_html(
+    results: Sequence[RunResult], title: str = "warmstart ETT report", *, intro: Sequence[Sequence[Any]] | None = None
+) -> str:
     """One self-contained page (plotly.js inlined, no network) with a section per run.
 
     ``intro``: a table shown above the runs, as rows whose first row is the header (e.g. the
@@ -588,8 +868,14 @@ def render_html(results: Sequence[RunResult], title: str = "warmstart ETT report
     return _page(title, sections)
 
 
-def render_fleet_html(fleet: FleetResult, title: str = "warmstart fleet ETT report", *,
-                      windows: Sequence[FleetWindow] | None = None, top: int = 30, rows: int = 200) -> str:
+def render_fleet_html(
+    fleet: FleetResult,
+    title: str = "warmstart fleet ETT report",
+    *,
+    windows: Sequence[FleetWindow] | None = None,
+    top: int = 30,
+    rows: int = 200,
+) -> str:
     """One self-contained page for a fleet: fleet ETT% and its buckets, fleet ETT% per time window, and
     the jobs that lost the most device-hours, first (a chart of the ``top`` largest, a table of ``rows``).
 
@@ -597,38 +883,69 @@ def render_fleet_html(fleet: FleetResult, title: str = "warmstart fleet ETT repo
     """
     windows = fleet.windows if windows is None else windows
     total = fleet.device_seconds
-    facts = (f"{fleet.jobs:,} job(s) · {total / 3600:,.1f} device-hours · {fleet.failures:,} failure(s) · "
-             f"weighted by device-seconds")
-    bucket_rows = [(name, f"{s / 3600:,.2f}", _pct(s, total), bucket_label(name))
-                   for name, s in fleet.to_dict()["buckets"].items() if s > 0]
-    parts = [f'<div class="headline"><span class="ett {_grade(fleet.ett_pct)}">{_ett_text(fleet.ett_pct)}</span> fleet ETT '
-             f'<span class="facts">{html.escape(facts)}</span></div>',
-             f'<div class="tables"><div><h3>Buckets</h3>'
-             f'{_html_table(("bucket", "device-hours", "% of total", "what"), bucket_rows)}</div></div>']
+    facts = (
+        f"{fleet.jobs:,} job(s) · {total / 3600:,.1f} device-hours · {fleet.failures:,} failure(s) · "
+        f"weighted by device-seconds"
+    )
+    bucket_rows = [
+        (name, f"{s / 3600:,.2f}", _pct(s, total), bucket_label(name))
+        for name, s in fleet.to_dict()["buckets"].items()
+        if s > 0
+    ]
+    parts = [
+        f'<div class="headline"><span class="ett {_grade(fleet.ett_pct)}">{_ett_text(fleet.ett_pct)}</span> fleet ETT '
+        f'<span class="facts">{html.escape(facts)}</span></div>',
+        f'<div class="tables"><div><h3>Buckets</h3>'
+        f"{_html_table(('bucket', 'device-hours', '% of total', 'what'), bucket_rows)}</div></div>",
+    ]
     if windows:
         every = windows[0].until - windows[0].since
-        parts.append(f"<h2>Over time</h2><p>{len(windows):,} windows of {html.escape(format_duration(every))} "
-                     f"(local time)</p>")
-        parts.append(_plot_div(_windows_figure(
-            windows, "fleet ETT% per window (bars: each window's buckets, % of its device-time)"), "fleet-windows"))
+        parts.append(
+            f"<h2>Over time</h2><p>{len(windows):,} windows of {html.escape(format_duration(every))} (local time)</p>"
+        )
+        parts.append(
+            _plot_div(
+                _windows_figure(windows, "fleet ETT% per window (bars: each window's buckets, % of its device-time)"),
+                "fleet-windows",
+            )
+        )
     ranked = _jobs_by_loss(fleet)
     if ranked:
         shown = min(rows, len(ranked))
-        parts.append(f"<h2>Jobs by lost device-hours</h2><p>{shown:,} of {len(ranked):,} job(s), the largest "
-                     f"loss first; lost = every bucket but {EFFECTIVE}.</p>")
+        parts.append(
+            f"<h2>Jobs by lost device-hours</h2><p>{shown:,} of {len(ranked):,} job(s), the largest "
+            f"loss first; lost = every bucket but {EFFECTIVE}.</p>"
+        )
         parts.append(_plot_div(_job_losses_figure(ranked[:top]), "fleet-jobs"))
-        parts.append(_html_table(
-            ("#", "job", "devices", "wall", "ETT%", "lost device-hours", "largest loss", "failures", "run dir"),
-            [(n, run["job"], run["devices"], format_duration(run["e2e_s"]), f"{run['ett_pct']:.1f}",
-              f"{lost / 3600:,.2f}", _largest_loss(buckets), run["failures"], run["run_dir"])
-             for n, (run, buckets, lost) in enumerate(ranked[:rows], 1)], css_class="jobs"))
+        parts.append(
+            _html_table(
+                ("#", "job", "devices", "wall", "ETT%", "lost device-hours", "largest loss", "failures", "run dir"),
+                [
+                    (
+                        n,
+                        run["job"],
+                        run["devices"],
+                        format_duration(run["e2e_s"]),
+                        f"{run['ett_pct']:.1f}",
+                        f"{lost / 3600:,.2f}",
+                        _largest_loss(buckets),
+                        run["failures"],
+                        run["run_dir"],
+                    )
+                    for n, (run, buckets, lost) in enumerate(ranked[:rows], 1)
+                ],
+                css_class="jobs",
+            )
+        )
     return _page(title, f'<section class="fleet">{"".join(parts)}</section>')
 
 
 def _jobs_by_loss(fleet: FleetResult) -> list[tuple[dict[str, Any], dict[str, float], float]]:
     """(run row, its buckets in device-seconds, lost device-seconds) per job, the largest loss first."""
-    ranked = [(run, buckets, sum(s for name, s in buckets.items() if name != EFFECTIVE))
-              for run, buckets in zip(fleet.runs, fleet.run_buckets)]
+    ranked = [
+        (run, buckets, sum(s for name, s in buckets.items() if name != EFFECTIVE))
+        for run, buckets in zip(fleet.runs, fleet.run_buckets, strict=True)
+    ]
     return sorted(ranked, key=lambda item: -item[2])
 
 
@@ -652,14 +969,28 @@ def _job_losses_figure(ranked: Sequence[tuple[dict[str, Any], dict[str, float], 
         if name == EFFECTIVE:
             continue
         hover = html.escape(f"{name} ({bucket_label(name)})")
-        fig.add_trace(go.Bar(
-            y=labels, x=[buckets.get(name, 0.0) / 3600 for _, buckets, _ in ranked], name=name, orientation="h",
-            marker_color=bucket_colour(name), text=[html.escape(run["run_dir"]) for run, _, _ in ranked],
-            textposition="none", hovertemplate=f"{hover}: %{{x:,.2f}} device-hours<br>%{{text}}<extra></extra>"))
-    fig.update_layout(title=_title("lost device-hours per job, by bucket"), barmode="stack",
-                      template="plotly_white", height=_TOP_MARGIN + 120 + 26 * len(ranked),
-                      xaxis_title="device-hours", yaxis={"autorange": "reversed", "type": "category"},
-                      legend={"traceorder": "normal"}, margin={"l": 200, "r": 20, "t": _TOP_MARGIN, "b": 40})
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=[buckets.get(name, 0.0) / 3600 for _, buckets, _ in ranked],
+                name=name,
+                orientation="h",
+                marker_color=bucket_colour(name),
+                text=[html.escape(run["run_dir"]) for run, _, _ in ranked],
+                textposition="none",
+                hovertemplate=f"{hover}: %{{x:,.2f}} device-hours<br>%{{text}}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        title=_title("lost device-hours per job, by bucket"),
+        barmode="stack",
+        template="plotly_white",
+        height=_TOP_MARGIN + 120 + 26 * len(ranked),
+        xaxis_title="device-hours",
+        yaxis={"autorange": "reversed", "type": "category"},
+        legend={"traceorder": "normal"},
+        margin={"l": 200, "r": 20, "t": _TOP_MARGIN, "b": 40},
+    )
     return fig
 
 

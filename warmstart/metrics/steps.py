@@ -124,7 +124,7 @@ def _median(np: Any, values: Any) -> float:
     half = len(values) // 2
     if len(values) % 2:
         return float(np.partition(values, half)[half])
-    low, high = np.partition(values, (half - 1, half))[half - 1:half + 1].tolist()
+    low, high = np.partition(values, (half - 1, half))[half - 1 : half + 1].tolist()
     return (low + high) / 2
 
 
@@ -183,7 +183,7 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
             stops = starts[1:]
             if r == rank and failure < math.inf:
                 interrupted.append(Interrupted(attempt, step_events[idx[cut - 1]].step, failure - float(starts[-1])))
-        step_numbers = numbers[idx[:len(stops)]]
+        step_numbers = numbers[idx[: len(stops)]]
         ends[(attempt, r)] = (step_numbers, stops)
         if r == rank and len(stops):
             segments.append((measured, attempt, step_numbers))
@@ -193,7 +193,7 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
 
     # Each attempt's first step is warm-up (lazy compilation, cold caches): not part of the ideal.
     bounds = [first for first, _, _ in segments] + [measured]
-    sample = np.concatenate([durations[bounds[i] + 1:bounds[i + 1]] for i in range(len(segments))] or [durations])
+    sample = np.concatenate([durations[bounds[i] + 1 : bounds[i + 1]] for i in range(len(segments))] or [durations])
     ideal = trimmed_median(sample if len(sample) else durations)
     margin = margin_s(ideal)
     slowest: list[SlowStep] = []
@@ -207,9 +207,16 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
             first, attempt, step_numbers = segments[bisect.bisect_right(bounds, i) - 1]
             slowest.append(SlowStep(attempt, int(step_numbers[i - first]), float(durations[i]), float(excess[k])))
     return SlowSteps(
-        rank=rank if measured else None, measured_steps=measured, ideal_step_s=ideal,
-        slow_above_s=None if ideal is None else ideal + margin, slow_count=slow_count, lost_s=lost,
-        slowest_steps=tuple(slowest), slowest_ranks=_stragglers(np, ends, margin), interrupted=tuple(interrupted))
+        rank=rank if measured else None,
+        measured_steps=measured,
+        ideal_step_s=ideal,
+        slow_above_s=None if ideal is None else ideal + margin,
+        slow_count=slow_count,
+        lost_s=lost,
+        slowest_steps=tuple(slowest),
+        slowest_ranks=_stragglers(np, ends, margin),
+        interrupted=tuple(interrupted),
+    )
 
 
 _ts = operator.attrgetter("ts")
@@ -234,7 +241,7 @@ def _groups(np: Any, step_events: list[Step]) -> list[tuple[tuple[int, int], Any
     ranks = _int_column(np, step_events, _rank)
     if attempts.dtype == object or ranks.dtype == object:  # numbers past int64: group them one by one
         by_key: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, key in enumerate(zip(attempts.tolist(), ranks.tolist())):
+        for i, key in enumerate(zip(attempts.tolist(), ranks.tolist(), strict=True)):
             by_key[key].append(i)
         return [(key, np.array(by_key[key], dtype=np.intp)) for key in sorted(by_key)]
     a_min, r_min = int(attempts.min()), int(ranks.min())
@@ -248,7 +255,7 @@ def _groups(np: Any, step_events: list[Step]) -> list[tuple[tuple[int, int], Any
     sorted_a, sorted_r = attempts[order], ranks[order]
     change = np.flatnonzero((sorted_a[1:] != sorted_a[:-1]) | (sorted_r[1:] != sorted_r[:-1])) + 1
     cuts = [0, *change.tolist(), len(order)]
-    return [((int(sorted_a[lo]), int(sorted_r[lo])), order[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+    return [((int(sorted_a[lo]), int(sorted_r[lo])), order[lo:hi]) for lo, hi in itertools.pairwise(cuts)]
 
 
 def _union(marks: list[tuple[float, int, tuple[int, str]]], rank: int | None) -> list[tuple[float, float]]:
@@ -279,7 +286,7 @@ def _net_durations(np: Any, starts: Any, stops: Any, covered: list[tuple[float, 
 
     Every (covered interval, step) pair that overlaps is found with binary searches; a step that several
     intervals overlap loses their parts one after the other, in time order, as a loop over them would."""
-    out = stops - starts[:len(stops)]
+    out = stops - starts[: len(stops)]
     if not covered or not len(out):
         return out
     begins = np.array([begin for begin, _ in covered])
@@ -338,10 +345,13 @@ def _stragglers(np: Any, ends: dict[tuple[int, int], tuple[Any, Any]], margin: f
                 counts[r] += len(hits)
                 totals[r].append(math.fsum(lag[hits].tolist()))
                 top = hits[np.argsort(-lag[hits], kind="stable")[:TOP]]  # the largest lags, ties in order
-                worst[r] = heapq.nlargest(TOP, itertools.chain(
-                    worst[r], zip(lag[top].tolist(), itertools.repeat(attempt), map(int, numbers[top]))))
-    out = [RankLag(r, counts[r], math.fsum(totals[r]), tuple(Lag(a, n, lag) for lag, a, n in worst[r]))
-           for r in counts]
+                worst[r] = heapq.nlargest(
+                    TOP,
+                    itertools.chain(
+                        worst[r], zip(lag[top].tolist(), itertools.repeat(attempt), map(int, numbers[top]))
+                    ),
+                )
+    out = [RankLag(r, counts[r], math.fsum(totals[r]), tuple(Lag(a, n, lag) for lag, a, n in worst[r])) for r in counts]
     out.sort(key=lambda r: (-r.lag_s, r.rank))
     return tuple(out[:TOP])
 
@@ -363,5 +373,7 @@ def _lags(np: Any, columns: Any) -> Any:
     before = np.maximum.accumulate(columns, axis=0)
     after = np.maximum.accumulate(columns[::-1], axis=0)[::-1]
     last = len(columns) - 1
-    return [row - (after[1] if i == 0 else before[-2] if i == last else np.maximum(before[i - 1], after[i + 1]))
-            for i, row in enumerate(columns)]
+    return [
+        row - (after[1] if i == 0 else before[-2] if i == last else np.maximum(before[i - 1], after[i + 1]))
+        for i, row in enumerate(columns)
+    ]

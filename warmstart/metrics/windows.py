@@ -26,8 +26,31 @@ MAX_WINDOWS = 10_000  # a longer series is a typo (--every 1s over a month), not
 DEFAULT_WINDOWS = (20, 100)  # how many windows a chart gets when no length is asked for (default_every)
 # Window lengths a default may pick, seconds: round to read, each at most 2.5 times the one before,
 # so the first that fits makes at least 100 / 2.5 windows.
-_ROUND_EVERY_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200,
-                  86400, 172800, 259200, 604800, 1209600, 2419200)
+_ROUND_EVERY_S = (
+    1,
+    2,
+    5,
+    10,
+    15,
+    30,
+    60,
+    120,
+    300,
+    600,
+    900,
+    1800,
+    3600,
+    7200,
+    10800,
+    21600,
+    43200,
+    86400,
+    172800,
+    259200,
+    604800,
+    1209600,
+    2419200,
+)
 
 TIME_FORMS = "epoch seconds (e.g. 1714564800) or an ISO-8601 time (e.g. 2024-05-01T12:00:00Z)"
 DURATION_FORMS = "a positive duration such as 30s, 15m, 1h, 1d or 1h30m (a bare number is seconds)"
@@ -38,6 +61,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhdw])")
 
 
 # -- parsing -------------------------------------------------------------------------------------------
+
 
 def parse_time(text: str) -> float:
     """A point in time as unix seconds: epoch seconds, or an ISO-8601 time (local time when it names
@@ -129,6 +153,7 @@ def default_every(since: float, until: float, origin: float = 0.0) -> float:
 
 # -- what a report counts ------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class TimeFilter:
     """Which time a report counts, and how it is sliced; times are unix seconds."""
@@ -215,6 +240,7 @@ class FleetWindow:
 
 # -- one job -------------------------------------------------------------------------------------------
 
+
 def apply(result: RunResult, time: TimeFilter) -> RunResult:
     """``result`` restricted to ``time`` (:func:`restrict`), with its windows when ``time.every`` is set."""
     windows = run_windows(result, time) if time.every is not None else None
@@ -260,25 +286,35 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
         a = result.attempts[i]
         own = _like(per_attempt[i], a.buckets)
         own_e2e = sum(own.values())
-        attempts.append(dataclasses.replace(
-            a, start_ts=min(max(a.start_ts, lo), hi), end_ts=max(min(a.end_ts, hi), lo), e2e_s=own_e2e,
-            ett_pct=_pct(own[EFFECTIVE], own_e2e), buckets=own, pre_first_step_s=init[i],
-            recovery_wait_s=own[RECOVERY]))
+        attempts.append(
+            dataclasses.replace(
+                a,
+                start_ts=min(max(a.start_ts, lo), hi),
+                end_ts=max(min(a.end_ts, hi), lo),
+                e2e_s=own_e2e,
+                ett_pct=_pct(own[EFFECTIVE], own_e2e),
+                buckets=own,
+                pre_first_step_s=init[i],
+                recovery_wait_s=own[RECOVERY],
+            )
+        )
 
     by_category: dict[str, int] = defaultdict(int)
     for a in result.attempts:
         if a.failed and a.failure and _holds(pieces, a.failure["ts"], result.end_ts):
             by_category[a.failure["category"]] += 1
     l1 = dict(result.l1)
-    l1.update({
-        "time_to_start_s": init.get(0, 0.0),
-        "time_to_recover_s": sum(s for i, s in init.items() if i > 0) + totals[RECOVERY],
-        "failures": sum(by_category.values()),
-        "failures_by_category": dict(sorted(by_category.items())),
-        "lost_progress_s": totals[LOST],
-        "checkpoint_blocking_s": totals[CHECKPOINT_BLOCKING],
-        "shutdown_s": totals[SHUTDOWN],
-    })
+    l1.update(
+        {
+            "time_to_start_s": init.get(0, 0.0),
+            "time_to_recover_s": sum(s for i, s in init.items() if i > 0) + totals[RECOVERY],
+            "failures": sum(by_category.values()),
+            "failures_by_category": dict(sorted(by_category.items())),
+            "lost_progress_s": totals[LOST],
+            "checkpoint_blocking_s": totals[CHECKPOINT_BLOCKING],
+            "shutdown_s": totals[SHUTDOWN],
+        }
+    )
 
     segments = [s._replace(attempt=index[s.attempt]) for s in segments]
     ranks: dict[int, dict[str, Any]] = {}
@@ -295,9 +331,20 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
 
     timeline = [tl for tl in (_clip_timeline(tl, lo, hi) for tl in result.timeline) if tl is not None]
     return dataclasses.replace(
-        result, start_ts=lo, end_ts=hi, e2e_s=e2e, ett_pct=_pct(totals[EFFECTIVE], e2e), buckets=totals,
-        l1=l1, attempts=attempts, ranks=ranks, timeline=timeline, segments=segments,
-        rank_segments=rank_segments, windows=None)
+        result,
+        start_ts=lo,
+        end_ts=hi,
+        e2e_s=e2e,
+        ett_pct=_pct(totals[EFFECTIVE], e2e),
+        buckets=totals,
+        l1=l1,
+        attempts=attempts,
+        ranks=ranks,
+        timeline=timeline,
+        segments=segments,
+        rank_segments=rank_segments,
+        windows=None,
+    )
 
 
 def run_windows(result: RunResult, time: TimeFilter) -> list[Window]:
@@ -325,13 +372,21 @@ def run_windows(result: RunResult, time: TimeFilter) -> list[Window]:
         pieces = time.kept(max(since, result.start_ts), min(until, result.end_ts))
         buckets = _like(_sum_buckets(_overlapping(result.segments, ends, pieces)), result.buckets)
         e2e = sum(buckets.values())
-        windows.append(Window(since=since, until=until, e2e_s=e2e,
-                              ett_pct=_pct(buckets[EFFECTIVE], e2e), buckets=buckets,
-                              failures=_failures(result, pieces)))
+        windows.append(
+            Window(
+                since=since,
+                until=until,
+                e2e_s=e2e,
+                ett_pct=_pct(buckets[EFFECTIVE], e2e),
+                buckets=buckets,
+                failures=_failures(result, pieces),
+            )
+        )
     return windows
 
 
 # -- a fleet -------------------------------------------------------------------------------------------
+
 
 class FleetWindows:
     """Fleet ETT% per window, folded one job at a time like :class:`~warmstart.metrics.fleet.FleetResult`.
@@ -397,10 +452,18 @@ class FleetWindows:
             row = self._rows.get(k, {"jobs": 0, "failures": 0, "buckets": {}})
             buckets = _like(row["buckets"], self._names)
             total = sum(buckets.values())
-            out.append(FleetWindow(since=since, until=until, jobs=row["jobs"], device_seconds=total,
-                                   effective_device_seconds=buckets[EFFECTIVE],
-                                   ett_pct=_pct(buckets[EFFECTIVE], total),
-                                   buckets=buckets, failures=row["failures"]))
+            out.append(
+                FleetWindow(
+                    since=since,
+                    until=until,
+                    jobs=row["jobs"],
+                    device_seconds=total,
+                    effective_device_seconds=buckets[EFFECTIVE],
+                    ett_pct=_pct(buckets[EFFECTIVE], total),
+                    buckets=buckets,
+                    failures=row["failures"],
+                )
+            )
         return out
 
     def _bounds(self, k: int) -> tuple[float, float]:
@@ -415,6 +478,7 @@ class FleetWindows:
 
 
 # -- helpers -------------------------------------------------------------------------------------------
+
 
 def _need_segments(result: RunResult) -> None:
     if result.e2e_s > 0 and not result.segments:
@@ -435,12 +499,14 @@ def _window_count(origin: float, end: float, every: float) -> int:
 
 def _check_count(count: int, every: float) -> None:
     if count > MAX_WINDOWS:
-        raise ValueError(f"windows of {every:g} s make {count:,} windows here, more than {MAX_WINDOWS:,}: "
-                         f"expected a longer duration")
+        raise ValueError(
+            f"windows of {every:g} s make {count:,} windows here, more than {MAX_WINDOWS:,}: expected a longer duration"
+        )
 
 
-def _overlapping(segments: Sequence[Segment], ends: Sequence[float],
-                 pieces: Sequence[tuple[float, float]]) -> Iterator[Segment]:
+def _overlapping(
+    segments: Sequence[Segment], ends: Sequence[float], pieces: Sequence[tuple[float, float]]
+) -> Iterator[Segment]:
     """The parts of ``segments`` (sorted, with ``ends`` their end times) inside each of ``pieces``."""
     for a, b in pieces:
         # Segments follow each other in time (those sharing an instant have equal bounds), so their
@@ -472,8 +538,7 @@ def _holds(pieces: Sequence[tuple[float, float]], ts: float, job_end: float) -> 
 
 
 def _failures(result: RunResult, pieces: Sequence[tuple[float, float]]) -> int:
-    return sum(1 for a in result.attempts
-               if a.failed and a.failure and _holds(pieces, a.failure["ts"], result.end_ts))
+    return sum(1 for a in result.attempts if a.failed and a.failure and _holds(pieces, a.failure["ts"], result.end_ts))
 
 
 def _clip_timeline(tl: AttemptTimeline, lo: float, hi: float) -> AttemptTimeline | None:
@@ -492,15 +557,26 @@ def _clip_timeline(tl: AttemptTimeline, lo: float, hi: float) -> AttemptTimeline
     first_step = inside(tl.first_step) if tl.first_step is not None and tl.first_step < end else None
     train_end = tl.train_end if tl.train_end is not None and tl.train_end < end else None
     failure = tl.failure if tl.failure and lo <= tl.failure["ts"] <= hi else None
-    spans = [SpanMark(s.name, s.bucket, max(s.start, start), min(s.end, end), s.rank)
-             for s in tl.spans if min(s.end, end) > max(s.start, start)]
+    spans = [
+        SpanMark(s.name, s.bucket, max(s.start, start), min(s.end, end), s.rank)
+        for s in tl.spans
+        if min(s.end, end) > max(s.start, start)
+    ]
     return dataclasses.replace(
-        tl, start=start, end=end, first_step=first_step,
+        tl,
+        start=start,
+        end=end,
+        first_step=first_step,
         loop_end=inside(tl.loop_end) if first_step is not None else None,
-        train_end=inside(train_end), lost_from=inside(tl.lost_from), failure=failure, spans=spans,
+        train_end=inside(train_end),
+        lost_from=inside(tl.lost_from),
+        failure=failure,
+        spans=spans,
         steps=[p for p in tl.steps if lo <= p[0] <= hi],
         checkpoints=[p for p in tl.checkpoints if lo <= p[0] <= hi],
-        recovery_before=before, recovery_after=after)
+        recovery_before=before,
+        recovery_after=after,
+    )
 
 
 def _clip_pair(pair: tuple[float, float] | None, lo: float, hi: float) -> tuple[float, float] | None:

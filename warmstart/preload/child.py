@@ -103,7 +103,7 @@ def _join_cgroup(theirs: str) -> None:
         if mount is None or not (path + "/").startswith(mount[1].rstrip("/") + "/"):
             raise RuntimeError(f"the process's cgroup {controllers or 'v2'}:{path} is not mounted here")
         point, root = mount
-        target = os.path.join(point, path[len(root.rstrip("/")):].lstrip("/"), "cgroup.procs")
+        target = os.path.join(point, path[len(root.rstrip("/")) :].lstrip("/"), "cgroup.procs")
         with open(target, "w") as f:
             f.write(str(os.getpid()))
 
@@ -121,8 +121,15 @@ def _cgroup_roots() -> dict[str, tuple[str, str]]:
         elif tail[0] == "cgroup":
             options = tail[2].split(",")
             named = [o for o in options if o.startswith("name=")]
-            controllers = ",".join(named) if named else ",".join(
-                o for o in options if o not in ("rw", "ro", "nosuid", "nodev", "noexec", "relatime", "clone_children"))
+            controllers = (
+                ",".join(named)
+                if named
+                else ",".join(
+                    o
+                    for o in options
+                    if o not in ("rw", "ro", "nosuid", "nodev", "noexec", "relatime", "clone_children")
+                )
+            )
             roots[controllers] = (fields[4], fields[3])
     return roots
 
@@ -145,7 +152,7 @@ def _place_fds(numbers: list[int], request: Request) -> socket.socket:
     busy = [n for n in numbers if n > 2 and _is_open(n) and n not in kept]
     if busy:
         raise RuntimeError(f"descriptor {busy[0]} is in use in the preloader")
-    for fd, number in zip(held, numbers):
+    for fd, number in zip(held, numbers, strict=True):
         os.dup2(fd, number, inheritable=True)
         os.close(fd)
     return socket.socket(fileno=conn_fd)
@@ -200,9 +207,13 @@ def _standard_streams(unbuffered: bool) -> None:
         raw = io.FileIO(fd, mode, closefd=False)
         tty = raw.isatty()
         buffered = (io.BufferedWriter if "w" in mode else io.BufferedReader)(raw)
-        text = io.TextIOWrapper(buffered, encoding=encoding or (sys.stdout or sys.__stdout__ or io.StringIO()).encoding,
-                                errors=("backslashreplace" if fd == 2 else errors or "strict"),
-                                line_buffering=(tty or fd == 2) and not unbuffered, write_through=unbuffered or fd == 2)
+        text = io.TextIOWrapper(
+            buffered,
+            encoding=encoding or (sys.stdout or sys.__stdout__ or io.StringIO()).encoding,
+            errors=("backslashreplace" if fd == 2 else errors or "strict"),
+            line_buffering=(tty or fd == 2) and not unbuffered,
+            write_through=unbuffered or fd == 2,
+        )
         text.mode = mode  # type: ignore[misc]
         return text
 

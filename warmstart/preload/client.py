@@ -54,22 +54,22 @@ def program_mode(argv: list[str]) -> tuple[str, str, list[str]] | None:
     while i < len(argv):
         arg = argv[i]
         if arg == "-c":
-            return ("command", argv[i + 1], argv[i + 2:]) if i + 1 < len(argv) else None
+            return ("command", argv[i + 1], argv[i + 2 :]) if i + 1 < len(argv) else None
         if arg == "-m":
-            return ("module", argv[i + 1], argv[i + 2:]) if i + 1 < len(argv) else None
+            return ("module", argv[i + 1], argv[i + 2 :]) if i + 1 < len(argv) else None
         if arg in ("-", "-i") or arg.startswith("--") and arg not in ("--check-hash-based-pycs",):
             return None
         if arg.startswith("-") and len(arg) > 1:
             letters = arg[1:]
             for j, letter in enumerate(letters):
                 if letter in "cm":  # -uc CODE, -um MOD
-                    rest = letters[j + 1:] or (argv[i + 1] if i + 1 < len(argv) else None)
+                    rest = letters[j + 1 :] or (argv[i + 1] if i + 1 < len(argv) else None)
                     if rest is None:
                         return None
-                    skip = 1 if letters[j + 1:] else 2
-                    return ("command" if letter == "c" else "module", rest, argv[i + skip:])
+                    skip = 1 if letters[j + 1 :] else 2
+                    return ("command" if letter == "c" else "module", rest, argv[i + skip :])
                 if letter in "WX" or letter == "-":  # -W arg, -X opt: the value is the rest or the next argument
-                    if not letters[j + 1:]:
+                    if not letters[j + 1 :]:
                         i += 1
                     break
                 if letter == "i":
@@ -78,7 +78,7 @@ def program_mode(argv: list[str]) -> tuple[str, str, list[str]] | None:
                 i += 1
             i += 1
             continue
-        return ("script", arg, argv[i + 1:])
+        return ("script", arg, argv[i + 1 :])
     return None
 
 
@@ -148,9 +148,18 @@ def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict
         except (OSError, ValueError):
             pass
     request = {
-        "op": "run", "protocol": wire.PROTOCOL, "fingerprint": fingerprint(), "argv": argv, "cwd": cwd,
-        "environ": dict(os.environ), "umask": _umask(), "rlimits": _rlimits(), "cgroup": _read("/proc/self/cgroup"),
-        "start_ts": _start_ts(), "fds": fds, "pid": os.getpid(),
+        "op": "run",
+        "protocol": wire.PROTOCOL,
+        "fingerprint": fingerprint(),
+        "argv": argv,
+        "cwd": cwd,
+        "environ": dict(os.environ),
+        "umask": _umask(),
+        "rlimits": _rlimits(),
+        "cgroup": _read("/proc/self/cgroup"),
+        "start_ts": _start_ts(),
+        "fds": fds,
+        "pid": os.getpid(),
         "ignored": [s for s, h in previous.items() if h == _signal.SIG_IGN],
         "blocked": sorted(int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])),
     }

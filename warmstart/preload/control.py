@@ -17,8 +17,14 @@ START_TIMEOUT_S = 300.0
 _SERVER = "from warmstart.preload.server import main; main()"
 
 
-def start(modules: list[str] | None = None, socket_path: str | None = None, *, foreground: bool = False,
-          timeout_s: float = START_TIMEOUT_S, environ: dict[str, str] | None = None) -> dict:
+def start(
+    modules: list[str] | None = None,
+    socket_path: str | None = None,
+    *,
+    foreground: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+    environ: dict[str, str] | None = None,
+) -> dict:
     """Start a preloader for this user, interpreter and environment (``environ``, default this
     process's), and return its status once it serves (``socket``, ``pid``, ``modules``,
     ``imports_s``...). When one already serves there, its status (``already_running`` true).
@@ -27,7 +33,6 @@ def start(modules: list[str] | None = None, socket_path: str | None = None, *, f
     Raises:
         WarmstartError: it did not start (its log's last lines are in the message).
     """
-    from warmstart.preload.environment import private_dir
     from warmstart.preload.server import DEFAULT_MODULES
 
     base = dict(os.environ if environ is None else environ)
@@ -45,8 +50,16 @@ def start(modules: list[str] | None = None, socket_path: str | None = None, *, f
     read_end, write_end = os.pipe()
     env["WARMSTART_PRELOAD_READY_FD"] = str(write_end)
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                   start_new_session=True, pass_fds=(write_end,), close_fds=True)
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            pass_fds=(write_end,),
+            close_fds=True,
+        )
     os.close(write_end)
     try:
         ready = _read_ready(read_end, process, timeout_s)
@@ -121,8 +134,7 @@ def this_environment_socket(environ: dict[str, str] | None = None) -> str:
     base = dict(os.environ if environ is None else environ)
     if base.get("WARMSTART_PRELOAD_SOCKET"):
         return base["WARMSTART_PRELOAD_SOCKET"]
-    probe = ("from warmstart.preload import environment as e; "
-             "print(e.default_socket(fp=e.site_fingerprint))")
+    probe = "from warmstart.preload import environment as e; print(e.default_socket(fp=e.site_fingerprint))"
     env = {**base, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     if out.returncode != 0 or not out.stdout.strip():
@@ -163,8 +175,11 @@ def _print_verdict() -> None:
     elif answer.get("stale"):
         verdict = [False, answer["stale"]]
     elif not answer.get("fork_safe"):
-        verdict = [False, f"the preloader at {path} is not fork-safe: {answer.get('threads')} threads, "
-                          f"CUDA {'on' if answer.get('cuda_initialized') else 'off'}"]
+        verdict = [
+            False,
+            f"the preloader at {path} is not fork-safe: {answer.get('threads')} threads, "
+            f"CUDA {'on' if answer.get('cuda_initialized') else 'off'}",
+        ]
     else:
         verdict = [True, f"the preloader at {path} (pid {answer.get('pid')}) serves this environment"]
     print(json.dumps(verdict))
@@ -209,8 +224,10 @@ def _private_dir(path: str) -> None:
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.lstat(path)
     if st.st_uid != os.getuid() or st.st_mode & 0o077 or not os.path.isdir(path) or os.path.islink(path):
-        raise WarmstartError(f"{path} must be a directory of yours that nobody else can open (mode 0700); "
-                             "remove it, or set WARMSTART_PRELOAD_SOCKET to a path in a private directory")
+        raise WarmstartError(
+            f"{path} must be a directory of yours that nobody else can open (mode 0700); "
+            "remove it, or set WARMSTART_PRELOAD_SOCKET to a path in a private directory"
+        )
 
 
 def _split(text: str) -> list[str]:

@@ -21,25 +21,45 @@ site_fingerprint: dict | None = None
 #: Environment variables read while the preloaded modules are imported (exact names). A child whose
 #: value differs would run with another configuration than the one its modules were imported with.
 IMPORT_TIME_NAMES = (
-    "HOME", "USER", "LOGNAME",  # getpass and the per-user cache directories torch and Triton name at import
-    "TMPDIR", "TEMP", "TMP",  # tempfile.gettempdir(), cached by the first module that asks
-    "LANG", "LANGUAGE", "TZ",  # the interpreter's locale and encodings; time.tzset
+    "HOME",
+    "USER",
+    "LOGNAME",  # getpass and the per-user cache directories torch and Triton name at import
+    "TMPDIR",
+    "TEMP",
+    "TMP",  # tempfile.gettempdir(), cached by the first module that asks
+    "LANG",
+    "LANGUAGE",
+    "TZ",  # the interpreter's locale and encodings; time.tzset
     "XDG_CACHE_HOME",  # Triton's and torch's default cache directories
-    "LD_LIBRARY_PATH", "LD_PRELOAD",  # which shared libraries torch and its extensions loaded
-    "KINETO_LOG_LEVEL", "KINETO_USE_DAEMON",  # libkineto, loaded with torch
+    "LD_LIBRARY_PATH",
+    "LD_PRELOAD",  # which shared libraries torch and its extensions loaded
+    "KINETO_LOG_LEVEL",
+    "KINETO_USE_DAEMON",  # libkineto, loaded with torch
 )
 
 #: Prefixes of the same (every variable that starts with one).
 IMPORT_TIME_PREFIXES = (
     "PYTHON",  # the interpreter: PYTHONPATH, PYTHONHASHSEED, PYTHONIOENCODING, PYTHONWARNINGS...
     "LC_",  # locale categories
-    "TORCH", "PYTORCH_",  # torch's config modules (torch._inductor.config, torch._dynamo.config,
+    "TORCH",
+    "PYTORCH_",  # torch's config modules (torch._inductor.config, torch._dynamo.config,
     # torch.compiler.config, torch._functorch.config) read TORCHINDUCTOR_*, TORCHDYNAMO_*,
     # TORCH_COMPILE_*, TORCH_LOGS..., PYTORCH_* when imported
     "TRITON_",  # triton.knobs, at import
-    "CUDA_", "NVIDIA_", "CUBLAS", "CUDNN_", "HIP_", "ROCM_",  # device libraries loaded with torch
-    "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ATEN_",  # OpenMP and BLAS, read when libtorch loads
-    "FBGEMM_", "TORCHREC_",  # fbgemm_gpu and TorchRec, at import
+    "CUDA_",
+    "NVIDIA_",
+    "CUBLAS",
+    "CUDNN_",
+    "HIP_",
+    "ROCM_",  # device libraries loaded with torch
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "ATEN_",  # OpenMP and BLAS, read when libtorch loads
+    "FBGEMM_",
+    "TORCHREC_",  # fbgemm_gpu and TorchRec, at import
 )
 
 
@@ -47,22 +67,37 @@ IMPORT_TIME_PREFIXES = (
 #: count (``torchrun`` sets ``OMP_NUM_THREADS=1`` for its workers) and the variables warmstart itself
 #: exports to the processes a ``WARMSTART=1`` process starts (torch's PGO job id, Triton's cache
 #: manager, which Triton reads when it first caches).
-APPLIED_IN_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_COMPILE_JOB_ID", "TORCH_COMPILE_STICKY_PGO_KEY",
-                    "TRITON_CACHE_MANAGER")
+APPLIED_IN_CHILD = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "TORCH_COMPILE_JOB_ID",
+    "TORCH_COMPILE_STICKY_PGO_KEY",
+    "TRITON_CACHE_MANAGER",
+)
 
 #: Matched by the prefixes above but read later, when the program uses them: the launcher's per-rank
 #: variables (torch.distributed.elastic, ProcessGroupNCCL) and the device lists that CUDA and ROCm
 #: read when a process first uses a device, which a preloader never does.
-RUNTIME_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-                 "ROCR_VISIBLE_DEVICES")
+RUNTIME_NAMES = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "NVIDIA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+)
 RUNTIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 
 
 def import_time_environment(environ: dict[str, str] | os._Environ) -> dict[str, str]:
     """The variables of ``environ`` that modules read at import time (see the two tables above)."""
-    return {name: value for name, value in environ.items()
-            if (name in IMPORT_TIME_NAMES or name.startswith(IMPORT_TIME_PREFIXES))
-            and name not in APPLIED_IN_CHILD and name not in RUNTIME_NAMES and not name.startswith(RUNTIME_PREFIXES)}
+    return {
+        name: value
+        for name, value in environ.items()
+        if (name in IMPORT_TIME_NAMES or name.startswith(IMPORT_TIME_PREFIXES))
+        and name not in APPLIED_IN_CHILD
+        and name not in RUNTIME_NAMES
+        and not name.startswith(RUNTIME_PREFIXES)
+    }
 
 
 def fingerprint(environ: dict[str, str] | os._Environ | None = None) -> dict:
@@ -82,9 +117,14 @@ def difference(mine: dict, theirs: dict) -> str | None:
     """The first thing in which two fingerprints differ, in words; ``None`` when they are equal."""
     for key in ("executable", "version", "flags", "warnoptions", "xoptions", "path"):
         if mine.get(key) != theirs.get(key):
-            return {"executable": "another interpreter", "version": "another Python version",
-                    "flags": "other interpreter flags (-O, -E, -I, -X dev...)", "warnoptions": "other -W options",
-                    "xoptions": "other -X options", "path": "another sys.path (another venv or PYTHONPATH)"}[key]
+            return {
+                "executable": "another interpreter",
+                "version": "another Python version",
+                "flags": "other interpreter flags (-O, -E, -I, -X dev...)",
+                "warnoptions": "other -W options",
+                "xoptions": "other -X options",
+                "path": "another sys.path (another venv or PYTHONPATH)",
+            }[key]
     a, b = dict(mine.get("environment", ())), dict(theirs.get("environment", ()))
     for name in sorted(set(a) | set(b)):
         if a.get(name) != b.get(name):

@@ -37,10 +37,20 @@ log = logging.getLogger("warmstart.preload")
 
 #: What every preloader imports (``WARMSTART_PRELOAD_MODULES`` and ``--modules`` add to it). What is
 #: not installed is skipped.
-DEFAULT_MODULES = ("torch", "torch._dynamo", "torch._inductor.codecache", "torch._inductor.compile_fx",
-                   "torch._functorch._aot_autograd.autograd_cache", "torch.distributed", "torch.utils.data",
-                   "torchrec", "torchrec.distributed", "torchrec.distributed.planner",
-                   "warmstart.metrics", "warmstart.compile_cache")
+DEFAULT_MODULES = (
+    "torch",
+    "torch._dynamo",
+    "torch._inductor.codecache",
+    "torch._inductor.compile_fx",
+    "torch._functorch._aot_autograd.autograd_cache",
+    "torch.distributed",
+    "torch.utils.data",
+    "torchrec",
+    "torchrec.distributed",
+    "torchrec.distributed.planner",
+    "warmstart.metrics",
+    "warmstart.compile_cache",
+)
 
 #: How old a check that nothing the preloader imported has changed may be when a request is
 #: served; the preloader checks again whenever it has been idle this long.
@@ -152,11 +162,22 @@ class Preloader:
     def status(self) -> dict:
         """What ``warmstart preload status`` shows."""
         threads, cuda = _threads(), _cuda_initialized()
-        return {"pid": os.getpid(), "socket": self.path, "started_at": self.started_at, "imports_s": self.imports_s,
-                "modules": self.imported, "served": self.served, "refused": dict(self.refused),
-                "running": len(self.children), "threads": threads, "cuda_initialized": cuda,
-                "fork_safe": threads == 1 and not cuda, "stale": self._stale(), "executable": sys.executable,
-                "fingerprint": self.site_fingerprint}
+        return {
+            "pid": os.getpid(),
+            "socket": self.path,
+            "started_at": self.started_at,
+            "imports_s": self.imports_s,
+            "modules": self.imported,
+            "served": self.served,
+            "refused": dict(self.refused),
+            "running": len(self.children),
+            "threads": threads,
+            "cuda_initialized": cuda,
+            "fork_safe": threads == 1 and not cuda,
+            "stale": self._stale(),
+            "executable": sys.executable,
+            "fingerprint": self.site_fingerprint,
+        }
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -227,8 +248,10 @@ class Preloader:
             return self._stale_reason
         for path, stamp in self._files.items():
             if _stamp(path) != stamp:
-                self._stale_reason = (f"{path} changed since the preloader imported it "
-                                      "(restart it: warmstart preload stop; warmstart preload start)")
+                self._stale_reason = (
+                    f"{path} changed since the preloader imported it "
+                    "(restart it: warmstart preload stop; warmstart preload start)"
+                )
                 break
         self._checked_at = now
         return self._stale_reason
@@ -295,8 +318,10 @@ def main() -> None:
     path, modules = sys.argv[1], [m for m in sys.argv[2].split(",") if m]
     fingerprint = environment.site_fingerprint
     if fingerprint is None:
-        sys.exit("warmstart preload: the start-up hook did not run (WARMSTART=1 and WARMSTART_PRELOAD_SERVE=1 "
-                 "are needed); start it with `warmstart preload start`")
+        sys.exit(
+            "warmstart preload: the start-up hook did not run (WARMSTART=1 and WARMSTART_PRELOAD_SERVE=1 "
+            "are needed); start it with `warmstart preload start`"
+        )
     preloader = Preloader(path, modules, fingerprint)
     preloader.load()
     listener = _listen(path)
@@ -374,8 +399,13 @@ def _stop_blas_threads() -> None:
     done once here, the preloader has one thread between forks, as it must."""
     import ctypes
 
-    for path in sorted({line.split()[-1] for line in _read_lines("/proc/self/maps")
-                        if "openblas" in line.rsplit("/", 1)[-1].lower() and ".so" in line}):
+    for path in sorted(
+        {
+            line.split()[-1]
+            for line in _read_lines("/proc/self/maps")
+            if "openblas" in line.rsplit("/", 1)[-1].lower() and ".so" in line
+        }
+    ):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(path).blas_thread_shutdown_()
 

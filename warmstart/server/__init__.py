@@ -12,5 +12,15 @@ from warmstart.server.process import run_foreground, start, stop
 from warmstart.server.state import ServerState
 from warmstart.server.status import ServerStatus, collect
 
-__all__ = ["KEY_PREFIX", "Credentials", "ServerOptions", "ServerState", "ServerStatus", "collect",
-           "default_dir", "run_foreground", "start", "stop"]
+__all__ = [
+    "KEY_PREFIX",
+    "Credentials",
+    "ServerOptions",
+    "ServerState",
+    "ServerStatus",
+    "collect",
+    "default_dir",
+    "run_foreground",
+    "start",
+    "stop",
+]

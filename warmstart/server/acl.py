@@ -33,8 +33,15 @@ slot migrates). Not CLIENT SETNAME (the store never names its connections) nor C
 7.0 does not know it (an ACL file naming it does not load), and redis-py ignores its refusal on
 7.2+."""
 
-CLUSTER_TOPOLOGY = ("cluster|slots", "cluster|shards", "cluster|nodes", "cluster|info", "cluster|myid",
-                    "cluster|keyslot", "command")
+CLUSTER_TOPOLOGY = (
+    "cluster|slots",
+    "cluster|shards",
+    "cluster|nodes",
+    "cluster|info",
+    "cluster|myid",
+    "cluster|keyslot",
+    "command",
+)
 """What redis-py's RedisCluster sends to learn the topology (CLUSTER SLOTS) and where a command's
 keys are (COMMAND, and COMMAND GETKEYS for commands it cannot parse itself); all read-only
 introspection. Redis's ACL cannot allow a bare COMMAND without its subcommands (COUNT, DOCS, INFO,
@@ -46,7 +53,21 @@ whether an entry is there (EXISTS, for ``cache explain``), a blob chunk's length
 GETRANGE, pipelined), and the namespace registry (HLEN, then HGETALL or HKEYS when it is small) that
 ``cache explain`` and ``cache clear`` read."""
 
-WRITE = ("set", "hset", "hdel", "unlink", "del", "sadd", "srem", "sscan", "watch", "unwatch", "multi", "exec", "discard")
+WRITE = (
+    "set",
+    "hset",
+    "hdel",
+    "unlink",
+    "del",
+    "sadd",
+    "srem",
+    "sscan",
+    "watch",
+    "unwatch",
+    "multi",
+    "exec",
+    "discard",
+)
 """The store's writes: SET (NX EX for entries; PX for leases), HSET/HDEL (a namespace's field of
 the namespace registry: set once per writing process, removed by ``cache clear``), UNLINK/DEL (``cache clear``,
 ``doctor``'s probe, a lease's release), SADD/SREM/SSCAN (each namespace's index of the keys it stored,
@@ -58,10 +79,18 @@ Neither user has SCAN; ``doctor`` with reader credentials skips its key-id check
 
 RULES: Mapping[str, tuple[str, ...]] = {
     "admin": ("~*", "&*", "+@all"),
-    "writer": (f"~{KEY_PATTERN}", "resetchannels", "-@all",
-               *(f"+{c}" for c in (*CONNECTION, *CLUSTER_TOPOLOGY, *READ, *WRITE))),
-    "reader": (f"%R~{KEY_PATTERN}", "resetchannels", "-@all",
-               *(f"+{c}" for c in (*CONNECTION, *CLUSTER_TOPOLOGY, *READ))),
+    "writer": (
+        f"~{KEY_PATTERN}",
+        "resetchannels",
+        "-@all",
+        *(f"+{c}" for c in (*CONNECTION, *CLUSTER_TOPOLOGY, *READ, *WRITE)),
+    ),
+    "reader": (
+        f"%R~{KEY_PATTERN}",
+        "resetchannels",
+        "-@all",
+        *(f"+{c}" for c in (*CONNECTION, *CLUSTER_TOPOLOGY, *READ)),
+    ),
 }
 """ACL rules per user, applied left to right after ``reset``. Nothing but the listed commands:
 in particular no FLUSHALL/FLUSHDB, CONFIG, KEYS, INFO, scripting (EVAL, FUNCTION),

@@ -29,8 +29,11 @@ def form(state: ServerState, credentials: Credentials, redis_cli: str) -> None:
     """
     opts = state.options
     infos = [_cluster_info(state, credentials, port) for port in opts.ports]
-    already_formed = all(int(i.get("cluster_known_nodes", 0)) == len(opts.ports)
-                         and int(i.get("cluster_slots_assigned", 0)) == _ALL_SLOTS for i in infos)
+    already_formed = all(
+        int(i.get("cluster_known_nodes", 0)) == len(opts.ports)
+        and int(i.get("cluster_slots_assigned", 0)) == _ALL_SLOTS
+        for i in infos
+    )
     if not already_formed:
         if any(int(i.get("cluster_known_nodes", 1)) > 1 for i in infos):
             # Leftovers of a Cluster of another shape: start from blank nodes.
@@ -46,8 +49,17 @@ def form(state: ServerState, credentials: Credentials, redis_cli: str) -> None:
 def _create(state: ServerState, credentials: Credentials, redis_cli: str) -> None:
     opts = state.options
     host = opts.host
-    args = [redis_cli, "--user", "admin", "--cluster", "create", *[f"{host}:{p}" for p in opts.ports],
-            "--cluster-replicas", "0", "--cluster-yes"]
+    args = [
+        redis_cli,
+        "--user",
+        "admin",
+        "--cluster",
+        "create",
+        *[f"{host}:{p}" for p in opts.ports],
+        "--cluster-replicas",
+        "0",
+        "--cluster-yes",
+    ]
     if opts.tls:
         args[1:1] = ["--tls", "--cacert", str(opts.ca_file), "--cert", str(opts.tls_cert), "--key", str(opts.tls_key)]
     # The password goes through the environment, never the command line (visible in ps).
@@ -74,6 +86,8 @@ def _wait_ok(state: ServerState, credentials: Credentials) -> None:
     for port in state.options.ports:
         while _cluster_info(state, credentials, port).get("cluster_state") != "ok":
             if time.monotonic() > deadline:
-                raise WarmstartError(f"the Redis Cluster did not reach cluster_state:ok within {_READY_TIMEOUT_S:.0f}s "
-                                     f"(node {state.options.host}:{port}; see its redis.log under {state.options.dir})")
+                raise WarmstartError(
+                    f"the Redis Cluster did not reach cluster_state:ok within {_READY_TIMEOUT_S:.0f}s "
+                    f"(node {state.options.host}:{port}; see its redis.log under {state.options.dir})"
+                )
             time.sleep(0.05)

@@ -46,7 +46,8 @@ class OptionError(ConfigError):
 
 
 def default_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """``$WARMSTART_SERVER_DIR``, else ``$XDG_STATE_HOME/warmstart/server``, else ``~/.local/state/warmstart/server``."""
+    """``$WARMSTART_SERVER_DIR``, else ``$XDG_STATE_HOME/warmstart/server``, else
+    ``~/.local/state/warmstart/server``."""
     return server_settings(environ).dir
 
 
@@ -87,14 +88,24 @@ class ServerOptions:
         if self.cluster < 0:
             raise ConfigError("--cluster", self.cluster, f"0 (one node) or at least {MIN_CLUSTER_NODES} masters")
         if self.cluster and self.port + self.cluster - 1 + CLUSTER_BUS_OFFSET > 65535:
-            raise ConfigError("--port", self.port, f"a port at most {65535 - CLUSTER_BUS_OFFSET - self.cluster + 1} "
-                              f"(a Cluster also uses port+{CLUSTER_BUS_OFFSET} for its bus)")
+            raise ConfigError(
+                "--port",
+                self.port,
+                f"a port at most {65535 - CLUSTER_BUS_OFFSET - self.cluster + 1} "
+                f"(a Cluster also uses port+{CLUSTER_BUS_OFFSET} for its bus)",
+            )
         if self.maxmemory < MIN_MAXMEMORY * max(1, self.cluster):
-            raise ConfigError("--maxmemory", self.maxmemory, "at least 16MiB per node (values travel in chunks of up to 8 MiB)")
+            raise ConfigError(
+                "--maxmemory", self.maxmemory, "at least 16MiB per node (values travel in chunks of up to 8 MiB)"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             given, missing = ("--tls-cert", "--tls-key") if self.tls_key is None else ("--tls-key", "--tls-cert")
-            raise OptionError(missing, None, "both --tls-cert and --tls-key, or neither",
-                              f"{given} needs {missing} too: TLS takes both a certificate and its key")
+            raise OptionError(
+                missing,
+                None,
+                "both --tls-cert and --tls-key, or neither",
+                f"{given} needs {missing} too: TLS takes both a certificate and its key",
+            )
         if self.tls_ca is not None and self.tls_cert is None:
             raise ConfigError("--tls-ca", str(self.tls_ca), "--tls-ca together with --tls-cert and --tls-key")
         for name in ("tls_cert", "tls_key", "tls_ca"):
@@ -133,8 +144,9 @@ class ServerOptions:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe form, kept in the state file so a restart can reuse it."""
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v)
-                for f in dataclasses.fields(self)}
+        return {
+            f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in dataclasses.fields(self)
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> "ServerOptions":

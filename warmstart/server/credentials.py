@@ -44,13 +44,19 @@ class Credentials:
         Raises:
             OSError: the directory cannot be written or a file cannot be read.
         """
-        passwords = {user: _read_or_create(directory / PASSWORD_FILE.format(user=user),
-                                           lambda: secrets.token_urlsafe(32)) for user in USERS}
+        passwords = {
+            user: _read_or_create(directory / PASSWORD_FILE.format(user=user), lambda: secrets.token_urlsafe(32))
+            for user in USERS
+        }
         secret_file = directory / SECRET_FILE
         _read_or_create(secret_file, lambda: secrets.token_hex(32))
         ensure_key_pair(directory)
-        return cls(passwords=passwords, secret_file=secret_file, signing_key_file=directory / SIGNING_KEY_FILE,
-                   verify_key_file=directory / VERIFY_KEY_FILE)
+        return cls(
+            passwords=passwords,
+            secret_file=secret_file,
+            signing_key_file=directory / SIGNING_KEY_FILE,
+            verify_key_file=directory / VERIFY_KEY_FILE,
+        )
 
     @classmethod
     def load(cls, directory: Path) -> "Credentials":
@@ -60,8 +66,12 @@ class Credentials:
             OSError: a file is missing or unreadable.
         """
         passwords = {user: (directory / PASSWORD_FILE.format(user=user)).read_text().strip() for user in USERS}
-        return cls(passwords=passwords, secret_file=directory / SECRET_FILE,
-                   signing_key_file=directory / SIGNING_KEY_FILE, verify_key_file=directory / VERIFY_KEY_FILE)
+        return cls(
+            passwords=passwords,
+            secret_file=directory / SECRET_FILE,
+            signing_key_file=directory / SIGNING_KEY_FILE,
+            verify_key_file=directory / VERIFY_KEY_FILE,
+        )
 
     def key_id(self) -> str:
         """Key id of the Ed25519 key pair (what pointer keys of its entries carry)."""
@@ -91,9 +101,13 @@ def ensure_key_pair(directory: Path) -> None:
     except ConfigError:
         keys = None
     if keys is None or not keys.can_sign:
-        raise OptionError("--dir", str(directory), "a directory whose signing.key is an Ed25519 private key",
-                          f"{private} is not an Ed25519 private key in PEM: restore it, or remove it (and "
-                          f"{VERIFY_KEY_FILE}) to generate a new key pair (jobs then need the new files)")
+        raise OptionError(
+            "--dir",
+            str(directory),
+            "a directory whose signing.key is an Ed25519 private key",
+            f"{private} is not an Ed25519 private key in PEM: restore it, or remove it (and "
+            f"{VERIFY_KEY_FILE}) to generate a new key pair (jobs then need the new files)",
+        )
     if private.stat().st_mode & 0o077:
         os.chmod(private, 0o600)  # someone widened it; a private key must not stay readable by others
     try:
@@ -106,8 +120,7 @@ def ensure_key_pair(directory: Path) -> None:
         write_file(public, keys.public_pem(), 0o644)
 
 
-def rotate(directory: Path, users: tuple[str, ...] = (), secret: bool = False,
-           key_pair: bool = False) -> Credentials:
+def rotate(directory: Path, users: tuple[str, ...] = (), secret: bool = False, key_pair: bool = False) -> Credentials:
     """Replace the passwords of ``users``, the HMAC secret and/or the Ed25519 key pair with fresh ones.
 
     Only the files change; :func:`warmstart.server.process.reload_acl` makes a running server

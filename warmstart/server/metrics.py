@@ -51,12 +51,23 @@ def families(status: ServerStatus) -> list[Any]:
             family.add_metric([f"{node.host}:{node.port}"], int(getattr(node, attr)))
         out.append(family)
     hit_rate = status.hit_rate
-    out.append(GaugeMetricFamily("warmstart_server_hit_ratio", "Hits over lookups since start, all nodes "
-                                 "(NaN before any).", value=math.nan if hit_rate is None else round(hit_rate, 6)))
-    out.append(GaugeMetricFamily("warmstart_server_cluster_ok", "1 when every node answers (and a Cluster "
-                                 "serves every slot).", value=int(status.up)))
-    namespaces = GaugeMetricFamily("warmstart_server_namespace_bytes", "Memory per warmstart namespace "
-                                   "(sampled estimate).", labels=["namespace"])
+    out.append(
+        GaugeMetricFamily(
+            "warmstart_server_hit_ratio",
+            "Hits over lookups since start, all nodes (NaN before any).",
+            value=math.nan if hit_rate is None else round(hit_rate, 6),
+        )
+    )
+    out.append(
+        GaugeMetricFamily(
+            "warmstart_server_cluster_ok",
+            "1 when every node answers (and a Cluster serves every slot).",
+            value=int(status.up),
+        )
+    )
+    namespaces = GaugeMetricFamily(
+        "warmstart_server_namespace_bytes", "Memory per warmstart namespace (sampled estimate).", labels=["namespace"]
+    )
     for ns, size in status.namespace_bytes.items():
         namespaces.add_metric([ns], size)
     out.append(namespaces)
@@ -76,8 +87,11 @@ class ServerCollector:
             refresh = time.monotonic() - self._namespaces[0] > NAMESPACE_REFRESH_S
             status = collect(self.directory, sample_keys=500 if refresh else 0)
             if status is None:  # no server was started from this directory
-                yield GaugeMetricFamily("warmstart_server_cluster_ok", "1 when every node answers (and a "
-                                        "Cluster serves every slot).", value=0)
+                yield GaugeMetricFamily(
+                    "warmstart_server_cluster_ok",
+                    "1 when every node answers (and a Cluster serves every slot).",
+                    value=0,
+                )
                 return
             if refresh:
                 self._namespaces = (time.monotonic(), status.namespace_bytes)

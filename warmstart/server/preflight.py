@@ -49,8 +49,13 @@ def redis_binary(name: str = "redis-server", environ: Mapping[str, str] | None =
             return str(sibling)
     found = shutil.which(name, path=env.get("PATH"))
     if not found:
-        raise OptionError(variable, None, name, f"{name} not found on PATH: install it (Debian: apt-get install "
-                             f"redis-server) or set {variable}=/path/to/{name}")
+        raise OptionError(
+            variable,
+            None,
+            name,
+            f"{name} not found on PATH: install it (Debian: apt-get install "
+            f"redis-server) or set {variable}=/path/to/{name}",
+        )
     return found
 
 
@@ -73,30 +78,42 @@ def check_dir(directory: Path) -> None:
         probe.unlink()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise OptionError("--dir", str(directory), "a writable directory",
-                             f"--dir={str(directory)!r} is not writable ({reason}): expected a directory "
-                             "this user can create files in") from None
+        raise OptionError(
+            "--dir",
+            str(directory),
+            "a writable directory",
+            f"--dir={str(directory)!r} is not writable ({reason}): expected a directory this user can create files in",
+        ) from None
 
 
 def _check_private(directory: Path) -> None:
     uid = os.geteuid()
     st = directory.stat()
     if st.st_uid != uid:
-        raise OptionError("--dir", str(directory), "a directory of this user's",
-                          f"--dir={str(directory)!r} belongs to uid {st.st_uid}, not to this user (uid {uid}): "
-                          "its keys and passwords would not be this user's alone; use a directory of your own")
+        raise OptionError(
+            "--dir",
+            str(directory),
+            "a directory of this user's",
+            f"--dir={str(directory)!r} belongs to uid {st.st_uid}, not to this user (uid {uid}): "
+            "its keys and passwords would not be this user's alone; use a directory of your own",
+        )
     for path in directory.iterdir():
         if path.is_symlink():
             found = path.lstat()
         else:
             found = path.stat()
         if found.st_uid != uid or (not path.is_dir() and found.st_mode & 0o022):
-            raise OptionError("--dir", str(directory), "a directory whose files are this user's alone",
-                              f"--dir={str(directory)!r} holds {path.name}, which another user owns or can write: "
-                              "it may have been replaced; check it, remove it, and start again")
+            raise OptionError(
+                "--dir",
+                str(directory),
+                "a directory whose files are this user's alone",
+                f"--dir={str(directory)!r} holds {path.name}, which another user owns or can write: "
+                "it may have been replaced; check it, remove it, and start again",
+            )
     if st.st_mode & 0o077:
-        log.warning("warmstart: --dir %s was open to others (mode %o): made private (0700)", directory,
-                    st.st_mode & 0o7777)
+        log.warning(
+            "warmstart: --dir %s was open to others (mode %o): made private (0700)", directory, st.st_mode & 0o7777
+        )
         os.chmod(directory, 0o700)
 
 
@@ -109,9 +126,13 @@ def check_not_running(directory: Path) -> None:
     state = ServerState.load(directory)
     alive = state.running_pids() if state else []
     if alive:
-        raise OptionError("--dir", str(directory), "a directory no running server uses",
-                             f"--dir={str(directory)!r} is in use: a server started from it is running (pid "
-                             f"{', '.join(map(str, alive))}); stop it first: warmstart server stop --dir {directory}")
+        raise OptionError(
+            "--dir",
+            str(directory),
+            "a directory no running server uses",
+            f"--dir={str(directory)!r} is in use: a server started from it is running (pid "
+            f"{', '.join(map(str, alive))}); stop it first: warmstart server stop --dir {directory}",
+        )
 
 
 def check_ports(options: ServerOptions) -> None:
@@ -131,13 +152,21 @@ def check_ports(options: ServerOptions) -> None:
         error = _bind_error(address, port)
         if error == errno.EADDRINUSE:
             what = "Cluster bus port" if port not in options.ports and flag == "--port" else "port"
-            raise OptionError(flag, port, "a free port",
-                                 f"{flag}: {what} {port} on {address} is already in use; choose another "
-                                 f"{flag} or stop what listens there")
+            raise OptionError(
+                flag,
+                port,
+                "a free port",
+                f"{flag}: {what} {port} on {address} is already in use; choose another "
+                f"{flag} or stop what listens there",
+            )
         if error is not None:
-            raise OptionError("--bind", options.bind, "an address of this machine",
-                                 f"--bind={options.bind!r} cannot be listened on ({os.strerror(error)}): "
-                                 "expected an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
+            raise OptionError(
+                "--bind",
+                options.bind,
+                "an address of this machine",
+                f"--bind={options.bind!r} cannot be listened on ({os.strerror(error)}): "
+                "expected an address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
+            )
 
 
 def check_tls_files(options: ServerOptions) -> None:
@@ -153,8 +182,12 @@ def check_tls_files(options: ServerOptions) -> None:
             with open(path, "rb") as handle:
                 head = handle.read(4096)
         except OSError as exc:
-            raise OptionError(flag, str(path), "a readable PEM file",
-                                 f"{flag}={str(path)!r} cannot be read ({exc.strerror}): expected a PEM file") from None
+            raise OptionError(
+                flag,
+                str(path),
+                "a readable PEM file",
+                f"{flag}={str(path)!r} cannot be read ({exc.strerror}): expected a PEM file",
+            ) from None
         if b"-----BEGIN" not in head:
             raise OptionError(flag, str(path), "a PEM file", f"{flag}={str(path)!r} is not a PEM file")
 
@@ -171,10 +204,14 @@ def check_cluster_bus(options: ServerOptions) -> None:
         ConfigError: ``--cluster`` with a non-loopback ``--bind`` and no TLS.
     """
     if options.cluster and not options.tls and not is_loopback(options.bind):
-        raise OptionError("--bind", options.bind, "a loopback address with --cluster, or TLS",
-                          f"--cluster with --bind={options.bind!r} would expose the Cluster bus (port+"
-                          f"{CLUSTER_BUS_OFFSET}), which Redis does not authenticate: add --tls-cert/--tls-key "
-                          "(the bus then requires the CA's client certificates) or use --bind 127.0.0.1")
+        raise OptionError(
+            "--bind",
+            options.bind,
+            "a loopback address with --cluster, or TLS",
+            f"--cluster with --bind={options.bind!r} would expose the Cluster bus (port+"
+            f"{CLUSTER_BUS_OFFSET}), which Redis does not authenticate: add --tls-cert/--tls-key "
+            "(the bus then requires the CA's client certificates) or use --bind 127.0.0.1",
+        )
 
 
 def run_all(options: ServerOptions) -> tuple[str, str | None]:

@@ -75,8 +75,15 @@ def run_foreground(options: ServerOptions, on_ready: Callable[[ServerState], Non
     try:
         for index in range(len(options.ports)):
             conf = node_dir(options, index) / "redis.conf"
-            procs.append(subprocess.Popen([redis_server, str(conf)], stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [redis_server, str(conf)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         state.pids = [_wait_ready(state, credentials, i, proc=p) for i, p in enumerate(procs)]
         _finish(state, credentials, redis_cli)
         if options.metrics_port:
@@ -128,7 +135,7 @@ def stop(directory: Path, timeout: float = _STOP_TIMEOUT_S) -> list[int]:
         credentials = Credentials.load(directory)
     except OSError:
         credentials = None
-    for port, pid in zip(state.options.ports, state.pids):
+    for port, pid in zip(state.options.ports, state.pids, strict=False):
         if not pid or pid not in running or not pid_alive(pid):
             continue
         if not _shutdown(state, credentials, port):
@@ -165,7 +172,7 @@ def reload_acl(directory: Path, old: Credentials, new: Credentials) -> int:
     for user, name in URL_FILES.items():
         write_private(directory / name, state.url(user, new) + "\n")
     reloaded = 0
-    for port, pid in zip(state.options.ports, state.pids):
+    for port, pid in zip(state.options.ports, state.pids, strict=False):
         if not pid or not pid_alive(pid):
             continue
         client = state.client(port, credentials=old)
@@ -205,8 +212,7 @@ def _layout(options: ServerOptions) -> tuple:
     return (options.cluster, tuple(options.ports), options.host, options.tls)
 
 
-def _wait_ready(state: ServerState, credentials: Credentials, index: int,
-                proc: subprocess.Popen | None) -> int:
+def _wait_ready(state: ServerState, credentials: Credentials, index: int, proc: subprocess.Popen | None) -> int:
     """Wait until node ``index`` answers PING as admin; return its pid."""
     import redis
 
@@ -226,8 +232,7 @@ def _wait_ready(state: ServerState, credentials: Credentials, index: int,
             if exited or time.monotonic() > deadline:
                 stderr = proc.stderr.read() if proc is not None and exited and proc.stderr else ""
                 reason = _last_line(stderr) or _log_reason(ndir / "redis.log") or "no answer to PING"
-                raise WarmstartError(f"redis-server on port {port} did not start: {reason} "
-                                     f"(log: {ndir / 'redis.log'})")
+                raise WarmstartError(f"redis-server on port {port} did not start: {reason} (log: {ndir / 'redis.log'})")
             time.sleep(0.02)
     finally:
         client.close()
@@ -244,16 +249,31 @@ def _spawn_exporter(options: ServerOptions) -> int:
     host = _listen_host(options)
     log = open(options.dir / "metrics.log", "ab")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "warmstart.server.metrics", "--dir", str(options.dir),
-                                 "--host", host, "--port", str(options.metrics_port)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "warmstart.server.metrics",
+                "--dir",
+                str(options.dir),
+                "--host",
+                host,
+                "--port",
+                str(options.metrics_port),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
     finally:
         log.close()
     from warmstart.server.metrics import wait_listening
 
     if not wait_listening(host, options.metrics_port or 0, proc, timeout=_READY_TIMEOUT_S):
-        raise WarmstartError(f"the metrics exporter did not start on port {options.metrics_port} "
-                             f"(log: {options.dir / 'metrics.log'})")
+        raise WarmstartError(
+            f"the metrics exporter did not start on port {options.metrics_port} (log: {options.dir / 'metrics.log'})"
+        )
     return proc.pid
 
 

@@ -47,13 +47,22 @@ class ServerState:
             data = json.loads((Path(directory) / STATE_FILE).read_text())
         except FileNotFoundError:
             return None
-        return cls(options=ServerOptions.from_dict(data["options"]), pids=list(data.get("pids", [])),
-                   exporter_pid=int(data.get("exporter_pid", 0)),
-                   supervisor_pid=int(data.get("supervisor_pid", 0)), started_at=float(data.get("started_at", 0.0)))
+        return cls(
+            options=ServerOptions.from_dict(data["options"]),
+            pids=list(data.get("pids", [])),
+            exporter_pid=int(data.get("exporter_pid", 0)),
+            supervisor_pid=int(data.get("supervisor_pid", 0)),
+            started_at=float(data.get("started_at", 0.0)),
+        )
 
     def save(self) -> None:
-        data = {"options": self.options.to_dict(), "pids": self.pids, "exporter_pid": self.exporter_pid,
-                "supervisor_pid": self.supervisor_pid, "started_at": self.started_at}
+        data = {
+            "options": self.options.to_dict(),
+            "pids": self.pids,
+            "exporter_pid": self.exporter_pid,
+            "supervisor_pid": self.supervisor_pid,
+            "started_at": self.started_at,
+        }
         write_private(self.path, json.dumps(data, indent=2) + "\n")
 
     # -- reaching the server -------------------------------------------------------------------
@@ -79,9 +88,15 @@ class ServerState:
         creds = credentials or Credentials.load(self.options.dir)
         # No retries: redis-py's default retries with backoff for seconds, and a node that does
         # not answer (or one we just shut down) should be reported at once.
-        kwargs: dict[str, Any] = dict(host=self.options.host, port=port, username=user,
-                                      password=creds.passwords[user], socket_timeout=_CLIENT_TIMEOUT_S,
-                                      socket_connect_timeout=_CLIENT_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
+        kwargs: dict[str, Any] = dict(
+            host=self.options.host,
+            port=port,
+            username=user,
+            password=creds.passwords[user],
+            socket_timeout=_CLIENT_TIMEOUT_S,
+            socket_connect_timeout=_CLIENT_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+        )
         if self.options.tls:
             # Our own node, found through our own state file: verify the chain, not the name
             # (the certificate may name the public host while we dial the bind address).
@@ -90,8 +105,11 @@ class ServerState:
 
     def running_pids(self) -> list[int]:
         """Pids of this server's processes (supervisor, nodes, exporter) that are still alive."""
-        owned = [(self.supervisor_pid, "warmstart"), *[(p, "redis") for p in self.pids],
-                 (self.exporter_pid, "warmstart")]
+        owned = [
+            (self.supervisor_pid, "warmstart"),
+            *[(p, "redis") for p in self.pids],
+            (self.exporter_pid, "warmstart"),
+        ]
         return [pid for pid, name in owned if pid and pid_alive(pid) and _cmdline_has(pid, name)]
 
 

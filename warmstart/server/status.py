@@ -106,16 +106,27 @@ class ServerStatus:
     def to_dict(self) -> dict[str, Any]:
         """Stable keys for ``warmstart server status --json``."""
         return {
-            "dir": self.dir, "up": self.up, "mode": self.mode, "tls": self.tls,
-            "nodes_up": self.nodes_up, "nodes_total": len(self.nodes),
-            "used_memory": self.used_memory, "maxmemory": self.maxmemory, "keys": self.keys,
-            "evicted_keys": self.evicted_keys, "keyspace_hits": self.keyspace_hits,
-            "keyspace_misses": self.keyspace_misses, "hit_rate": self.hit_rate,
+            "dir": self.dir,
+            "up": self.up,
+            "mode": self.mode,
+            "tls": self.tls,
+            "nodes_up": self.nodes_up,
+            "nodes_total": len(self.nodes),
+            "used_memory": self.used_memory,
+            "maxmemory": self.maxmemory,
+            "keys": self.keys,
+            "evicted_keys": self.evicted_keys,
+            "keyspace_hits": self.keyspace_hits,
+            "keyspace_misses": self.keyspace_misses,
+            "hit_rate": self.hit_rate,
             "connected_clients": self.connected_clients,
-            "namespace_bytes": self.namespace_bytes, "namespace_bytes_exact": self.namespace_bytes_exact,
-            "writer_url_file": self.writer_url_file, "reader_url_file": self.reader_url_file,
+            "namespace_bytes": self.namespace_bytes,
+            "namespace_bytes_exact": self.namespace_bytes_exact,
+            "writer_url_file": self.writer_url_file,
+            "reader_url_file": self.reader_url_file,
             "secret_file": self.secret_file,
-            "signing_key_file": self.signing_key_file, "verify_key_file": self.verify_key_file,
+            "signing_key_file": self.signing_key_file,
+            "verify_key_file": self.verify_key_file,
             "nodes": [dataclasses.asdict(n) for n in self.nodes],
         }
 
@@ -134,7 +145,7 @@ def collect(directory: Path, *, sample_keys: int = SAMPLE_KEYS) -> ServerStatus 
     namespaces: dict[str, int] = {}
     exact = True
     pids = state.pids + [0] * (len(opts.ports) - len(state.pids))
-    for port, pid in zip(opts.ports, pids):
+    for port, pid in zip(opts.ports, pids, strict=False):
         node = NodeStatus(host=opts.host, port=port, pid=pid, up=False)
         nodes.append(node)
         if credentials is None:
@@ -152,11 +163,18 @@ def collect(directory: Path, *, sample_keys: int = SAMPLE_KEYS) -> ServerStatus 
             client.close()
     up = bool(nodes) and all(n.up for n in nodes) and (not opts.cluster or all(n.cluster_state == "ok" for n in nodes))
     return ServerStatus(
-        dir=str(opts.dir), up=up, mode="cluster" if opts.cluster else "single", tls=opts.tls, nodes=nodes,
-        namespace_bytes=dict(sorted(namespaces.items(), key=lambda kv: -kv[1])), namespace_bytes_exact=exact,
-        writer_url_file=str(opts.dir / URL_FILES["writer"]), reader_url_file=str(opts.dir / URL_FILES["reader"]),
+        dir=str(opts.dir),
+        up=up,
+        mode="cluster" if opts.cluster else "single",
+        tls=opts.tls,
+        nodes=nodes,
+        namespace_bytes=dict(sorted(namespaces.items(), key=lambda kv: -kv[1])),
+        namespace_bytes_exact=exact,
+        writer_url_file=str(opts.dir / URL_FILES["writer"]),
+        reader_url_file=str(opts.dir / URL_FILES["reader"]),
         secret_file=str(credentials.secret_file if credentials else opts.dir / "secret.key"),
-        signing_key_file=str(opts.dir / SIGNING_KEY_FILE), verify_key_file=str(opts.dir / VERIFY_KEY_FILE),
+        signing_key_file=str(opts.dir / SIGNING_KEY_FILE),
+        verify_key_file=str(opts.dir / VERIFY_KEY_FILE),
     )
 
 
@@ -186,7 +204,7 @@ def _sample_namespaces(client, total_keys: int, out: dict[str, int], limit: int)
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.memory_usage(key)
-            for key, size in zip(keys, pipe.execute()):
+            for key, size in zip(keys, pipe.execute(), strict=True):
                 if size is not None:  # evicted between SCAN and MEMORY USAGE
                     ns = _namespace_of(key)
                     sampled[ns] = sampled.get(ns, 0) + int(size)
@@ -205,7 +223,7 @@ def _namespace_of(key: bytes) -> str:
     # Store layout (warmstart/compile_cache/remote.py): ws:<namespace>:p:<kind>:<key> and
     # ws:<namespace>:b:{<digest>}:<i>. Namespaces never contain ':'.
     text = key.decode(errors="replace")
-    return text[len(KEY_PREFIX):].split(":", 1)[0]
+    return text[len(KEY_PREFIX) :].split(":", 1)[0]
 
 
 def _one_line(exc: BaseException) -> str:
