@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from warmstart.metrics.event_files import file_name
+
 T0 = 1_700_000_000.0
 
 
@@ -58,6 +60,6 @@ def write_run(
                 t += 60.0
             lines.append(f'{{"ts":{t!r},{head}"attempt_end"}}')
             t += 60.0
-            (run_dir / f"events-r{rank}-a{attempt}.jsonl").write_text("\n".join(lines) + "\n")
+            (run_dir / file_name(rank, attempt)).write_text("\n".join(lines) + "\n")
             total += len(lines)
     return total

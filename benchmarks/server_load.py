@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from warmstart._net import free_port
 from warmstart.config import parse_size
 from warmstart.server import Credentials, ServerOptions, start, stop
 
@@ -394,7 +395,7 @@ def _start_server(workdir: Path, name: str, maxmemory: int):
     """A ``warmstart server`` node for one phase: (its directory, the writer's URL, the signing
     key file (Ed25519 private key), an admin client)."""
     directory = workdir / name
-    state = start(ServerOptions(dir=directory, port=_free_port(), maxmemory=maxmemory))
+    state = start(ServerOptions(dir=directory, port=free_port(), maxmemory=maxmemory))
     creds = Credentials.load(directory)
     url, key_file = state.url("writer", creds), str(creds.signing_key_file)
     return directory, url, key_file, state.client(state.options.ports[0], credentials=creds)
@@ -589,14 +590,6 @@ def _store_steps(tier, values: dict[str, bytes], reads: list[str], total_gib: fl
 def _server_cpu(admin) -> float:
     info = admin.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _print_throughput(out, args, t: dict) -> bool:

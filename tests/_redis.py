@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from warmstart._net import free_port  # tests import it from here, with the other port helpers
+
 CLUSTER_BUS_OFFSET = 10000  # a Cluster node also listens on port + 10000
 
 
@@ -61,13 +63,6 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (the kernel's pick)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def free_port_block(n: int, *, bus: bool = False) -> int:

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from _redis import require_redis_server
 
-from warmstart.bench import cold_vs_warm
-from warmstart.bench.cold_vs_warm import BenchError, BenchOptions, launcher_args, run_cold_vs_warm, short_tmp_root
+from warmstart.bench import supervise
+from warmstart.bench.cold_vs_warm import BenchError, BenchOptions, run_cold_vs_warm
+from warmstart.bench.supervise import launcher_args, short_tmp_root
 from warmstart.bench.config import JobConfig
 from warmstart.compile_cache.doctor_checks import AF_UNIX_PATH_MAX, longest_socket_path
 
@@ -177,11 +178,11 @@ def test_last_stage_names_each_rank_of_the_attempt(tmp_path):
         '{"ts": 1.5, "job": "j", "attempt": 1, "rank": 1, "event": "end", '
         '"span": "process_group_init"}\n{"ts": 1.6, "jo'
     )
-    assert cold_vs_warm._last_stages(tmp_path, 2, None) == (
+    assert supervise._last_stages(tmp_path, 2, None) == (
         1,
         "rank 0 in data_loader_init, rank 1 after process_group_init",
     )
-    assert cold_vs_warm._last_stages(tmp_path, 3, 0) == (
+    assert supervise._last_stages(tmp_path, 3, 0) == (
         0,
         "rank 0 no event yet, rank 1 in step 4, rank 2 no event yet",
     )

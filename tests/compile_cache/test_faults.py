@@ -24,6 +24,7 @@ import redis
 from _redis import RedisNode, free_port_block
 from warmstart import _defaults
 from warmstart.compile_cache import RemoteTier, TieredStore, get_store, open_store, signing
+from warmstart.compile_cache.storage import BREAKER_OPEN, ERROR, TIMEOUT
 from warmstart.config import Settings
 
 SECRET = b"fault-secret"
@@ -109,10 +110,14 @@ def test_a_database_damaged_while_in_use_turns_the_local_tier_off(tmp_path, capl
     store.put("fx_graph", "k", b"v" * 100)
     store.local._cache.close()
     (tmp_path / "c" / "store" / "cache.db").write_bytes(b"garbage" * 1000)
+    results = []
     for i in range(5):
-        assert store.get("fx_graph", f"k{i}").value is None
+        results.append(store.get("fx_graph", f"k{i}"))
+        assert results[-1].value is None
         store.put("fx_graph", f"k{i}", b"v")
     assert store.local._off
+    # The lookup that found the damage is an error; the tier is off for the rest.
+    assert [r.reason for r in results] == [ERROR] + [BREAKER_OPEN] * 4
     assert len(_warnings(caplog, "local cache tier off")) == 1
 
 
@@ -235,13 +240,14 @@ def drip_server():
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_a_server_dripping_bytes_costs_one_deadline_then_the_breaker_opens(drip_server):
     tier = RemoteTier(drip_server.url, secret=SECRET, namespace="drip")
-    for i in range(21):
-        assert tier.get("fx_graph", f"k{i}").value is None
+    results = [tier.get("fx_graph", f"k{i}") for i in range(21)]
+    assert all(r.value is None for r in results)
     assert not tier.breaker.allow()
     # The first lookup ended at its deadline (a timeout, though every read got a byte in time);
     # the breaker then kept the other 20 off the network: none of them timed out.
     counts = tier.stats.get("remote", "fx_graph")
     assert (counts.timeouts, counts.errors, counts.misses, counts.hits) == (1, 0, 21, 0)
+    assert [r.reason for r in results] == [TIMEOUT] + [BREAKER_OPEN] * 20
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
@@ -258,10 +264,15 @@ def test_a_write_to_a_dripping_server_costs_one_deadline(drip_server):
 
 
 def _look_up(tier: RemoteTier, n: int = 21):
-    """``n`` lookups, every one a miss; the tier's counts for them."""
-    for i in range(n):
-        assert tier.get("fx_graph", f"k{i}").value is None
-    return tier.stats.get("remote", "fx_graph")
+    """``n`` lookups, every one a miss; the tier's counts for them, after checking that the first
+    reached the server and failed as the counts say (a timeout or an error), and the breaker kept
+    the rest off it."""
+    results = [tier.get("fx_graph", f"k{i}") for i in range(n)]
+    assert all(r.value is None for r in results)
+    counts = tier.stats.get("remote", "fx_graph")
+    first = TIMEOUT if counts.timeouts else ERROR
+    assert [r.reason for r in results] == [first] + [BREAKER_OPEN] * (n - 1), [r.reason for r in results]
+    return counts
 
 
 @pytest.mark.timeout(HANG_GUARD_S)

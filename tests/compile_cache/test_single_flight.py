@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from _redis import RedisNode
+from _wait import until
 from warmstart import _defaults
 from warmstart.compile_cache import open_store
 from warmstart.compile_cache.storage import Hit, Miss
@@ -51,7 +52,6 @@ class _Lookup(threading.Thread):
         self.store, self.kind, self.key = store, kind, key
         self.result: Hit | Miss | None = None
         self.error: BaseException | None = None
-        self.ended_at = 0.0
         self.start()
 
     def run(self) -> None:
@@ -59,7 +59,6 @@ class _Lookup(threading.Thread):
             self.result = self.store.get(self.kind, self.key)
         except BaseException as exc:  # noqa: BLE001 - the test asserts there is none
             self.error = exc
-        self.ended_at = time.monotonic()
 
     def waiting(self) -> bool:
         """Whether the lookup is (still) waiting on a lease."""
@@ -72,13 +71,6 @@ class _Lookup(threading.Thread):
         return self.result
 
 
-def _until(predicate, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.02)
-
-
 def _lease_keys(url: str) -> list[bytes]:
     return [k for k in redis.Redis.from_url(url).scan_iter(match="ws:*:l:*")]
 
@@ -89,7 +81,7 @@ def test_a_second_machine_waits_for_the_first_and_reads_its_entry(redis_node, tm
     assert not a.get(KIND, KEY)  # A misses and takes the lease: it compiles
     assert len(_lease_keys(redis_node.url)) == 1
     waiter = _Lookup(b)
-    _until(waiter.waiting)
+    until(waiter.waiting)
     assert a.put(KIND, KEY, VALUE)  # the lease goes once the remote write is done
     result = waiter.outcome()
     assert result and result.value == VALUE and result.tier == "remote"
@@ -97,7 +89,7 @@ def test_a_second_machine_waits_for_the_first_and_reads_its_entry(redis_node, tm
     counters = b.stats.counters_dict()
     assert counters["waits"] == 1 and "takeovers" not in counters and "leases" not in counters
     assert counters["wait_s"] > 0
-    _until(lambda: not _lease_keys(redis_node.url))
+    until(lambda: not _lease_keys(redis_node.url))
     a.close(), b.close()
 
 
@@ -107,7 +99,7 @@ def test_ranks_of_one_host_wait_on_the_local_lock_without_a_server(tmp_path):
     assert not a.get(KIND, KEY)
     assert (tmp_path / "host" / "leases").is_dir()
     waiter = _Lookup(b)
-    _until(waiter.waiting)
+    until(waiter.waiting)
     assert a.put(KIND, KEY, VALUE)
     result = waiter.outcome()
     assert result and result.value == VALUE and result.tier == "local"
@@ -122,7 +114,7 @@ def test_a_compile_that_raises_releases_the_lease_and_a_waiter_takes_over(redis_
         with a.single_flight.scope():  # what a frame's compile is
             assert not a.get(KIND, KEY)
             waiter = _Lookup(b)
-            _until(waiter.waiting)
+            until(waiter.waiting)
             raise RuntimeError("g++ failed")
     result = waiter.outcome()
     assert not result and result.reason == "absent"
@@ -166,18 +158,26 @@ def test_a_holder_killed_with_sigkill_is_taken_over_within_the_lease_lifetime(wh
     url = redis_node.url if where == "remote" else None
     holder_dir = tmp_path / ("a" if where == "remote" else "host")
     holder = _holder_process(_env(holder_dir, url))
-    b = _store(tmp_path / "b" if where == "remote" else holder_dir, url)
+    # Bound (docs/compile_cache.md): a Redis lease lapses LEASE_TTL_S after its last renewal, and a
+    # waiter looks again within LEASE_POLL_S; the kernel releases a lock file at once. The waiter's
+    # own wait bound, five times that, is only a hang guard: a waiter that reached it would stop
+    # waiting without taking the lease over (a wait timeout), which the counters below tell apart.
+    bound = _defaults.LEASE_TTL_S + _defaults.LEASE_POLL_S + 1.0 if where == "remote" else _defaults.LEASE_POLL_S + 1.0
+    b = _store(tmp_path / "b" if where == "remote" else holder_dir, url, WARMSTART_COMPILE_WAIT_S=f"{5 * bound:g}")
     waiter = _Lookup(b)
-    _until(waiter.waiting)
-    killed_at = time.monotonic()
+    until(waiter.waiting)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     result = waiter.outcome()
-    assert not result and b.stats.counters_dict()["takeovers"] == 1 and b.single_flight.held == 1
-    # Bound (docs/compile_cache.md): a Redis lease lapses LEASE_TTL_S after its last renewal, and a
-    # waiter looks again within LEASE_POLL_S; the kernel releases a lock file at once.
-    bound = _defaults.LEASE_TTL_S + _defaults.LEASE_POLL_S + 1.0 if where == "remote" else _defaults.LEASE_POLL_S + 1.0
-    assert waiter.ended_at - killed_at < bound
+    assert not result and result.reason == "absent"
+    counters = b.stats.counters_dict()
+    assert counters["waits"] == 1 and counters["takeovers"] == 1 and "wait_timeouts" not in counters
+    lease = b.single_flight._held[(KIND, KEY)]  # the holder's lease is now the waiter's
+    assert b.single_flight.held == 1 and lease.local_fd is not None
+    if where == "remote":  # SET NX succeeded: the holder's key had lapsed, and only the waiter's is left
+        assert lease.remote and len(_lease_keys(redis_node.url)) == 1
+    else:
+        assert not lease.remote
     b.close()
 
 
@@ -204,22 +204,28 @@ def test_a_live_holder_is_renewed_past_the_lease_lifetime(redis_node, tmp_path):
 def test_the_server_failing_during_a_wait_means_compiling_at_once(fault, tmp_path):
     node = RedisNode(tmp_path / "redis").start()
     try:
-        a, b = _store(tmp_path / "a", node.url), _store(tmp_path / "b", node.url)
+        # One lease poll against a dead server costs at most one operation deadline; then the breaker
+        # keeps the tier off and B compiles under its local lock. B's wait bound, five times that, is
+        # only a hang guard: reaching it would be a wait timeout, which the counters tell apart.
+        bound = _defaults.REMOTE_OP_DEADLINE_S + _defaults.LEASE_POLL_S + 1.0
+        a = _store(tmp_path / "a", node.url)
+        b = _store(tmp_path / "b", node.url, WARMSTART_COMPILE_WAIT_S=f"{5 * bound:g}")
         assert not a.get(KIND, KEY)
         waiter = _Lookup(b)
-        _until(waiter.waiting)
-        failed_at = time.monotonic()
+        until(waiter.waiting)
         if fault == "stopped":
             node.proc.send_signal(signal.SIGSTOP)  # a server that no longer answers
         else:
             node.kill()
         result = waiter.outcome()
         assert not result
-        # One lease poll against a dead server costs at most one operation deadline; then the breaker
-        # keeps the tier off and B compiles under its local lock.
-        assert waiter.ended_at - failed_at < _defaults.REMOTE_OP_DEADLINE_S + _defaults.LEASE_POLL_S + 1.0
-        assert b.single_flight.held == 1
+        assert not b.single_flight.remote.breaker.allow()  # the failure opened the breaker
+        counters = b.stats.counters_dict()
+        assert counters["waits"] == 1 and counters["takeovers"] == 1 and "wait_timeouts" not in counters
+        lease = b.single_flight._held[(KIND, KEY)]
+        assert b.single_flight.held == 1 and lease.local_fd is not None and not lease.remote
         assert not b.get(KIND, "another-key")  # breaker open: no wait, no server call
+        assert b.stats.counters_dict()["waits"] == 1
         a.close(), b.close()
     finally:
         if node.proc is not None and node.proc.poll() is None:
@@ -233,7 +239,7 @@ def test_a_read_only_job_waits_but_never_takes_a_lease(redis_node, tmp_path):
     ro = _store(tmp_path / "ro", redis_node.url, WARMSTART_CACHE_MODE="ro")
     assert not a.get(KIND, KEY)
     waiter = _Lookup(ro)
-    _until(waiter.waiting)
+    until(waiter.waiting)
     a.put(KIND, KEY, VALUE)
     assert waiter.outcome().value == VALUE
     # Nobody holds a lease: the read-only job misses and compiles without taking one.
@@ -244,7 +250,7 @@ def test_a_read_only_job_waits_but_never_takes_a_lease(redis_node, tmp_path):
     with a.single_flight.scope():
         assert not a.get(KIND, "second-key")
         waiter = _Lookup(ro, key="second-key")
-        _until(waiter.waiting)
+        until(waiter.waiting)
     assert not waiter.outcome()
     assert not _lease_keys(redis_node.url) and "takeovers" not in ro.stats.counters_dict()
     a.close(), ro.close()
@@ -270,7 +276,7 @@ def test_leases_respect_the_writer_and_reader_acl(acl_server, tmp_path):
     reader = _store(tmp_path / "r", reader_url)
     assert not writer.get(KIND, KEY) and writer.stats.counters_dict() == {"leases": 1}
     waiter = _Lookup(reader)  # the reader sees the writer's lease and waits for its entry
-    _until(waiter.waiting)
+    until(waiter.waiting)
     writer.put(KIND, KEY, VALUE)
     assert waiter.outcome().value == VALUE
     # The reader may not take a remote lease (SET is refused): it compiles under its local lock only.

@@ -44,7 +44,12 @@ def test_kernel_files_and_groups_move_between_machines(machine):
 
     machine("b")
     m2 = WarmstartCacheManager("KEYABC")
-    assert m2.get_file("k.cubin") is None or True  # fetched lazily below
+    local_cubin = os.path.join(m2.cache_dir, "k.cubin")
+    assert not os.path.exists(local_cubin)
+    # A local miss goes to the store: machine a's file, written into this machine's directory.
+    assert m2.get_file("k.cubin") == local_cubin
+    with open(local_cubin, "rb") as f:
+        assert f.read() == cubin
     group = m2.get_group("__grp__k.json")
     assert group is not None and set(group) == {"k.cubin", "k.json"}
     assert open(group["k.cubin"], "rb").read() == cubin

@@ -23,6 +23,7 @@ import redis
 from warmstart.compile_cache import open_store, signing
 from warmstart.compile_cache.local import LocalTier
 from warmstart.compile_cache.remote import RemoteTier
+from warmstart.compile_cache.storage import ABSENT, BREAKER_OPEN, TIMEOUT
 from warmstart.config import Settings
 
 SECRET = b"bounds-secret"
@@ -200,8 +201,10 @@ def test_a_server_answering_each_reply_after_most_of_its_deadline_is_turned_off(
     proxy = SlowProxy(redis_node.port, 0.9)  # the deadline is 2 s: no operation ever times out
     try:
         tier = RemoteTier(f"redis://127.0.0.1:{proxy.port}/0", secret=SECRET, namespace="slow")
-        for i in range(10):
-            assert tier.get("fx_graph", f"k{i}").value is None
+        results = [tier.get("fx_graph", f"k{i}") for i in range(10)]
+        assert all(r.value is None for r in results)
+        # Three answered (slowly: there is nothing there), then the breaker kept the rest off the server.
+        assert [r.reason for r in results] == [ABSENT] * 3 + [BREAKER_OPEN] * 7
         assert not tier.breaker.allow()
         assert tier.stats.counters_dict().get("slow_trips") == 1
         assert proxy.delayed == 3  # three slow replies in a row, then the other seven never left the job
@@ -235,6 +238,8 @@ def test_a_local_tier_locked_by_a_stopped_process_goes_off_for_the_process(tmp_p
         results = [tier.get("fx_graph", "k") for _ in range(10)]
         elapsed = time.monotonic() - start
         assert all(not r for r in results)
+        # The first waited out the lock; the tier was off for the other nine.
+        assert [r.reason for r in results] == [TIMEOUT] + [BREAKER_OPEN] * 9
         assert tier.put("fx_graph", "k2", b"value") is False  # off: refused at once
         assert elapsed < 10, elapsed  # 10 reads waited 2 s each before: one lock timeout now
         warned = [r.getMessage() for r in caplog.records if "stayed locked" in r.getMessage()]
@@ -267,8 +272,11 @@ def test_one_budget_bounds_every_wait_of_the_process_together(redis_node, tmp_pa
     assert held.wait(30)
     waiter = _store(tmp_path / "waiter", redis_node.url, WARMSTART_COMPILE_WAIT_S="1.0", WARMSTART_MAX_WAIT_S="2.5")
     try:
-        for i in range(10):
-            assert waiter.get("fx_graph", f"e{i}").value is None
+        results = [waiter.get("fx_graph", f"e{i}") for i in range(10)]
+        assert all(r.value is None for r in results)
+        # Once the budget is spent the remote tier is not asked: a timeout, not an absent entry.
+        assert results[-1].reason is TIMEOUT and results[-1].tier == "remote", results[-1]
+        assert "time for waiting on the cache is spent" in results[-1].detail
         counters = waiter.stats.counters_dict()
         assert 2 <= counters["waits"] <= 3, counters  # 1 s, 1 s, then what was left: 0.5 s
         assert waiter.budget.exhausted and waiter.budget.spent_s < 4.0, waiter.budget.spent_s

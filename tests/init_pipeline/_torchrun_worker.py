@@ -138,10 +138,12 @@ class Batches(torch.utils.data.IterableDataset):
 
 
 class FailingBatches(torch.utils.data.IterableDataset):
-    def __iter__(self):  # a generator: this runs at the first batch, in the data_loader_init stage
+    def __iter__(self):
+        return self
+
+    def __next__(self):  # the first batch, in the data_loader_init stage
         time.sleep(1.0)  # rank 0 is in the final collective by now
         raise OSError("data loader worker died")
-        yield  # noqa: unreachable
 
 
 def mode_graph(out: dict, fail: bool = False) -> None:

@@ -263,9 +263,9 @@ def test_extra_ranks_refine_per_rank_breakdowns(tmp_path):
     ]
     res = run_of(tmp_path, rank0, rank1)
     assert nonzero(res.buckets) == {"compile": 10, "effective_training": 10}
-    assert nonzero(res.ranks[0]["buckets"]) == nonzero(res.buckets)
-    assert nonzero(res.ranks[1]["buckets"]) == {"compile": 15, "effective_training": 5}
-    assert res.ranks[1]["ett_pct"] == pytest.approx(25)
+    assert nonzero(res.ranks[0].buckets) == nonzero(res.buckets)
+    assert nonzero(res.ranks[1].buckets) == {"compile": 15, "effective_training": 5}
+    assert res.ranks[1].ett_pct == pytest.approx(25)
     assert res.to_dict()["ranks"]["1"]["e2e_s"] == pytest.approx(20)
 
 
@@ -412,6 +412,6 @@ def test_buckets_always_sum_to_end_to_end(events):
     assert all(seconds >= -1e-9 for seconds in res.buckets.values())
     assert 0 <= res.ett_pct <= 100 + 1e-9
     for rank in res.ranks.values():
-        assert math.isclose(sum(rank["buckets"].values()), res.e2e_s, rel_tol=1e-9, abs_tol=1e-6)
+        assert math.isclose(sum(rank.buckets.values()), res.e2e_s, rel_tol=1e-9, abs_tol=1e-6)
     assert res.l1["lost_progress_s"] <= res.e2e_s + 1e-6
     assert res.l1["time_to_start_s"] + res.l1["time_to_recover_s"] <= res.e2e_s + 1e-6

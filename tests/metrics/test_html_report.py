@@ -9,7 +9,7 @@ import pytest
 from _chromium import CHROMIUM, assert_titles_clear, load, overlaps
 from _timelines import ev, run_of, span
 from warmstart.metrics.calculator import compute, load_runs
-from warmstart.metrics.report import render_html
+from warmstart.metrics.report_html import render_html
 from warmstart.metrics.windows import TimeFilter, apply
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make test installs it)")
@@ -142,7 +142,7 @@ def test_timeline_legend_sits_just_below_the_axis_title(tmp_path, make, width):
 
 
 def test_span_lanes_are_one_per_name_and_never_empty(tmp_path):
-    from warmstart.metrics.report import _timeline_figure
+    from warmstart.metrics.report_html import _timeline_figure
 
     page = render_html([_many_spans(tmp_path / "run")])
     fig = _timeline_figure(_many_spans(tmp_path / "again"))
@@ -156,7 +156,7 @@ def test_span_lanes_are_one_per_name_and_never_empty(tmp_path):
 
 
 def test_markers_are_thinned_where_they_would_merge(tmp_path):
-    from warmstart.metrics.report import _MAX_MARKERS, _timeline_figure
+    from warmstart.metrics.report_html import _MAX_MARKERS, _timeline_figure
 
     events = [ev(0, "attempt_start")]
     for i in range(1000):
@@ -178,7 +178,7 @@ def test_headline_colour_follows_the_figure(tmp_path, ett, grade):
 
 
 def test_windows_chart_counts_seconds_since_the_start_like_the_timeline(tmp_path):
-    from warmstart.metrics.report import _windows_figure
+    from warmstart.metrics.report_html import _windows_figure
 
     windowed = apply(
         compute(load_runs([_run_with_everything(tmp_path / "run").run_dir])[0], segments=True), TimeFilter(every=5)

@@ -18,7 +18,7 @@ from test_html_report import CHROMIUM, _load_in_chromium
 from warmstart.cli import cli
 from warmstart.metrics.calculator import Run, compute, load_runs
 from warmstart.metrics.events import parse_event, write_events
-from warmstart.metrics.report import render_html
+from warmstart.metrics.report_html import render_html
 from warmstart.metrics.windows import (
     MAX_WINDOWS,
     FleetWindows,
@@ -144,14 +144,14 @@ def test_since_until_cut_through_overlapping_spans_and_the_recovery_wait(tmp_pat
     assert nonzero(a1.buckets) == {"recovery_wait": 5} and a1.recovery_wait_s == pytest.approx(5)
     assert a0.pre_first_step_s == pytest.approx(9) and a1.pre_first_step_s == 0
     # rank 1: other [6,15); effective [15,50) less its own save [27,33); recovery [50,55).
-    assert nonzero(res.ranks[1]["buckets"]) == {
+    assert nonzero(res.ranks[1].buckets) == {
         "init_other": 9,
         "effective_training": 29,
         "checkpoint_blocking": 6,
         "recovery_wait": 5,
     }
-    assert res.ranks[1]["ett_pct"] == pytest.approx(100 * 29 / 49)
-    assert nonzero(res.ranks[0]["buckets"]) == nonzero(res.buckets)
+    assert res.ranks[1].ett_pct == pytest.approx(100 * 29 / 49)
+    assert nonzero(res.ranks[0].buckets) == nonzero(res.buckets)
     _sums(res)
 
 
@@ -474,8 +474,8 @@ def test_windows_and_restrictions_add_up(events, every, cut, cut_len):
         assert parts == pytest.approx(seconds, abs=1e-6)
         assert hole.buckets[name] + inside.buckets[name] == pytest.approx(seconds, abs=1e-6)
     for rank, data in res.ranks.items():
-        parts = after.ranks[rank]["e2e_s"] + (before.ranks[rank]["e2e_s"] if before else 0.0)
-        assert parts == pytest.approx(data["e2e_s"], abs=1e-6)
+        parts = after.ranks[rank].e2e_s + (before.ranks[rank].e2e_s if before else 0.0)
+        assert parts == pytest.approx(data.e2e_s, abs=1e-6)
     for part in (after, hole, inside):
         _sums(part)
         assert (part.ett_pct is None) == (part.e2e_s == 0)  # no counted time, no ETT%

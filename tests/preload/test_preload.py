@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _wait import until
 
 PY = sys.executable
 FORKED = "import warmstart._launch as _l; _forked = _l.forked_start_ts is not None"
@@ -306,6 +307,32 @@ def test_a_stopped_or_killed_preloader_never_fails_a_program(tmp_path):
     finally:
         with __import__("contextlib").suppress(ProcessLookupError):
             os.kill(node.info["pid"], signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has ended; whoever adopted it reaps it when it may
+
+
+def test_a_preloader_whose_socket_is_gone_or_replaced_stops_and_removes_only_its_own(tmp_path):
+    first = Preloader(tmp_path / "p").start()
+    second = None
+    try:
+        os.unlink(first.socket)  # a cleaner of the socket's directory: nobody can reach it again
+        second = Preloader(tmp_path / "p").start()  # ... and a new one at the same path
+        until(lambda: not _running(first.info["pid"]), timeout=60)
+        assert os.path.exists(second.socket)  # the first one's exit left the second's socket alone
+        assert second.status()["pid"] == second.info["pid"]
+        os.unlink(second.socket)
+        until(lambda: not _running(second.info["pid"]), timeout=60)
+    finally:
+        for node in (first, second):
+            if node is not None:
+                with __import__("contextlib").suppress(ProcessLookupError):
+                    os.kill(node.info["pid"], signal.SIGKILL)
 
 
 @pytest.mark.skipif(

@@ -10,9 +10,10 @@ directory of its own (not under the work dir), so that DataLoader workers' ``AF_
 and the shared cache server survive a restart, as in a fleet. ``baseline`` runs without warmstart;
 ``cold`` runs with warmstart on and a throwaway cache server (``warmstart.server``) that starts
 empty; ``warm`` runs against the same server, filled by ``cold``. The ETT figures come from the
-metrics calculator over each configuration's run directory. This module owns the orchestration
-(server, launches, progress, results); the job is ``reference_job``. The table is built here; the
-page is the figures table followed by the metrics package's report of the three runs.
+metrics calculator over each configuration's run directory. This module owns the orchestration:
+the configurations, their environments and command lines, and the figures; the job is
+``reference_job``, running and watching its processes is ``supervise``'s, the table and the page
+``page``'s.
 
 A watchdog stops a configuration that records no new ETT event for ``stall_timeout_s``: it first
 has every rank dump its Python stacks into the log (the job registers ``faulthandler`` on
@@ -25,22 +26,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from warmstart.bench.config import JobConfig
-from warmstart.compile_cache.doctor_checks import AF_UNIX_PATH_MAX, SOCKET_SUFFIX, effective_tmpdir
-from warmstart.errors import WarmstartError
+from warmstart.bench.supervise import (
+    BenchError,
+    CacheServer,
+    launcher_args,
+    run_job,
+    short_tmp_root,
+    start_preloaders,
+    stop_preloaders,
+)
 
 CONFIGS = ("baseline", "cold", "warm")
 """The three configurations, in the order they run (``warm`` needs the cache ``cold`` filled)."""
@@ -57,29 +59,10 @@ FIGURES = (
 """The per-configuration figures of the table and of ``--json``, in table order
 (docs/reference.md#the-main-job)."""
 
-# The "new machine" of every attempt: fresh local directories, made before Python (and with it
-# warmstart's start-up hook, Inductor and Triton) reads any of them. $1: the configuration's machines
-# (under the work dir), $2: its short temporary root (TMPDIR: AF_UNIX socket paths are made under it);
-# the rest is Python's command line.
-_LAUNCHER = """\
-a="attempt-${TORCHELASTIC_RESTART_COUNT:-0}"; m="$1/$a"; t="$2/$a"; shift 2
-mkdir -p "$m/home" "$t" "$m/inductor" "$m/triton" "$m/warmstart-cache"
-export HOME="$m/home" XDG_CACHE_HOME="$m/home/.cache" TMPDIR="$t" TORCHINDUCTOR_CACHE_DIR="$m/inductor" \
-TRITON_CACHE_DIR="$m/triton" WARMSTART_CACHE_DIR="$m/warmstart-cache"
-exec @PYTHON@ "$@"
-"""
 _JOB_MODULE = ("-m", "warmstart.bench.reference_job")
-_TMP_ATTEMPT = "/attempt-99"  # room for the launcher's attempt folder under the short root (the bench uses 0 and 1)
-_TMP_PREFIX = "ws-"  # tempfile.mkdtemp(prefix=...) appends 8 random characters
-_TMP_BASES = ("/tmp", "/dev/shm")
-"""Where the short temporary roots go when the caller's TMPDIR is too long for them."""
 
 # Variables a configuration must not inherit from the caller's shell: each run sets its own.
 _INHERITED_PREFIXES = ("WARMSTART", "TORCHINDUCTOR_", "TRITON_", "TORCHELASTIC_")
-
-
-class BenchError(WarmstartError):
-    """A configuration did not finish; the message names it, its exit status and its log."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -249,7 +232,7 @@ def _run_config(
             # What a user names for their own job: its trainer module, preloaded with torch and TorchRec.
             env["WARMSTART_PRELOAD_MODULES"] = "warmstart.bench.trainer"
             report(name, "bringing the machines up (their preloaders)", 0, job.steps)
-            preloaders, preload_start_s = _start_preloaders(env, machines, tmp_root, attempts=2)
+            preloaders, preload_start_s = start_preloaders(env, machines, tmp_root, attempts=2)
         cmd = [
             sys.executable,
             "-m",
@@ -262,34 +245,23 @@ def _run_config(
             *_JOB_MODULE,
             *job.to_args(),
         ]
-        started = time.monotonic()
-        with open(log_path, "ab") as log:  # O_APPEND: the watchdog's notes never overwrite the job's lines
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True
-            )
-            tail = _EventTail(run_dir)
-            watchdog = _Watchdog(run_dir, options.stall_timeout_s)
-            try:
-                while proc.poll() is None:
-                    if time.monotonic() - started > options.timeout_s:
-                        _stop(proc)
-                        raise BenchError(
-                            f"{name}: still running after {options.timeout_s:.0f} s; stopped it (log: {log_path})"
-                        )
-                    if watchdog.stalled():
-                        raise _stalled(name, proc, run_dir, log_path, options)
-                    phase, step = tail.poll()
-                    report(name, phase, step, job.steps)
-                    time.sleep(0.5)
-            except BaseException:
-                _stop(proc)
-                raise
-        wall = time.monotonic() - started
+        returncode, wall = run_job(
+            name,
+            cmd,
+            env=env,
+            cwd=root,
+            log_path=log_path,
+            run_dir=run_dir,
+            nproc=options.nproc,
+            timeout_s=options.timeout_s,
+            stall_timeout_s=options.stall_timeout_s,
+            progress=lambda phase, step: report(name, phase, step, job.steps),
+        )
     finally:
-        _stop_preloaders(preloaders)
+        stop_preloaders(preloaders)
         shutil.rmtree(tmp_root, ignore_errors=True)
-    if proc.returncode != 0:
-        raise BenchError(f"{name}: the job exited with status {proc.returncode} (log: {log_path})")
+    if returncode != 0:
+        raise BenchError(f"{name}: the job exited with status {returncode} (log: {log_path})")
     report(name, "done", job.steps, job.steps)
     results = compute_runs([run_dir])
     if len(results) != 1:
@@ -303,83 +275,6 @@ def _run_config(
         startup=_startup_reports(run_dir),
         cache=_cache_counters(machines),
         preload_start_s=preload_start_s,
-    )
-
-
-def machine_env(machines: Path, tmp_root: Path, attempt: int) -> dict[str, str]:
-    """The variables the launcher sets for ``attempt``'s new machine (and makes its directories)."""
-    m, t = machines / f"attempt-{attempt}", tmp_root / f"attempt-{attempt}"
-    dirs = {
-        "HOME": m / "home",
-        "TMPDIR": t,
-        "TORCHINDUCTOR_CACHE_DIR": m / "inductor",
-        "TRITON_CACHE_DIR": m / "triton",
-        "WARMSTART_CACHE_DIR": m / "warmstart-cache",
-    }
-    for path in dirs.values():
-        path.mkdir(parents=True, exist_ok=True)
-    return {**{k: str(v) for k, v in dirs.items()}, "XDG_CACHE_HOME": str(m / "home" / ".cache")}
-
-
-def _start_preloaders(
-    env: dict[str, str], machines: Path, tmp_root: Path, attempts: int
-) -> tuple[list[str], list[float]]:
-    """Bring up each attempt's machine with its preloader, serving the ranks' environment there."""
-    from warmstart.preload import control
-
-    sockets, seconds = [], []
-    for attempt in range(attempts):
-        started = time.monotonic()
-        try:
-            info = control.start(environ={**env, **machine_env(machines, tmp_root, attempt)})
-        except WarmstartError as exc:
-            _stop_preloaders(sockets)
-            raise BenchError(f"warm: the preloader of machine {attempt} did not start: {exc}") from exc
-        seconds.append(time.monotonic() - started)
-        sockets.append(info["socket"])
-    return sockets, seconds
-
-
-def _stop_preloaders(sockets: list[str]) -> None:
-    from warmstart.preload import control
-
-    for path in sockets:
-        control.stop(path)
-
-
-def launcher_args(machines: Path, tmp_root: Path) -> list[str]:
-    """The command line that runs Python (its arguments follow) on a new machine under ``machines``,
-    with ``TMPDIR`` under ``tmp_root``: the launcher torchrun starts for every rank of every attempt."""
-    launcher = _LAUNCHER.replace("@PYTHON@", shlex.quote(sys.executable))
-    return ["/bin/sh", "-c", launcher, "sh", str(machines), str(tmp_root)]
-
-
-def short_tmp_root() -> Path:
-    """A fresh, empty directory for one configuration's machines' ``TMPDIR`` (the caller removes it).
-
-    DataLoader workers hand batches over ``AF_UNIX`` sockets that multiprocessing makes under
-    ``TMPDIR`` (``pymp-XXXXXXXX/listener-XXXXXXXX``), and Linux refuses paths over 107 bytes: the
-    batch is then lost and the job hangs. The root goes under the caller's ``TMPDIR`` when the
-    longest socket path of the deepest attempt fits there, else under ``/tmp``, else ``/dev/shm``.
-
-    Raises:
-        BenchError: none of them is a writable directory short enough.
-    """
-    suffix = len(f"/{_TMP_PREFIX}XXXXXXXX{_TMP_ATTEMPT}{SOCKET_SUFFIX}")
-    tried = []
-    for base in (effective_tmpdir(), *_TMP_BASES):
-        if base in tried:
-            continue
-        tried.append(base)
-        if (
-            len(os.fsencode(base)) + suffix <= AF_UNIX_PATH_MAX
-            and os.path.isdir(base)
-            and os.access(base, os.W_OK | os.X_OK)
-        ):
-            return Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=base))
-    raise BenchError(
-        f"no writable temporary directory short enough for DataLoader sockets "
-        f"(at most {AF_UNIX_PATH_MAX - suffix} bytes): tried {', '.join(tried)}"
     )
 
 
@@ -418,224 +313,6 @@ def _job_env(
     return env
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop torchrun (its own session) and every process it started: torchrun stops its ranks on
-    SIGTERM; whatever is left once it is gone (each rank runs in a session of its own) is killed."""
-    if proc.poll() is not None:
-        return
-    left = _descendants(proc.pid)
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    _kill_all(left)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """Kill torchrun first (so that it restarts nothing), then every process under it."""
-    left = _descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    _kill_all(left)
-
-
-def _kill_all(pids: list[int]) -> None:
-    # each rank leads a session of its own (torchrun's subprocess handler): kill its group (the rank,
-    # its loader workers, its compile workers), then any stray process by pid
-    for pid in pids:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-# -- the no-progress watchdog ------------------------------------------------------------------------
-
-
-class _Watchdog:
-    """Says when the run directory's event files have not grown for ``timeout_s``."""
-
-    def __init__(self, run_dir: Path, timeout_s: float) -> None:
-        self.run_dir, self.timeout_s = run_dir, timeout_s
-        self._size = -1
-        self._since = time.monotonic()
-
-    def stalled(self) -> bool:
-        size = 0
-        for path in self.run_dir.glob("*.jsonl"):
-            try:
-                size += path.stat().st_size
-            except OSError:
-                continue
-        now = time.monotonic()
-        if size != self._size:
-            self._size, self._since = size, now
-        return now - self._since > self.timeout_s
-
-
-def _stalled(name: str, proc: subprocess.Popen, run_dir: Path, log_path: Path, options: BenchOptions) -> BenchError:
-    """Dump every rank's Python stacks into the log, kill the configuration, say where it stood."""
-    ranks = _ranks(proc.pid)
-    for pid, label in _dumpable(proc.pid).items():
-        _note(
-            log_path,
-            f"warmstart bench watchdog: no ETT event for {options.stall_timeout_s:.0f} s; "
-            f"Python stacks of {label} (pid {pid}):",
-        )
-        try:
-            os.kill(pid, signal.SIGUSR1)  # faulthandler, registered by the reference job
-            os.kill(pid, signal.SIGCONT)  # a stopped process dumps once it runs again
-        except ProcessLookupError:
-            continue
-        _wait_quiet(log_path, quiet_s=0.3, limit_s=3.0)  # one process at a time: the dumps do not interleave
-    _kill(proc)
-    _note(log_path, "warmstart bench watchdog: stopped the configuration")
-    attempts = sorted({a for a in ranks.values() if a is not None})
-    attempt, stages = _last_stages(run_dir, options.nproc, attempts[-1] if attempts else None)
-    return BenchError(
-        f"{name}: attempt {attempt} recorded no ETT event for {options.stall_timeout_s:.0f} s "
-        f"(last stage: {stages}); dumped every rank's Python stacks into the log and stopped it "
-        f"(log: {log_path})"
-    )
-
-
-def _note(log_path: Path, line: str) -> None:
-    with open(log_path, "a") as log:
-        log.write(f"\n--- {line}\n")
-
-
-def _wait_quiet(path: Path, *, quiet_s: float, limit_s: float) -> None:
-    """Wait until ``path`` has not grown for ``quiet_s`` (at most ``limit_s``)."""
-    deadline = time.monotonic() + limit_s
-    size, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        now_size = path.stat().st_size if path.exists() else 0
-        if now_size != size:
-            size, since = now_size, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-        time.sleep(0.1)
-
-
-def _last_stages(run_dir: Path, nproc: int, attempt: int | None) -> tuple[int, str]:
-    """The attempt (the live ranks' one, else the latest with events) and each of its ranks' last event."""
-    last: dict[tuple[int, int], dict[str, Any]] = {}
-    for path in run_dir.glob("events-r*-a*.jsonl"):
-        try:
-            lines = path.read_bytes().splitlines()
-        except OSError:
-            continue
-        for line in reversed(lines):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a line being written
-            last[(int(event.get("attempt", 0)), int(event.get("rank", 0)))] = event
-            break
-    if attempt is None:
-        attempt = max((a for a, _ in last), default=0)
-    parts = [f"rank {rank} {_describe(last.get((attempt, rank)))}" for rank in range(nproc)]
-    return attempt, ", ".join(parts)
-
-
-def _describe(event: dict[str, Any] | None) -> str:
-    if event is None:
-        return "no event yet"
-    kind = event.get("event")
-    if kind == "begin":
-        return f"in {event.get('span')}"
-    if kind == "end":
-        return f"after {event.get('span')}"
-    if kind == "step":
-        return f"in step {event.get('step')}"
-    if kind == "checkpoint_committed":
-        return f"after committing step {event.get('step')}"
-    if kind == "failure":
-        return f"failed ({event.get('reason')})"
-    return f"after {kind}"
-
-
-def _children() -> dict[int, list[int]]:
-    """Parent pid to child pids, from ``/proc``."""
-    tree: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])  # after "(comm)": state, ppid
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def _descendants(pid: int) -> list[int]:
-    tree, found, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _rank_envs(torchrun_pid: int) -> dict[int, dict[bytes, bytes]]:
-    """torchrun's children that are ranks (``sh`` exec'd the job; torchrun set ``RANK``): pid to environment."""
-    ranks = {}
-    for pid in _children().get(torchrun_pid, []):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if b"RANK" in env:
-            ranks[pid] = env
-    return ranks
-
-
-def _ranks(torchrun_pid: int) -> dict[int, int | None]:
-    """The ranks' pids to their attempt number (``TORCHELASTIC_RESTART_COUNT``)."""
-    out = {}
-    for pid, env in _rank_envs(torchrun_pid).items():
-        count = env.get(b"TORCHELASTIC_RESTART_COUNT", b"")
-        out[pid] = int(count) if count.isdigit() else None
-    return out
-
-
-def _dumpable(torchrun_pid: int) -> dict[int, str]:
-    """The ranks, then their descendants, that catch SIGUSR1 (faulthandler's; forked loader workers
-    inherit it), to a label. A process that does not catch it would die of it, so it is left alone."""
-    targets: dict[int, str] = {}
-    ranks = {pid: env.get(b"RANK", b"?").decode() for pid, env in _rank_envs(torchrun_pid).items()}
-    candidates = [(pid, f"rank {rank}") for pid, rank in ranks.items()]
-    candidates += [
-        (child, f"a child process of rank {rank}") for pid, rank in ranks.items() for child in _descendants(pid)
-    ]
-    for pid, label in candidates:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-        except (OSError, StopIteration, ValueError):
-            continue
-        if caught & (1 << (signal.SIGUSR1 - 1)):
-            targets.setdefault(pid, label)
-    return targets
-
-
 def _startup_reports(run_dir: Path) -> list[dict[str, Any]]:
     reports = []
     for path in sorted(run_dir.glob("startup-r0-a*.json"), key=lambda p: int(p.stem.rsplit("-a", 1)[1])):
@@ -656,127 +333,3 @@ def _cache_counters(machines: Path) -> dict[str, dict[str, int]]:
             for field in row:
                 row[field] += int(getattr(counts, field))
     return totals
-
-
-class _EventTail:
-    """Follows rank 0's event files to say what a running job is doing."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self._offsets: dict[Path, int] = {}
-        self.phase, self.step = "starting", 0
-        self._training = False
-
-    def poll(self) -> tuple[str, int]:
-        for path in sorted(self.run_dir.glob("events-r0-a*.jsonl")):
-            attempt = path.stem.rsplit("-a", 1)[1]
-            with open(path, "rb") as f:
-                f.seek(self._offsets.get(path, 0))
-                data = f.read()
-            complete = data[: data.rfind(b"\n") + 1]
-            self._offsets[path] = self._offsets.get(path, 0) + len(complete)
-            for line in complete.splitlines():
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                self._see(event, attempt)
-        return self.phase, self.step
-
-    def _see(self, event: dict[str, Any], attempt: str) -> None:
-        kind = event.get("event")
-        if kind == "attempt_start":
-            self.phase, self._training = f"attempt {attempt}: starting up", False
-        elif kind == "begin" and not self._training:  # start-up stages; in the loop, only steps
-            self.phase = f"attempt {attempt}: {event.get('span')}"
-        elif kind == "step":
-            self.phase, self.step, self._training = f"attempt {attempt}: training", int(event["step"]) + 1, True
-        elif kind == "failure":
-            self.phase, self._training = f"attempt {attempt}: failed, restarting", False
-        elif kind == "train_end":
-            self.phase = f"attempt {attempt}: shutting down"
-
-
-# -- the throwaway cache server ------------------------------------------------------------------------
-
-_SERVER_MAXMEMORY = 1024**3  # room for every artifact of the reference job, cold's and warm's
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheServer:
-    """A cache server (one local node on a free port) started for the benchmark and stopped after it."""
-
-    directory: Path
-    writer_url: str
-    signing_key_file: str
-
-    @classmethod
-    def start(cls, directory: Path) -> CacheServer:
-        """Start a server whose configuration, credentials and data live in ``directory``.
-
-        Raises:
-            BenchError: the server did not start (its message is passed on).
-        """
-        from warmstart import server
-
-        try:
-            state = server.start(server.ServerOptions(dir=directory, port=_free_port(), maxmemory=_SERVER_MAXMEMORY))
-            credentials = server.Credentials.load(directory)
-        except (WarmstartError, OSError, subprocess.SubprocessError) as exc:
-            raise BenchError(f"could not start the cache server: {exc}") from None
-        return cls(
-            directory=directory,
-            writer_url=state.url("writer", credentials),
-            signing_key_file=str(credentials.signing_key_file),
-        )
-
-    def stop(self) -> None:
-        """Stop the server and wait for its processes; a failure is ignored (the server is a throwaway)."""
-        from warmstart import server
-
-        try:
-            server.stop(self.directory)
-        except (WarmstartError, OSError):
-            pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -- the table and the page ----------------------------------------------------------------------------
-
-_TITLE = "warmstart bench cold-vs-warm"
-_LABELS = {
-    "time_to_start_s": "time to start (s)",
-    "time_to_recover_s": "time to recover (s)",
-    "compile_s": "compile (s)",
-    "sharding_plan_s": "sharding plan (s)",
-    "checkpoint_blocking_s": "checkpoint blocking (s)",
-    "e2e_s": "end to end (s)",
-    "ett_pct": "ETT %",
-}
-_HEADERS = ("figure", *CONFIGS, "warm / baseline")
-
-
-def table_rows(results: dict[str, ConfigResult]) -> list[list[Any]]:
-    """One row per figure: label, baseline, cold, warm, warm/baseline (``x`` ratio)."""
-    figures = {name: res.figures() for name, res in results.items()}
-    ratio = ratios(results)
-    rows = []
-    for key in FIGURES:
-        r = ratio[key]
-        rows.append([_LABELS[key], *(figures[name][key] for name in CONFIGS), "-" if r is None else f"{r:.2f}x"])
-    return rows
-
-
-def render_page(results: dict[str, ConfigResult]) -> str:
-    """A self-contained HTML page: the figures of the three configurations side by side, then the
-    metrics package's report of their runs (timelines and breakdowns)."""
-    from warmstart.metrics.report import render_html
-
-    return render_html(
-        [results[name].result for name in CONFIGS], title=_TITLE, intro=[list(_HEADERS), *table_rows(results)]
-    )

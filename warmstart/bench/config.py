@@ -11,10 +11,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from warmstart.checkpoint.mode import AsyncMode
 from warmstart.errors import ConfigError
 
 MODES = ("baseline", "warmstart")
-CHECKPOINT_MODES = ("async-thread", "async-process", "sync")
+CHECKPOINT_MODES = tuple(mode.value for mode in AsyncMode)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

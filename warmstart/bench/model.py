@@ -51,6 +51,9 @@ class DenseOverArch(nn.Module):
         over_layers: Hidden sizes of the over arch.
     """
 
+    _tri_rows: torch.Tensor  # buffers: the upper triangle's indices, the pairs that interact
+    _tri_cols: torch.Tensor
+
     def __init__(self, num_sparse: int, dim: int, dense_layers: list[int], over_layers: list[int]) -> None:
         super().__init__()
         self.num_sparse, self.dim = num_sparse, dim

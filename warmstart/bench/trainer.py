@@ -211,6 +211,7 @@ class Trainer:
         self._stage_rows = result.rows()
         # warmstart: the first asynchronous save pays one-time costs (staging buffers, DTensor's
         # per-shape caches): pay them in the background while training starts
+        assert self.checkpointer is not None  # the graph's checkpoint_load stage made it
         self.checkpointer.prewarm(self._app_state())
 
     # -- the job's parts ----------------------------------------------------------------------------
@@ -280,6 +281,7 @@ class Trainer:
         # Called once, during the backward after a save: training waits here only if the copy is
         # still running, and that wait is blocking time, recorded as such.
         self.model.module.pooled_grad_hook = None
+        assert self.checkpointer is not None  # a save was just started with it
         with self.rec.span("checkpoint_save"):
             self.checkpointer.wait_staged()
 

@@ -17,6 +17,7 @@ module owns the save/commit/load sequence and the error policy; the folder proto
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import pickle
@@ -29,9 +30,8 @@ from concurrent.futures import Future
 from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Mapping, MutableMapping
+from typing import Any, Iterator, Literal, Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from warmstart.checkpoint import layout
 from warmstart.checkpoint.interval import AdaptiveInterval
+from warmstart.checkpoint.mode import AsyncMode
 from warmstart.checkpoint.state import (
     RNG_KEY,
     RankLocal,
@@ -63,32 +64,7 @@ DEFAULT_COMMIT_TIMEOUT_S = 60.0
 other ranks before the save is given up as not committed."""
 _EXIT_JOIN_MARGIN_S = 5.0  # interpreter exit waits for an in-flight commit this much beyond its timeout
 
-# A single-process checkpointer is a supported use, not an accident: DCP's warning about it is noise.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
-)
-
-
-class AsyncMode(str, Enum):
-    """How a save runs: ``SYNC`` blocks until written; ``ASYNC`` stages to CPU memory and writes in
-    a background thread; ``ASYNC_PROCESS`` stages to shared memory and writes in a separate process
-    (no GIL contention with training; the process starts on the first save)."""
-
-    SYNC = "sync"
-    ASYNC = "async-thread"
-    ASYNC_PROCESS = "async-process"
-
-    @classmethod
-    def parse(cls, value: AsyncMode | str) -> AsyncMode:
-        """The mode named by ``value``.
-
-        Raises:
-            ConfigError: ``value`` is not one of the modes.
-        """
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError("mode", value, "one of " + ", ".join(m.value for m in cls)) from None
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 class CheckpointError(WarmstartError):
@@ -393,7 +369,8 @@ class Checkpointer:
             rng_key = rank_key(RNG_KEY, self.rank)
             if self.save_rng and same_world and saved_rng:  # a checkpoint saved with save_rng=False has none
                 targets[rng_key] = RNGState().state_dict()
-            dcp.load(targets, checkpoint_id=found.path, process_group=self._pg, no_dist=not self._distributed)
+            with _quiet_single_process(self._distributed):
+                dcp.load(targets, checkpoint_id=found.path, process_group=self._pg, no_dist=not self._distributed)
             for key, value in state.items():
                 if not isinstance(value, RankLocal) and not is_stateful(value):
                     state[key] = targets[key]
@@ -498,12 +475,13 @@ class Checkpointer:
     def _save_now(self, step: int, entries: dict[str, Any], partial: Path, started: float) -> None:
         error: BaseException | None = None
         try:
-            dcp.save(
-                entries,
-                storage_writer=_FileSystemWriter(partial),
-                process_group=self._pg,
-                no_dist=not self._distributed,
-            )
+            with _quiet_single_process(self._distributed):
+                dcp.save(
+                    entries,
+                    storage_writer=_FileSystemWriter(partial),
+                    process_group=self._pg,
+                    no_dist=not self._distributed,
+                )
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = e
         failure = self._conclude(step, partial, error, started)
@@ -541,35 +519,39 @@ class Checkpointer:
         if not commit.set_running_or_notify_cancel():
             staging.cancel()
             return
-        try:
-            kind = (
-                AsyncCheckpointerType.PROCESS if self.mode is AsyncMode.ASYNC_PROCESS else AsyncCheckpointerType.THREAD
-            )
+        # DCP warns from its upload thread, while this one waits for the upload: the scope covers it.
+        with _quiet_single_process(self._distributed):
             try:
-                response = dcp.async_save(
-                    entries,
-                    storage_writer=_FileSystemWriter(partial),
-                    process_group=self._pg,
-                    async_checkpointer_type=kind,
-                    async_stager=stager,
-                    no_dist=not self._distributed,
+                kind = (
+                    AsyncCheckpointerType.PROCESS
+                    if self.mode is AsyncMode.ASYNC_PROCESS
+                    else AsyncCheckpointerType.THREAD
                 )
-            except (Exception, CheckpointException) as e:  # nothing started: no copy reads the tensors
-                staging.set_result(None)
-                commit.set_result(self._conclude(step, partial, e, started))
-                return
-            if isinstance(response, AsyncSaveResponse):
-                _chain(response.staging_completion, staging)
-                upload = response.upload_completion
-            else:
-                staging.set_result(None)
-                upload = response
-            del entries, response  # the staged copy is DCP's now: do not hold the state's references
-            commit.set_result(self._commit_after(step, partial, upload, started))
-        except BaseException as e:  # noqa: BLE001 - the caller's next save/wait/close sees it
-            if not staging.done():
-                staging.set_result(None)
-            commit.set_exception(e)
+                try:
+                    response = dcp.async_save(
+                        entries,
+                        storage_writer=_FileSystemWriter(partial),
+                        process_group=self._pg,
+                        async_checkpointer_type=kind,
+                        async_stager=stager,
+                        no_dist=not self._distributed,
+                    )
+                except (Exception, CheckpointException) as e:  # nothing started: no copy reads the tensors
+                    staging.set_result(None)
+                    commit.set_result(self._conclude(step, partial, e, started))
+                    return
+                if isinstance(response, AsyncSaveResponse):
+                    _chain(response.staging_completion, staging)
+                    upload = response.upload_completion
+                else:
+                    staging.set_result(None)
+                    upload = response
+                del entries, response  # the staged copy is DCP's now: do not hold the state's references
+                commit.set_result(self._commit_after(step, partial, upload, started))
+            except BaseException as e:  # noqa: BLE001 - the caller's next save/wait/close sees it
+                if not staging.done():
+                    staging.set_result(None)
+                commit.set_exception(e)
 
     def _commit_after(self, step: int, partial: Path, upload: Future, started: float) -> tuple[str, str] | None:
         error: BaseException | None = None
@@ -707,21 +689,40 @@ class Checkpointer:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = timedelta(seconds=self.commit_timeout_s)
-        self._pg.broadcast([tensor], opts).wait()  # type: ignore[union-attr]
+        assert self._pg is not None  # only called when distributed
+        self._pg.broadcast([tensor], opts).wait()
+
+
+@contextlib.contextmanager
+def _quiet_single_process(distributed: bool) -> Iterator[None]:
+    """Silence DCP's warning that torch.distributed is off, for a single-process checkpointer: a
+    supported use, not an accident, so the warning is noise. The process's filters are restored
+    afterwards (a library never changes them for good); a distributed one changes nothing."""
+    if distributed:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        yield
 
 
 def _chain(source: Future, target: Future) -> None:
     """Completes ``target`` when ``source`` completes; a failed copy fails the upload too, and the
     commit reports it, so ``target`` only says that the copy is over."""
-    source.add_done_callback(lambda _: target.done() or target.set_result(None))
+
+    def complete(_: Future) -> None:
+        if not target.done():
+            target.set_result(None)
+
+    source.add_done_callback(complete)
 
 
 def _cause(exc: BaseException) -> str:
     """One line naming the root cause of a failed save, e.g. 'No space left on device (errno 28)'."""
     if isinstance(exc, CheckpointException):
         ranks = sorted(exc.failures)
-        inner = exc.failures[ranks[0]]
-        inner = inner[0] if isinstance(inner, tuple) else inner
+        failure = exc.failures[ranks[0]]
+        inner = failure[0] if isinstance(failure, tuple) else failure
         return f"{_cause(inner)} (rank {', '.join(map(str, ranks))})"
     os_error = _os_error(exc)
     if os_error is not None:

@@ -132,9 +132,9 @@ def remove_stale(directory: str | os.PathLike, session: str) -> list[str]:
     Run on rank 0 at start-up, before this session writes anything: anything partial then is a
     leftover of a crashed or killed save.
     """
-    removed = []
+    removed: list[str] = []
     try:
-        entries = list(os.scandir(directory))
+        entries = list(os.scandir(Path(directory)))
     except (FileNotFoundError, NotADirectoryError):
         return removed
     for entry in entries:

@@ -6,8 +6,6 @@ are one line on stderr; ``-v`` shows tracebacks.
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from warmstart.errors import ConfigError, WarmstartError
@@ -72,4 +70,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

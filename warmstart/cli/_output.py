@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 
 def json_option(func: Callable) -> Callable:
@@ -22,7 +25,11 @@ def emit_json(obj: Any) -> None:
 
 
 def print_table(
-    title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, justify: Sequence[str] | None = None
+    title: str | None,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    justify: Sequence[JustifyMethod] | None = None,
 ) -> None:
     """Print an aligned table with rich (plain text when stdout is not a terminal)."""
     from rich.console import Console

@@ -10,10 +10,15 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from warmstart.checkpoint.mode import AsyncMode
 from warmstart.cli._output import print_table
+
+if TYPE_CHECKING:  # the bench modules load when the command runs, not with the CLI
+    from warmstart.bench.cold_vs_warm import BenchOptions, ConfigResult
 
 
 @click.group()
@@ -64,8 +69,8 @@ def group() -> None:
 )
 @click.option(
     "--checkpoint-mode",
-    type=click.Choice(["async-thread", "async-process", "sync"]),
-    default="async-thread",
+    type=click.Choice([mode.value for mode in AsyncMode]),
+    default=AsyncMode.ASYNC.value,
     show_default=True,
     help="How warmstart saves checkpoints (cold, warm).",
 )
@@ -129,7 +134,8 @@ def cold_vs_warm(
       warmstart bench cold-vs-warm --json demo.json --html demo.html
       warmstart bench cold-vs-warm --steps 60 --tables 64 --work-dir /tmp/bench --keep
     """
-    from warmstart.bench.cold_vs_warm import BenchOptions, render_page, summary, table_rows
+    from warmstart.bench.cold_vs_warm import BenchOptions, summary
+    from warmstart.bench.page import render_page, table_rows
     from warmstart.bench.config import JobConfig
 
     checkpoint_every = checkpoint_every or max(1, steps // 4)
@@ -185,7 +191,7 @@ def cold_vs_warm(
             click.echo(f"work dir: {work}", err=True)
 
 
-def _run_with_progress(options):
+def _run_with_progress(options: BenchOptions) -> dict[str, ConfigResult]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import click
@@ -129,9 +130,10 @@ def clear(local_: bool, remote: bool) -> None:
     if not remote:
         local_ = True
     keys = None
+    url = settings.cache_url or ""
     if remote:
         # Checked before anything is removed: a command that fails removes nothing.
-        if not settings.cache_url:
+        if not url:
             raise click.UsageError("--remote needs WARMSTART_CACHE_URL")
         from warmstart.compile_cache.signing import keys_for
 
@@ -143,18 +145,18 @@ def clear(local_: bool, remote: bool) -> None:
                 "signing key, signing.key, with the writer URL)"
             )
     if local_:
-        tier = LocalTier(settings.cache_dir, settings.cache_size)
-        removed = tier.clear()
-        tier.close()
+        local_tier = LocalTier(settings.cache_dir, settings.cache_size)
+        removed = local_tier.clear()
+        local_tier.close()
         stats_path(settings).unlink(missing_ok=True)
         click.echo(f"local: removed {removed} entries from {settings.cache_dir}")
     if remote:
         import redis
 
         ns = namespace(settings.namespace)
-        tier = RemoteTier(settings.cache_url, keys=keys, secret=None if keys is not None else b"-", namespace=ns)
+        remote_tier = RemoteTier(url, keys=keys, secret=None if keys is not None else b"-", namespace=ns)
         try:
-            removed = tier.clear()
+            removed = remote_tier.clear()
         except redis.exceptions.NoPermissionError:
             raise click.ClickException(
                 f"remote: could not clear namespace {ns}: the URL's user may not delete entries "
@@ -162,6 +164,8 @@ def clear(local_: bool, remote: bool) -> None:
             ) from None
         except Exception as exc:
             raise click.ClickException(f"remote: could not clear namespace {ns}: {exc}") from None
+        finally:
+            remote_tier.close()
         click.echo(f"remote: removed {removed} keys of namespace {ns}")
 
 
@@ -234,7 +238,8 @@ def explain(run_dir: Path | None, as_json: bool) -> None:
 
     \b
       reasons         {reason: count}; reasons: absent, evicted, other_key_id, rejected,
-                      other_namespace, skipped
+                      other_namespace, breaker_open, timeout, error; skipped is the sum
+                      of the last three
       misses          [{"kind", "key", "reason", "tier", "detail"}], oldest first
       by_kind         {kind: {reason: count}}
       namespace_diff  components in which this machine differs from the closest namespace
@@ -285,16 +290,16 @@ def _print_explanation(result) -> None:
     from rich.console import Console
 
     from warmstart.compile_cache import KINDS
-    from warmstart.compile_cache.storage import MISS_REASONS
 
     console = Console(soft_wrap=True)
     total = len(result.misses)
     console.print(f"[bold]{total}[/] misses in {result.run_dir}; server: {result.server}", highlight=False)
     if total:
         by_kind = result.by_kind()
-        reasons = [r for r in MISS_REASONS if result.reasons.get(r)]
+        reasons = result.columns()  # the reasons the misses gave (by_kind adds skipped, their sum)
+        totals = collections.Counter(str(m["kind"]) for m in result.misses)
         rows = [
-            [KINDS.get(kind, kind), *[counts.get(r, 0) for r in reasons], sum(counts.values())]
+            [KINDS.get(kind, kind), *[counts.get(r, 0) for r in reasons], totals[kind]]
             for kind, counts in by_kind.items()
         ]
         print_table("misses by kind and reason", ["kind", *reasons, "total"], rows)

@@ -15,11 +15,13 @@ from warmstart.cli._output import emit_json, json_option
 from warmstart.cli._windows import every_usage_errors, time_filter, window_options
 from warmstart.metrics.advisor import advise_interval
 from warmstart.metrics.calculator import RunResult, compute, load_runs
-from warmstart.metrics.events import EventFormatError, event_files
+from warmstart.metrics.event_files import event_files
+from warmstart.metrics.events import EventFormatError
 from warmstart.metrics.fleet import FleetResult
 from warmstart.metrics.projection import ProjectionError, Scale, measure, project
 from warmstart.metrics.report import print_projections
-from warmstart.metrics.report import print_fleet, print_interval, print_run, render_fleet_html, render_html
+from warmstart.metrics.report import print_fleet, print_interval, print_run
+from warmstart.metrics.report_html import render_fleet_html, render_html
 from warmstart.metrics.report import results_json
 from warmstart.metrics.windows import FleetWindow, FleetWindows, TimeFilter, apply, default_every
 

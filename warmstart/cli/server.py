@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from warmstart.cli._output import emit_json, json_option, print_table
 from warmstart.config import parse_size, server_settings
+
+if TYPE_CHECKING:
+    from warmstart.server import ServerOptions
 
 _DIR_OPTION = click.option(
     "--dir",
@@ -104,19 +108,20 @@ def start(
     from warmstart import server
 
     directory = directory or _default_dir()
-    given = {
-        "port": port,
-        "bind": bind,
-        "cluster": cluster,
-        "aof": aof,
-        "advertise": advertise,
-        "maxmemory": parse_size(maxmemory, "--maxmemory") if maxmemory is not None else None,
-        "metrics_port": (metrics_port or None) if metrics_port is not None else _UNSET,
-        "tls_cert": tls_cert,
-        "tls_key": tls_key,
-        "tls_ca": tls_ca,
-    }
-    options = _merge_with_previous(directory, given, no_tls=no_tls)
+    options = _merge_with_previous(
+        directory,
+        port=port,
+        bind=bind,
+        cluster=cluster,
+        aof=aof,
+        advertise=advertise,
+        maxmemory=parse_size(maxmemory, "--maxmemory") if maxmemory is not None else None,
+        metrics_port=metrics_port,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_ca=tls_ca,
+        no_tls=no_tls,
+    )
     if foreground:
         code = server.run_foreground(options, on_ready=lambda state: _print_started(state, as_json, show_secrets))
         raise SystemExit(code)
@@ -248,30 +253,49 @@ def rotate(directory, users, secret, key_pair, as_json) -> None:
 
 # -- helpers ----------------------------------------------------------------------------------
 
-_UNSET = object()
-
 
 def _default_dir() -> Path:
     return server_settings().dir
 
 
-def _merge_with_previous(directory: Path, given: dict, *, no_tls: bool):
+def _merge_with_previous(
+    directory: Path,
+    *,
+    port: int | None,
+    bind: str | None,
+    cluster: int | None,
+    aof: bool | None,
+    advertise: str | None,
+    maxmemory: int | None,
+    metrics_port: int | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_ca: Path | None,
+    no_tls: bool,
+) -> ServerOptions:
+    """The options of this start: those given (``None``: not given; ``metrics_port`` 0: off), else
+    the previous start's from ``directory``, else the defaults."""
     from warmstart.server import ServerOptions, ServerState
 
-    previous = ServerState.load(directory) if (directory / "state.json").exists() else None
-    values = previous.options.to_dict() if previous else {}
-    values.pop("dir", None)
-    if no_tls or given["tls_cert"] is not None:
-        for name in ("tls_cert", "tls_key", "tls_ca"):
-            values.pop(name, None)
-    for name, value in given.items():
-        if value is _UNSET:
-            continue
-        if value is not None or name == "metrics_port":
-            values[name] = value
-    if no_tls and given["tls_cert"] is not None:
+    if no_tls and tls_cert is not None:
         raise click.UsageError("--no-tls and --tls-cert contradict each other")
-    return ServerOptions(dir=directory, **values)
+    state = ServerState.load(directory) if (directory / "state.json").exists() else None
+    previous = state.options if state is not None else ServerOptions(dir=directory)
+    # A new certificate comes with its own key and CA: none of the previous three is kept then.
+    keep_tls = not no_tls and tls_cert is None
+    return ServerOptions(
+        dir=directory,
+        port=previous.port if port is None else port,
+        bind=previous.bind if bind is None else bind,
+        maxmemory=previous.maxmemory if maxmemory is None else maxmemory,
+        cluster=previous.cluster if cluster is None else cluster,
+        aof=previous.aof if aof is None else aof,
+        tls_cert=tls_cert if tls_cert is not None else (previous.tls_cert if keep_tls else None),
+        tls_key=tls_key if tls_key is not None else (previous.tls_key if keep_tls else None),
+        tls_ca=tls_ca if tls_ca is not None else (previous.tls_ca if keep_tls else None),
+        metrics_port=previous.metrics_port if metrics_port is None else (metrics_port or None),
+        advertise=previous.advertise if advertise is None else advertise,
+    )
 
 
 def _print_started(state, as_json: bool, show_secrets: bool = False) -> None:

@@ -142,8 +142,9 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
                 _scrub(str(exc), settings.cache_url),
             )
             settings = dataclasses.replace(settings, cache_url=None)
-    local = _open_local(settings, stats, keys.key_id if keys is not None else "")
-    remote = None
+    key_id = keys.key_id if keys is not None else ""
+    local: LocalTier | ReadOnly[LocalTier] | None = _open_local(settings, stats, key_id)
+    remote: RemoteTier | ReadOnly[RemoteTier] | None = None
     if settings.cache_url:
         try:
             if keys is not None:
@@ -179,7 +180,8 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     if local is None and remote is None:
         return None
     if settings.mode == "ro":
-        local = ReadOnly(local) if local is not None else None
+        if local is not None and not isinstance(local, ReadOnly):
+            local = ReadOnly(local)
         if remote is not None and not isinstance(remote, ReadOnly):
             remote = ReadOnly(remote)
     observers = []

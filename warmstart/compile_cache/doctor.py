@@ -186,7 +186,8 @@ def _check_remote(settings, diagnosis: Diagnosis) -> None:
             f"{len(settings.secret)}-byte HMAC secret (key id {keys.key_id}); every "
             "holder can sign: prefer WARMSTART_KEY_FILE (Ed25519) for shared caches",
         )
-    diagnosis.namespace, diagnosis.components = namespace(settings.namespace), dict(components(settings.namespace))
+    ns = namespace(settings.namespace)
+    diagnosis.namespace, diagnosis.components = ns, dict(components(settings.namespace))
     parts = diagnosis.components
     diagnosis._add(
         "namespace",
@@ -194,7 +195,7 @@ def _check_remote(settings, diagnosis: Diagnosis) -> None:
         f"{diagnosis.namespace} (torch {parts['torch']}, {parts['python_abi']}, "
         f"{parts['gpu_arch']}, cpu {parts['cpu_isa'].split(':')[0]})",
     )
-    tier = _connect(settings, keys, diagnosis)
+    tier = _connect(settings, keys, ns, diagnosis)
     if tier is None:
         return
     try:
@@ -204,7 +205,7 @@ def _check_remote(settings, diagnosis: Diagnosis) -> None:
         tier.close()
 
 
-def _connect(settings, keys, diagnosis: Diagnosis):
+def _connect(settings, keys, ns: str, diagnosis: Diagnosis):
     """The remote tier once its server answers (the ``server`` check), else ``None``."""
     import redis
 
@@ -214,7 +215,7 @@ def _connect(settings, keys, diagnosis: Diagnosis):
     redacted = redact_url(settings.cache_url)
     tier = None
     try:
-        tier = RemoteTier(settings.cache_url, keys=keys, namespace=diagnosis.namespace)
+        tier = RemoteTier(settings.cache_url, keys=keys, namespace=ns)
         start = time.perf_counter()
         tier.ping()
         latency_ms = (time.perf_counter() - start) * 1000

@@ -20,7 +20,7 @@ def code_digest(code: types.CodeType) -> str:
     """A digest of what a code object does, the same in every process (its file's path left out)."""
     h = hashlib.sha256()
     for value in (
-        code.co_qualname,
+        code_qualname(code),
         code.co_firstlineno,
         code.co_argcount,
         code.co_kwonlyargcount,
@@ -35,6 +35,11 @@ def code_digest(code: types.CodeType) -> str:
     for const in code.co_consts:
         h.update((code_digest(const) if isinstance(const, types.CodeType) else stable_repr(const)).encode() + b"\0")
     return h.hexdigest()
+
+
+def code_qualname(code: types.CodeType) -> str:
+    """The qualified name of a code object's function (Python 3.10 has only the plain name)."""
+    return getattr(code, "co_qualname", code.co_name)
 
 
 def stable_repr(value: Any) -> str:

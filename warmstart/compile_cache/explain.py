@@ -18,12 +18,16 @@ from pathlib import Path
 from warmstart.compile_cache.miss_log import last_run_dir, read_misses
 from warmstart.compile_cache.storage import (
     ABSENT,
+    BREAKER_OPEN,
+    ERROR,
     EVICTED,
     MISS_REASONS,
     OTHER_KEY_ID,
     OTHER_NAMESPACE,
     REJECTED,
     SKIPPED,
+    SKIPPED_REASONS,
+    TIMEOUT,
 )
 from warmstart.config import Settings, redact_url
 
@@ -47,9 +51,19 @@ _REASON_ADVICE = {
     "secret) in WARMSTART_KEY_FILE / WARMSTART_SECRET",
     REJECTED: "entries failed verification (damaged, or written by someone without the key): they were "
     "never loaded; `warmstart cache doctor` checks the setup",
+    BREAKER_OPEN: "a tier was not asked: it was off after a failure (the remote tier's circuit breaker had "
+    "opened after a failed or slow operation, or the local database was damaged or stayed locked): "
+    "`warmstart cache doctor` checks the connection",
+    TIMEOUT: "lookups ran out of time (a slow or stalled server past the operation deadline, a local "
+    "database locked past its wait, or the process's WARMSTART_MAX_WAIT_S spent): check the server's "
+    "load and latency (`warmstart cache doctor` measures it)",
+    ERROR: "lookups failed (a refused connection, credentials that may not read, an I/O error; each "
+    "miss's detail says which): `warmstart cache doctor` checks the setup",
     SKIPPED: "the remote tier was not asked (its breaker was open after a failure, or lookups failed): "
     "`warmstart cache doctor` checks the connection",
 }
+_ADVICE_ORDER = (OTHER_KEY_ID, EVICTED, REJECTED, BREAKER_OPEN, TIMEOUT, ERROR, SKIPPED, ABSENT)
+"""Most telling first; ``skipped`` here is only what a log from before the three were told apart holds."""
 _MAX_CHECKED = 5000  # misses asked about on the server; a bigger log is sampled from its start
 
 
@@ -74,27 +88,34 @@ class Explanation:
 
     @property
     def reasons(self) -> dict[str, int]:
-        counts = collections.Counter(str(m["reason"]) for m in self.misses)
-        return {reason: counts[reason] for reason in MISS_REASONS if counts[reason]}
+        """Misses per reason; ``skipped`` is the sum of ``breaker_open``, ``timeout`` and ``error``
+        (and of the ``skipped`` misses of older logs)."""
+        return _with_skipped(collections.Counter(str(m["reason"]) for m in self.misses))
 
     def by_kind(self) -> dict[str, dict[str, int]]:
-        """Misses per artifact kind and reason."""
-        table: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        """Misses per artifact kind and reason (with ``skipped`` summed as in :attr:`reasons`)."""
+        table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for miss in self.misses:
             table[str(miss["kind"])][str(miss["reason"])] += 1
-        return {kind: dict(counts) for kind, counts in sorted(table.items())}
+        return {kind: _with_skipped(counts) for kind, counts in sorted(table.items())}
+
+    def columns(self) -> list[str]:
+        """The reasons a table of these misses shows: each one given, and ``skipped`` only for the
+        misses of an older log that gave no more than that."""
+        counts = collections.Counter(str(m["reason"]) for m in self.misses)
+        return [reason for reason in (*MISS_REASONS, SKIPPED) if counts[reason]]
 
     def advice(self) -> list[str]:
         """What to change, one line each, most telling first."""
         lines = []
-        reasons = self.reasons
-        if reasons.get(OTHER_NAMESPACE) or (
+        counts = collections.Counter(str(m["reason"]) for m in self.misses)
+        if counts[OTHER_NAMESPACE] or (
             self.namespace_diff and not any(o["namespace"] == self.namespace for o in self.others)
         ):
             lines += [f"{name}: {COMPONENT_ADVICE.get(name, 'differs')}" for name in self.namespace_diff]
-        for reason in (OTHER_KEY_ID, EVICTED, REJECTED, SKIPPED, ABSENT):
-            if reasons.get(reason):
-                lines.append(f"{reason} ({reasons[reason]}): {_REASON_ADVICE[reason]}")
+        for reason in _ADVICE_ORDER:
+            if counts[reason]:
+                lines.append(f"{reason} ({counts[reason]}): {_REASON_ADVICE[reason]}")
         return lines
 
     def to_dict(self) -> dict[str, object]:
@@ -109,6 +130,16 @@ class Explanation:
             "advice": self.advice(),
             "server": self.server,
         }
+
+
+def _with_skipped(counts: collections.Counter[str]) -> dict[str, int]:
+    """``counts`` of the known reasons, in their order, with ``skipped`` as the sum of the reasons
+    it was split into (JSON readers from before the split keep reading it)."""
+    out = {reason.value: counts[reason] for reason in MISS_REASONS if counts[reason]}
+    skipped = counts[SKIPPED] + sum(counts[reason] for reason in SKIPPED_REASONS)
+    if skipped:
+        out[SKIPPED] = skipped
+    return out
 
 
 def explain(settings: Settings, run_dir: Path | None = None) -> Explanation:
@@ -132,30 +163,33 @@ def explain(settings: Settings, run_dir: Path | None = None) -> Explanation:
     mine = dict(components(settings.namespace))
     key_id = next((str(m["key_id"]) for m in reversed(misses) if m.get("key_id")), "")
     result = Explanation(run_dir, misses, ours, mine, key_id, [], [], None)
-    if not settings.cache_url:
+    url = settings.cache_url
+    if not url:
         result.server = "no remote tier (WARMSTART_CACHE_URL is unset)"
         return result
     try:
-        _ask_server(settings, result)
+        _ask_server(settings, url, result)
     except Exception as exc:  # an unreachable server leaves the job's own reasons
-        result.server = f"{redact_url(settings.cache_url)} could not be asked ({type(exc).__name__}: {exc})"
+        result.server = f"{redact_url(url)} could not be asked ({type(exc).__name__}: {exc})"
     return result
 
 
-def _ask_server(settings: Settings, result: Explanation) -> None:
+def _ask_server(settings: Settings, url: str, result: Explanation) -> None:
     from warmstart.compile_cache import signing
     from warmstart.compile_cache.remote import RemoteTier
 
     # Only the registry and EXISTS are read: no entry is verified, so any key will do to connect.
     keys = signing.keys_for(settings.key_file, settings.secret) or signing.HmacKeys(b"-")
-    tier = RemoteTier(settings.cache_url, keys=keys, namespace=result.namespace)
+    tier = RemoteTier(url, keys=keys, namespace=result.namespace)
     try:
         result.key_id = result.key_id or keys.key_id
-        result.server = redact_url(settings.cache_url)
+        result.server = redact_url(url)
         registry = tier.registry()
         others = [e for e in registry if (e["namespace"], e["key_id"]) != (result.namespace, result.key_id)]
         for entry in others:
             theirs = entry["components"]
+            if not isinstance(theirs, dict):  # registry() keeps only entries whose components are
+                continue
             differs = {
                 name: [result.components.get(name, ""), str(theirs.get(name, ""))]
                 for name in sorted(set(result.components) | set(theirs))
@@ -165,7 +199,8 @@ def _ask_server(settings: Settings, result: Explanation) -> None:
         pairs = [(str(o["namespace"]), str(o["key_id"])) for o in result.others]
         found_in: collections.Counter = collections.Counter()
         absent = [m for m in result.misses[:_MAX_CHECKED] if m["reason"] == ABSENT]
-        answers = tier.holders([(str(m["kind"]), str(m["key"])) for m in absent], pairs) if pairs else []
+        entries = [(str(m["kind"]), str(m["key"])) for m in absent]
+        answers = tier.holders(entries, pairs) if pairs else [[] for _ in entries]
         for miss, holders in zip(absent, answers, strict=True):
             if not holders:
                 continue
@@ -188,5 +223,15 @@ def _closest_diff(result: Explanation, found_in: collections.Counter) -> list[st
         best = found_in.most_common(1)[0][0]
         chosen = next(o for o in other_ns if o["namespace"] == best)
     else:
-        chosen = min(other_ns, key=lambda o: (len(o["differs"]), -float(o.get("ts", 0) or 0)))
-    return sorted(chosen["differs"])
+        chosen = min(other_ns, key=lambda o: (len(_differs(o)), -_number(o.get("ts", 0))))
+    return sorted(_differs(chosen))
+
+
+def _differs(other: dict[str, object]) -> dict[str, object]:
+    """The components in which ``other`` (an entry of :attr:`Explanation.others`) differs."""
+    differs = other["differs"]
+    return differs if isinstance(differs, dict) else {}
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0

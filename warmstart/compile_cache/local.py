@@ -20,7 +20,7 @@ import diskcache
 
 from warmstart import _defaults
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import ABSENT, SKIPPED, Hit, Lookup, Miss, warn_once
+from warmstart.compile_cache.storage import ABSENT, BREAKER_OPEN, ERROR, TIMEOUT, Hit, Lookup, Miss, warn_once
 
 log = logging.getLogger("warmstart.cache")
 
@@ -82,6 +82,7 @@ class LocalTier:
         self._prefix = f"{namespace}:{key_id}:"
         self.stats = stats or Stats()
         self._off = False
+        self._closed = False
         # Private from the start (diskcache would make them 0755). Path.mkdir applies ``mode`` to
         # the last part only, hence two calls.
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -95,18 +96,21 @@ class LocalTier:
         )
 
     def get(self, kind: str, key: str) -> Lookup:
-        """A :class:`Hit`, or a :class:`Miss`: ``absent``, or ``skipped`` when the tier is off
-        (damaged) or the lookup failed (a lock held too long, an I/O error). Never raises."""
-        if self._off:
+        """A :class:`Hit`, or a :class:`Miss`: ``absent``; ``breaker_open`` when the tier is off
+        (damaged, or locked too long before); ``timeout`` when this lookup waited out the lock;
+        ``error`` when it failed otherwise (an I/O error) or the tier is closed. Never raises."""
+        if self._off or self._closed:
             self.stats.add(self.name, kind, misses=1)
-            return Miss(SKIPPED, self.name, "local tier off (damaged, or locked by another process)")
+            if self._closed:
+                return Miss(ERROR, self.name, "the tier is closed")
+            return Miss(BREAKER_OPEN, self.name, "local tier off (damaged, or locked by another process)")
         start = time.perf_counter()
         try:
             item = self._cache.get(f"{self._prefix}{kind}:{key}", default=None, tag=True)
         except Exception as exc:  # diskcache.Timeout, sqlite errors, a full disk
             self.stats.add(self.name, kind, errors=1, misses=1)
             self._failed("get", exc)
-            return Miss(SKIPPED, self.name, f"{type(exc).__name__}: {exc}")
+            return Miss(TIMEOUT if _locked(exc) else ERROR, self.name, f"{type(exc).__name__}: {exc}")
         value, cost = item if item is not None else (None, None)
         if value is None:
             self.stats.add(self.name, kind, misses=1)
@@ -118,7 +122,7 @@ class LocalTier:
         return Hit(bytes(value), self.name, cost or 0.0)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
-        if self._off:
+        if self._off or self._closed:
             self.stats.add(self.name, kind, dropped=1)
             return False
         try:
@@ -173,4 +177,9 @@ class LocalTier:
         return self._cache.clear()
 
     def close(self) -> None:
-        self._cache.close()
+        """Close the database; later lookups miss and writes are refused. Idempotent, never raises."""
+        self._closed = True
+        try:
+            self._cache.close()
+        except Exception as exc:  # a damaged database may fail to close too
+            log.debug("local tier close failed: %s", exc)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from warmstart._fileio import write_file
-from warmstart.compile_cache.storage import Lookup
+from warmstart.compile_cache.storage import Lookup, Miss
 
 log = logging.getLogger("warmstart.cache")
 
@@ -61,13 +61,13 @@ class MissLog:
         yield
 
     def looked_up(self, kind: str, key: str, result: Lookup) -> None:
-        if result or self._broken:
+        if not isinstance(result, Miss) or self._broken:
             return
         line = {
             "ts": round(time.time(), 3),
             "kind": kind,
             "key": key[:_MAX_FIELD],
-            "reason": result.reason,
+            "reason": result.reason.value,
             "tier": result.tier,
             "namespace": self.namespace,
             "key_id": self.key_id,

@@ -346,12 +346,12 @@ class Ed25519Keys(Keys):
             from cryptography.hazmat.primitives import serialization
 
             try:
-                key = serialization.load_der_public_key(der)
+                public = serialization.load_der_public_key(der)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"unreadable public key ({_first_line(exc)})") from None
-            if not isinstance(key, ed25519.Ed25519PublicKey):
-                raise ValueError(f"a {_algorithm(key)} public key, not Ed25519")
-            return cls(public_key=key)
+            if not isinstance(public, ed25519.Ed25519PublicKey):
+                raise ValueError(f"a {_algorithm(public)} public key, not Ed25519")
+            return cls(public_key=public)
         if label == "ENCRYPTED PRIVATE KEY":
             raise ValueError("an encrypted private key (store it unencrypted, mode 0600)")
         if label == "OPENSSH PRIVATE KEY":

@@ -236,7 +236,7 @@ class SingleFlight:
             yield
             failed = False
         finally:
-            taken = stack.pop()
+            taken: list[Lease] = stack.pop()
             now = time.monotonic()
             for lease in taken:
                 with self._lock:

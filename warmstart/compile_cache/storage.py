@@ -1,7 +1,7 @@
 """The storage interface every tier implements, and the artifact kinds warmstart caches.
 
 Read this first. A tier maps ``(kind, key)`` to bytes. ``get`` answers a :class:`Hit` or a
-:class:`Miss` that says why (one of :data:`MISS_REASONS`) and never raises: any failure is a miss,
+:class:`Miss` that says why (a :class:`MissReason`) and never raises: any failure is a miss,
 counted in the tier's stats. Read-only is a wrapper (:class:`ReadOnly`); the tiered store is built
 from and typed against :class:`Storage`, and reports what it did to :class:`StoreObserver` s.
 """
@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 import threading
-from typing import ClassVar, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar, Union, runtime_checkable
+
+if TYPE_CHECKING:
+    from warmstart.compile_cache.remote import RemoteTier
+    from warmstart.compile_cache.signing import Keys
+    from warmstart.compile_cache.stats import Stats
 
 log = logging.getLogger("warmstart.cache")
 
@@ -34,21 +40,53 @@ KINDS: dict[str, str] = {
 REPLACED_KINDS = frozenset({"dynamo_frames"})
 
 
-ABSENT = "absent"
-"""No entry under this key in this tier."""
-EVICTED = "evicted"
-"""The entry's record is there but its blob was evicted (the server ran out of memory)."""
-OTHER_KEY_ID = "other_key_id"
-"""The entry exists, signed with another key (another secret or key pair): this job cannot use it."""
-REJECTED = "rejected"
-"""The entry failed verification (bad signature or checksum, damaged chunks): never handed to torch."""
-OTHER_NAMESPACE = "other_namespace"
-"""The entry exists for another namespace (torch version, CPU ISA, Python ABI, GPU arch, user namespace)."""
-SKIPPED = "skipped"
-"""The tier was not asked: its circuit breaker is open, it is off, or the lookup failed (timeout, error)."""
+class MissReason(str, enum.Enum):
+    """Why a lookup missed. A ``str``: it compares equal to, and is written to JSON as, its value."""
 
-MISS_REASONS = (ABSENT, EVICTED, OTHER_KEY_ID, REJECTED, OTHER_NAMESPACE, SKIPPED)
+    ABSENT = "absent"
+    """No entry under this key in this tier."""
+    EVICTED = "evicted"
+    """The entry's record is there but its blob was evicted (the server ran out of memory)."""
+    OTHER_KEY_ID = "other_key_id"
+    """The entry exists, signed with another key (another secret or key pair): this job cannot use it."""
+    REJECTED = "rejected"
+    """The entry failed verification (bad signature or checksum, damaged chunks): never handed to torch."""
+    OTHER_NAMESPACE = "other_namespace"
+    """The entry exists for another namespace (torch version, CPU ISA, Python ABI, GPU arch, user namespace)."""
+    BREAKER_OPEN = "breaker_open"
+    """The tier was not asked: it is off after a failure (the remote tier's circuit breaker is open, the
+    local database is damaged or stayed locked)."""
+    TIMEOUT = "timeout"
+    """The lookup ran out of time: its deadline or lock wait passed, or the process's time for waiting
+    on the cache was spent."""
+    ERROR = "error"
+    """The lookup failed otherwise (a refused connection, a permission, an I/O error, a closed tier)."""
+
+    # The value, not ``MissReason.ABSENT``, in messages and f-strings, on every Python version.
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+ABSENT = MissReason.ABSENT
+EVICTED = MissReason.EVICTED
+OTHER_KEY_ID = MissReason.OTHER_KEY_ID
+REJECTED = MissReason.REJECTED
+OTHER_NAMESPACE = MissReason.OTHER_NAMESPACE
+BREAKER_OPEN = MissReason.BREAKER_OPEN
+TIMEOUT = MissReason.TIMEOUT
+ERROR = MissReason.ERROR
+
+MISS_REASONS = tuple(MissReason)
 """Why a lookup missed, from the most to the least common in a healthy fleet."""
+
+SKIPPED = "skipped"
+"""Not a reason a lookup gives: the sum of :data:`SKIPPED_REASONS` in the JSON that counts misses by
+reason (kept for readers from before they were told apart), and what older miss logs recorded."""
+SKIPPED_REASONS = (BREAKER_OPEN, TIMEOUT, ERROR)
+"""The reasons that say the tier was not asked, or not answered: what ``skipped`` adds up."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,10 +105,10 @@ class Hit:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Miss:
-    """No usable value: ``reason`` is one of :data:`MISS_REASONS`, ``detail`` says more in words
+    """No usable value: ``reason`` says why, ``detail`` says more in words
     (e.g. ``breaker open``, ``signed with key 3fa9c2e1``)."""
 
-    reason: str
+    reason: MissReason
     tier: str
     detail: str = ""
 
@@ -87,14 +125,17 @@ Lookup = Union[Hit, Miss]
 @runtime_checkable
 class Storage(Protocol):
     """A byte store keyed by artifact kind and key: each tier, a read-only view of one, and the
-    tiered store built from them."""
+    tiered store built from them. What the tiered store and single-flight use of a tier is all here."""
 
     name: str
     """Short name used in stats: ``local``, ``remote`` (a tiered store: ``store``)."""
 
+    stats: Stats
+    """Where the tier counts; a tiered store sets its own on its tiers, so all count in one place."""
+
     def get(self, kind: str, key: str) -> Lookup:
         """A :class:`Hit`, or a :class:`Miss` that says why. Never raises: an error is a miss
-        (``skipped``), counted in the stats."""
+        (``timeout`` or ``error``), counted in the stats; so is a lookup after :meth:`close`."""
         ...
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
@@ -105,34 +146,57 @@ class Storage(Protocol):
         """
         ...
 
+    def close(self) -> None:
+        """Release what the tier holds open; later calls miss and refuse. Idempotent, never raises."""
+        ...
 
-class ReadOnly:
+
+_S = TypeVar("_S", bound=Storage)
+
+
+class ReadOnly(Generic[_S]):
     """``storage`` that never writes: ``put`` is refused (counted as ``dropped``), ``get`` passes
-    through. What ``WARMSTART_CACHE_MODE=ro`` and a verify-only key make of a tier."""
+    through. What ``WARMSTART_CACHE_MODE=ro`` and a verify-only key make of a tier.
 
-    def __init__(self, storage: Storage) -> None:
-        self.storage = storage
-        self.name = storage.name
+    Only the :class:`Storage` contract is forwarded, plus what callers read of a read-only remote
+    tier (its keys, and whether an entry is leased); anything else is on ``storage``."""
+
+    def __init__(self, storage: _S) -> None:
+        self.storage: _S = storage
+        self.name: str = storage.name
+
+    @property
+    def stats(self) -> Stats:
+        """The wrapped tier's counters, so that a store can share one set across tiers."""
+        return self.storage.stats
+
+    @stats.setter
+    def stats(self, stats: Stats) -> None:
+        self.storage.stats = stats
 
     def get(self, kind: str, key: str) -> Lookup:
         return self.storage.get(kind, key)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
-        stats = getattr(self.storage, "stats", None)
-        if stats is not None:
-            stats.add(self.name, kind, dropped=1)
+        self.storage.stats.add(self.name, kind, dropped=1)
         return False
 
+    def close(self) -> None:
+        self.storage.close()
+
     @property
-    def stats(self):  # the wrapped tier's counters, so a store can share one set across tiers
-        return self.storage.stats
+    def keys(self: ReadOnly[RemoteTier]) -> Keys:
+        """The remote tier's signing or verifying keys."""
+        return self.storage.keys
 
-    @stats.setter
-    def stats(self, stats) -> None:
-        self.storage.stats = stats
+    @property
+    def key_id(self: ReadOnly[RemoteTier]) -> str:
+        """The remote tier's key id."""
+        return self.storage.key_id
 
-    def __getattr__(self, name: str):  # stats, close, directory, ... of the wrapped tier
-        return getattr(self.storage, name)
+    def lease_held(self: ReadOnly[RemoteTier], kind: str, key: str) -> bool | None:
+        """Whether another process holds a lease on the entry (a read-only job waits, never leases)."""
+        return self.storage.lease_held(kind, key)
 
 
 class StoreObserver(Protocol):
@@ -163,3 +227,24 @@ def warn_once(cause: str, message: str, *args: object) -> None:
         first = cause not in _warned
         _warned.add(cause)
     log.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
+
+_hook_failed = False
+
+
+def fail_open(where: str, exc: BaseException) -> None:
+    """Warn once per process that warmstart's part of a hooked torch call raised (later failures, in
+    any hook, are logged at debug level); the caller then does what torch does without warmstart."""
+    global _hook_failed
+    if _hook_failed:
+        log.debug("warmstart: %s failed", where, exc_info=True)
+        return
+    _hook_failed = True
+    log.warning(
+        "warmstart: %s failed (%s: %s); torch compiles without the cache where it fails "
+        "(further failures are logged at debug level)",
+        where,
+        type(exc).__name__,
+        exc,
+        exc_info=log.isEnabledFor(logging.DEBUG),
+    )

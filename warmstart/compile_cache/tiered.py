@@ -32,7 +32,18 @@ from warmstart import _defaults
 from warmstart._threads import start_daemon
 from warmstart.compile_cache.single_flight import SingleFlight
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import ABSENT, SKIPPED, Lookup, Miss, ReadOnly, Storage, StoreObserver, warn_once
+from warmstart.compile_cache.storage import (
+    ABSENT,
+    ERROR,
+    TIMEOUT,
+    Hit,
+    Lookup,
+    Miss,
+    ReadOnly,
+    Storage,
+    StoreObserver,
+    warn_once,
+)
 from warmstart.compile_cache.wait_budget import WaitBudget
 
 log = logging.getLogger("warmstart.cache")
@@ -75,9 +86,6 @@ class TieredStore:
         self.budget = budget or WaitBudget(_defaults.MAX_WAIT_S)
         self.remote = remote
         self.stats = stats or Stats()
-        for tier in (local, remote):  # one set of counters for the whole store
-            if tier is not None:
-                tier.stats = self.stats
         self.observers: list[StoreObserver] = list(observers)
         self.single_flight = single_flight
         self.stats_file = stats_file
@@ -91,13 +99,29 @@ class TieredStore:
         self._closed = False
         atexit.register(self.close)
 
+    @property
+    def stats(self) -> Stats:
+        """The counters of the store, which its tiers count in too (set on them with it)."""
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: Stats) -> None:
+        self._stats = stats
+        for tier in (self.local, self.remote):  # one set of counters for the whole store
+            if tier is not None:
+                tier.stats = stats
+
     def add_observer(self, observer: StoreObserver) -> None:
         """Tell ``observer`` of every lookup from now on."""
         self.observers.append(observer)
 
     def get(self, kind: str, key: str) -> Lookup:
         """A hit from the nearest tier that has it, or the miss of the farthest tier asked (the
-        remote tier's reason says more than the local one's). Never raises."""
+        remote tier's reason says more than the local one's); after :meth:`close`, a miss
+        (``error``). Never raises."""
+        if self._closed:
+            self.stats.add(self.name, kind, misses=1)
+            return Miss(ERROR, self.name, "the store is closed")
         try:
             result = self._get(kind, key)
             if not result and self.single_flight is not None:
@@ -111,7 +135,7 @@ class TieredStore:
                 type(exc).__name__,
                 exc,
             )
-            result = Miss(SKIPPED, self.name, f"{type(exc).__name__}: {exc}")
+            result = Miss(ERROR, self.name, f"{type(exc).__name__}: {exc}")
         for observer in self.observers:
             try:
                 observer.looked_up(kind, key, result)
@@ -129,10 +153,10 @@ class TieredStore:
         if self.remote is None:
             return result
         if self.budget.exhausted:
-            return Miss(SKIPPED, self.remote.name, "the process's time for waiting on the cache is spent")
+            return Miss(TIMEOUT, self.remote.name, "the process's time for waiting on the cache is spent")
         with self._observed("waiting", kind), self.budget.waiting("the remote tier"):
             result = self.remote.get(kind, key)
-        if result and self.local is not None and not isinstance(self.local, ReadOnly):
+        if isinstance(result, Hit) and self.local is not None and not isinstance(self.local, ReadOnly):
             self._enqueue((self.local,), kind, key, result.value, result.cost_s)
         return result
 
@@ -149,11 +173,15 @@ class TieredStore:
             yield
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
-        """Store ``value`` in every writable tier (remote in the background unless ``sync``).
+        """Store ``value`` in every writable tier (remote in the background unless ``sync``); after
+        :meth:`close`, refused (counted as ``dropped``).
 
         Returns:
             True if some tier took it (or queued it). Never raises.
         """
+        if self._closed:
+            self.stats.add(self.name, kind, dropped=1)
+            return False
         try:
             return self._put(kind, key, value, cost_s=cost_s, sync=sync)
         except Exception as exc:
@@ -284,7 +312,9 @@ class TieredStore:
             dropped += 1
 
     def close(self) -> None:
-        """Drain background writes (for at most ``exit_flush_s``) and persist this process's stats."""
+        """Drain background writes (for at most ``exit_flush_s``) and persist this process's stats;
+        later lookups miss and writes are refused. Idempotent. The tiers stay open: whoever built
+        them owns them (a read-only view or another store may share one)."""
         if self._closed:
             return
         self._closed = True

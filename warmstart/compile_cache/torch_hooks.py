@@ -16,7 +16,7 @@ What it plugs in, all through the process-wide store (``get_store()``):
   still pays every C++ compile; and the outcome of Inductor's vector-ISA load probe (a child
   Python per process) by wrapping ``VecISA._probe_load``;
 * Triton kernels, through ``TRITON_CACHE_MANAGER`` (see ``triton_manager.py``);
-* Dynamo's output (each compiled frame's bytecode and guards), through ``dynamo_frames.py``, whose
+* Dynamo's output (each compiled frame's bytecode and guards), through ``dynamo_frames``, whose
   functions are installed here on ``torch._dynamo.eval_frame``, ``torch._dynamo.guards`` and
   ``torch._dynamo.precompile_context``, AOTAutograd's cache key and around each frame's compile;
 * a job identity for Dynamo's PGO state (``TORCH_COMPILE_JOB_ID``) when the user set none, and a
@@ -41,9 +41,13 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from warmstart.compile_cache import import_hooks
+from warmstart.compile_cache import dynamo_frames, import_hooks
+from warmstart.compile_cache.storage import fail_open
+
+if TYPE_CHECKING:
+    from torch.utils._config_module import ConfigModule
 
 log = logging.getLogger("warmstart.cache")
 
@@ -207,7 +211,7 @@ def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -
 # -- torch's switches, in this process's config ------------------------------------------------
 
 _flags: tuple[tuple[str, str, str], ...] = TORCH_FLAGS
-#: AOTAutograd bundles compiled graphs into its entries, which Dynamo's packages need (dynamo_frames.py).
+#: AOTAutograd bundles compiled graphs into its entries, which Dynamo's packages need (dynamo_frames).
 _bundle_autograd = False
 #: (config module, attribute) that warmstart switched on, to switch off again if the remote-cache
 #: hook cannot be installed: a switch without warmstart's backend would reach torch's Redis backend.
@@ -259,7 +263,7 @@ def forget_preloader_settings() -> None:
     preloader's own environment chose where the program's may choose otherwise (torch's PGO job id,
     which warmstart derives from the entry point; AOTAutograd's bundling, which follows
     ``WARMSTART_DYNAMO``), so that turning warmstart on decides them again."""
-    compiler_config = sys.modules.get("torch.compiler.config")
+    compiler_config = cast("ConfigModule | None", sys.modules.get("torch.compiler.config"))
     if compiler_config is not None:
         compiler_config.job_id = None  # set again from the program's TORCH_COMPILE_JOB_ID (_set_job_id)
     functorch_config = sys.modules.get("torch._functorch.config")
@@ -268,32 +272,12 @@ def forget_preloader_settings() -> None:
     import_hooks.forget(("torch.compiler.config", "torch._functorch.config"))
 
 
-def _set_job_id(compiler_config: ModuleType) -> None:
+def _set_job_id(module: ModuleType) -> None:
     # torch reads TORCH_COMPILE_JOB_ID when torch.compiler.config is imported; when that happened
     # before warmstart.enable() exported it, set it here.
+    compiler_config = cast("ConfigModule", module)  # whose attributes are its settings
     if compiler_config.job_id is None and os.environ.get("TORCH_COMPILE_JOB_ID"):
         compiler_config.job_id = os.environ["TORCH_COMPILE_JOB_ID"]
-
-
-_warned = False
-
-
-def _fail_open(where: str, exc: BaseException) -> None:
-    """Warn once per process that warmstart's part of a hooked torch call raised (later failures, in
-    any hook, are logged at debug level); the caller then does what torch does without warmstart."""
-    global _warned
-    if _warned:
-        log.debug("warmstart: %s failed", where, exc_info=True)
-        return
-    _warned = True
-    log.warning(
-        "warmstart: %s failed (%s: %s); torch compiles without the cache where it fails "
-        "(further failures are logged at debug level)",
-        where,
-        type(exc).__name__,
-        exc,
-        exc_info=log.isEnabledFor(logging.DEBUG),
-    )
 
 
 def _patch(module_name: str) -> Callable[[Callable[[ModuleType], None]], Callable[[ModuleType], None]]:
@@ -338,7 +322,7 @@ def _install_store_backend(remote_cache: ModuleType) -> None:
                 store = get_store()
                 return store.get(self.kind, key).value if store is not None else None
             except Exception as exc:
-                _fail_open(f"{self.kind} cache read", exc)
+                fail_open(f"{self.kind} cache read", exc)
                 return None
 
         def _put(self, key: str, data: bytes) -> None:
@@ -350,7 +334,7 @@ def _install_store_backend(remote_cache: ModuleType) -> None:
                     match = _TIME_TAKEN_RE.search(data[-200:]) or _TIME_TAKEN_RE.search(data[:200])
                     store.put(self.kind, key, data, cost_s=int(match.group(1)) / 1000 if match else 0.0)
             except Exception as exc:
-                _fail_open(f"{self.kind} cache write", exc)
+                fail_open(f"{self.kind} cache write", exc)
 
     for cls_name, kind in REMOTE_CACHE_CLASSES.items():
         classes[cls_name].backend_override_cls = functools.partial(StoreBackend, kind)
@@ -371,7 +355,7 @@ def _hook_cpp_builder(cpp_builder: ModuleType) -> None:
             try:
                 key = _cpp_lookup(self)
             except Exception as exc:
-                _fail_open("C++ object cache", exc)
+                fail_open("C++ object cache", exc)
                 return original_build(self)
             if key is None:
                 return original_build(self)
@@ -432,7 +416,7 @@ def _build_and_store(builder, key: str, original_build: Callable) -> None:
         if store is not None:
             store.put("cpp_object", key, data, cost_s=cost)
     except Exception as exc:  # the object is built; only sharing it failed
-        _fail_open("C++ object cache", exc)
+        fail_open("C++ object cache", exc)
 
 
 def _materialize_pch(command_line: str, original_build: Callable) -> None:
@@ -450,7 +434,7 @@ def _materialize_pch(command_line: str, original_build: Callable) -> None:
                 data = store.get("cpp_object", key).value if store is not None else None
                 fetched = data is not None and _write_atomic(target, data)
             except Exception as exc:
-                _fail_open("C++ object cache", exc)
+                fail_open("C++ object cache", exc)
                 fetched = False
             if not fetched:
                 _build_and_store(builder, key, original_build)
@@ -530,7 +514,7 @@ def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
             if store is not None and key is not None and store.get("isa_probe", key).value == b"loads":
                 return True
         except Exception as exc:
-            _fail_open("vector-ISA probe cache", exc)
+            fail_open("vector-ISA probe cache", exc)
             return original_probe(self, output_path)
         if store is None or key is None:
             return original_probe(self, output_path)
@@ -540,7 +524,7 @@ def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
             try:
                 store.put("isa_probe", key, b"loads", cost_s=time.perf_counter() - start)
             except Exception as exc:
-                _fail_open("vector-ISA probe cache", exc)
+                fail_open("vector-ISA probe cache", exc)
         return ok
 
     _probe_load.__wrapped__ = original_probe  # type: ignore[attr-defined]
@@ -558,7 +542,7 @@ def _lease_scope():
         flight = getattr(get_store(), "single_flight", None)  # a store need not have leases
         return flight.scope() if flight is not None else contextlib.nullcontext()
     except Exception as exc:
-        _fail_open("single-flight scope", exc)
+        fail_open("single-flight scope", exc)
         return contextlib.nullcontext()
 
 
@@ -580,8 +564,9 @@ def _hook_frame_compile(convert_frame: ModuleType) -> None:
         with _lease_scope(), _frames_scope(kwargs.get("package")):
             return original(*args, **kwargs)
 
-    _compile.__wrapped__ = original  # type: ignore[attr-defined]
-    convert_frame._compile = _compile
+    # Replaced in the module's namespace, as assigning the attribute would: ModuleType declares no
+    # attributes of its own to assign.
+    vars(convert_frame)["_compile"] = _compile
 
 
 def _frames_scope(package):
@@ -590,15 +575,13 @@ def _frames_scope(package):
     if package is None:
         return contextlib.nullcontext()
     try:
-        from warmstart.compile_cache import dynamo_frames
-
         return dynamo_frames.frame_compile(package)
     except Exception as exc:
-        _fail_open("Dynamo frames", exc)
+        fail_open("Dynamo frames", exc)
         return contextlib.nullcontext()
 
 
-# -- Dynamo's output (see dynamo_frames.py) ---------------------------------------------------------
+# -- Dynamo's output (see dynamo_frames) ------------------------------------------------------------
 
 #: torch module -> the function of ``dynamo_frames`` that hooks it.
 _FRAME_HOOKS = {
@@ -613,8 +596,6 @@ _FRAME_HOOKS = {
 
 def _frames_hook(hook: str) -> Callable[[ModuleType], None]:
     def patch(module: ModuleType) -> None:
-        from warmstart.compile_cache import dynamo_frames
-
         getattr(dynamo_frames, hook)(module)
 
     return patch
@@ -635,7 +616,7 @@ def _hook_recompiles(convert_frame: ModuleType) -> None:
             if store is not None:
                 store.stats.bump("recompiles")
         except Exception as exc:
-            _fail_open("recompilation count", exc)
+            fail_open("recompilation count", exc)
         return original(*args, **kwargs)
 
-    convert_frame.get_and_maybe_log_recompilation_reasons = counted
+    vars(convert_frame)["get_and_maybe_log_recompilation_reasons"] = counted

@@ -159,7 +159,8 @@ def _table_configs(module: Any) -> dict[str, Any]:
         fn = getattr(module, accessor, None)
         if callable(fn):
             try:
-                return {getattr(c, "name", None): c for c in fn()}
+                # Tables are looked up by parameter name: a config without one cannot match.
+                return {c.name: c for c in fn() if isinstance(getattr(c, "name", None), str)}
             except Exception:  # noqa: BLE001 - some modules expose the accessor but not for this case
                 continue
     return {}
@@ -179,7 +180,7 @@ def _qualname(obj: Any) -> str:
 
 def _canonical(obj: Any, depth: int = 0, memo: dict[int, Any] | None = None) -> Any:
     """JSON-ready, process-independent form of a settings object (no ids, no reprs with addresses)."""
-    kind = type(obj)
+    kind: type = type(obj)
     if kind in _PLAIN:  # the common case first: this runs tens of thousands of times per key
         return obj
     if kind is float:

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import graphlib
 import heapq
 import json
@@ -385,7 +386,7 @@ class _Run:
             for name in self.order:
                 if self.stages[name].runs_on != "main" and not self.sequential:
                     continue
-                self._wait(lambda name=name: all(d in self.values for d in self.stages[name].deps))
+                self._wait(functools.partial(self._deps_done, self.stages[name]))
                 self._run_main(name)
             self._wait(lambda: all(n in self.timings for n in self.order))
         except StageFailed as failed:
@@ -413,6 +414,9 @@ class _Run:
                 self.cond.wait(self.graph.poll_s)
             self._raise_if_failed()
 
+    def _deps_done(self, stage: Stage) -> bool:
+        return all(d in self.values for d in stage.deps)
+
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
             raise self.failure from self.cause
@@ -425,7 +429,7 @@ class _Run:
             stage = self.stages[name]
             if stage.runs_on in ("main", "first") or name in self.started:
                 continue
-            if all(d in self.values for d in stage.deps):
+            if self._deps_done(stage):
                 self.started.add(name)
                 self.running[name] = time.monotonic()
                 threading.Thread(
@@ -534,7 +538,7 @@ class _Run:
                 overdue = [
                     n
                     for n, s in self.running.items()
-                    if self.stages[n].timeout_s is not None and now - s > self.stages[n].timeout_s
+                    if (limit := self.stages[n].timeout_s) is not None and now - s > limit
                 ]
             for name in overdue:
                 self._fail(name, TimeoutError(f"still running after {self.stages[name].timeout_s:g} s"))

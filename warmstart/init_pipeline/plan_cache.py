@@ -165,7 +165,7 @@ def resolve_plan(
             None, "planner", key, time.perf_counter() - start, rejected=rejected, error=f"{type(exc).__name__}: {exc}"
         )
     plan_s = time.perf_counter() - plan_start
-    if store is not None:
+    if key is not None:  # there is a key exactly when there is a store
         _store_plan(store, key, plan, plan_s)
     return PlanOutcome(plan, "planner", key, time.perf_counter() - start, plan_s, rejected)
 

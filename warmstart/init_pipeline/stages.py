@@ -301,7 +301,10 @@ def torchrec_startup_graph(
             dist.init_process_group(backend=spec.backend, timeout=timedelta(seconds=spec.pg_timeout_s))
         if device.type == "cuda":
             torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        if world is None:  # None only before init_process_group, which has run by now
+            raise RuntimeError("torch.distributed is initialized but has no default process group")
+        return world
 
     def model_meta() -> nn.Module:
         return spec.build_model(torch.device("meta"))

@@ -59,9 +59,9 @@ from warmstart.metrics.events import (
     Step,
     TornLineWarning,
     TrainEnd,
-    event_files,
     read_events,
 )
+from warmstart.metrics.event_files import event_files
 from warmstart.metrics.steps import SlowSteps, analyse_steps
 
 if TYPE_CHECKING:
@@ -160,6 +160,16 @@ class AttemptResult:
         return d
 
 
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    """One rank's own breakdown over the job's timeline."""
+
+    e2e_s: float
+    ett_pct: float | None
+    """``None`` only for a report restricted to a time holding none of the job."""
+    buckets: dict[str, float]
+
+
 @dataclasses.dataclass
 class RunResult:
     """ETT% of one job and its two-level breakdown: L1 figures and L2 buckets."""
@@ -175,7 +185,7 @@ class RunResult:
     buckets: dict[str, float]
     l1: dict[str, Any]
     attempts: list[AttemptResult]
-    ranks: dict[int, dict[str, Any]]
+    ranks: dict[int, RankResult]
     warnings: list[str]
     timeline: list[AttemptTimeline] = dataclasses.field(default_factory=list, repr=False)
     segments: list[Segment] = dataclasses.field(default_factory=list, repr=False)
@@ -198,7 +208,7 @@ class RunResult:
             "buckets": dict(self.buckets),
             "l1": dict(self.l1),
             "attempts": [a.to_dict() for a in self.attempts],
-            "ranks": {str(rank): value for rank, value in self.ranks.items()},
+            "ranks": {str(rank): dataclasses.asdict(value) for rank, value in self.ranks.items()},
             "start_ts": self.start_ts,
             "end_ts": self.end_ts,
             "warnings": list(self.warnings),
@@ -270,6 +280,20 @@ def _load_run_dir(run_dir: str | os.PathLike) -> list[Run]:
 
 
 @dataclasses.dataclass
+class _RawAttempt:
+    """What one attempt's own events say, before the windows are cut against each other."""
+
+    attempt: int
+    start: float
+    end: float
+    ended: bool  # it has an attempt_end
+    failure: dict[str, Any] | None
+    train_end: float | None
+    committed: int | None
+    devices: int
+
+
+@dataclasses.dataclass
 class _Frame:
     """One attempt's window on the job's timeline."""
 
@@ -329,7 +353,7 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
     job_segments: list[Segment] | None = [] if keep_segments else None
     rank_segments: dict[int, list[Segment]] = {}
     job_split = _split(frames, frame_events, t0, t_end, notes, keep_timeline=True, segments=job_segments)
-    rank_results: dict[int, dict[str, Any]] = {}
+    rank_results: dict[int, RankResult] = {}
     for rank in ranks:
         if rank == primary:
             split = job_split
@@ -342,7 +366,7 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
             if own_segments is not None:
                 rank_segments[rank] = own_segments
         total = ordered_buckets(split.total)
-        rank_results[rank] = {"e2e_s": t_end - t0, "ett_pct": _pct(total[EFFECTIVE], t_end - t0), "buckets": total}
+        rank_results[rank] = RankResult(e2e_s=t_end - t0, ett_pct=_pct(total[EFFECTIVE], t_end - t0), buckets=total)
 
     forked = {e.attempt for e in events if type(e) is Begin and e.span == PRELOAD_HANDOVER}
     attempts = [_attempt_result(f, job_split, i, f.attempt in forked) for i, f in enumerate(frames)]
@@ -387,7 +411,7 @@ def _frames(
         if ev.attempt not in by_attempt:
             notes.append(f"attempt {ev.attempt}: no rank -1/0 events; its window comes from rank {ev.rank}")
             by_attempt[ev.attempt] = [e for e in events if e.attempt == ev.attempt]
-    raw = []
+    raw: list[_RawAttempt] = []
     for attempt, evs in by_attempt.items():
         starts = [e.ts for e in evs if type(e) is AttemptStart]
         ends = [e.ts for e in evs if type(e) is AttemptEnd]
@@ -398,7 +422,7 @@ def _frames(
         train_ends = [e.ts for e in evs if type(e) is TrainEnd]
         commits = [e.step for e in evs if type(e) is CheckpointCommitted]
         raw.append(
-            dict(
+            _RawAttempt(
                 attempt=attempt,
                 start=start,
                 end=max(end, start),
@@ -414,37 +438,37 @@ def _frames(
                 ),
             )
         )
-    raw.sort(key=lambda r: (r["start"], r["attempt"]))
-    if now is not None and raw and not raw[-1]["ended"] and raw[-1]["failure"] is None:
-        raw[-1]["end"] = max(raw[-1]["end"], now)  # still running: its clock runs to the present
+    raw.sort(key=lambda r: (r.start, r.attempt))
+    if now is not None and raw and not raw[-1].ended and raw[-1].failure is None:
+        raw[-1].end = max(raw[-1].end, now)  # still running: its clock runs to the present
     frames: list[_Frame] = []
-    cursor = raw[0]["start"] if raw else 0.0
+    cursor = raw[0].start if raw else 0.0
     for i, r in enumerate(raw):
-        next_start = raw[i + 1]["start"] if i + 1 < len(raw) else math.inf
-        start = max(r["start"], cursor)
-        failure = r["failure"]
-        if failure is None and r["train_end"] is None and next_start < math.inf:
+        next_start = raw[i + 1].start if i + 1 < len(raw) else math.inf
+        start = max(r.start, cursor)
+        failure = r.failure
+        if failure is None and r.train_end is None and next_start < math.inf:
             failure = {
-                "ts": r["end"],
+                "ts": r.end,
                 "reason": "attempt ended without failure or train_end events",
                 "category": "unknown",
             }
-        stop = min(failure["ts"] if failure else r["end"], r["end"], next_start)
+        stop = min(failure["ts"] if failure else r.end, r.end, next_start)
         stop = max(stop, start)
         frames.append(
             _Frame(
-                attempt=r["attempt"],
+                attempt=r.attempt,
                 start=start,
                 stop=stop,
-                end=max(r["end"], start),
+                end=max(r.end, start),
                 failed=failure is not None,
                 failure=failure,
-                train_end=r["train_end"],
-                committed=r["committed"],
-                devices=r["devices"],
+                train_end=r.train_end,
+                committed=r.committed,
+                devices=r.devices,
             )
         )
-        cursor = max(stop, min(r["end"], next_start))
+        cursor = max(stop, min(r.end, next_start))
     return frames
 
 
@@ -541,7 +565,7 @@ def _fill_window(
     # Only the steps where the training bucket changes matter to the sweep: the first one, and in a
     # failed attempt those that cross the last committed checkpoint (a million steps, a few marks).
     if steps and not failed:
-        marks.append((first_step, _M_STEP, EFFECTIVE))
+        marks.append((steps[0].ts, _M_STEP, EFFECTIVE))
     elif steps:
         current = None
         for ev in steps:

@@ -46,50 +46,50 @@ class _Event(msgspec.Struct, frozen=True, gc=False, tag_field="event", omit_defa
         return msgspec.to_builtins(self)
 
 
-class AttemptStart(_Event, tag="attempt_start"):
+class AttemptStart(_Event, tag="attempt_start", frozen=True):
     """Hardware is allocated to this attempt: its clock starts."""
 
     devices: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
-class _SpanEvent(_Event):
+class _SpanEvent(_Event, frozen=True):
     span: _NonEmpty
     bucket: _NonEmpty | None = None
 
 
-class Begin(_SpanEvent, tag="begin"):
+class Begin(_SpanEvent, tag="begin", frozen=True):
     """A named interval starts; ``bucket`` maps a custom span to a known bucket."""
 
 
-class End(_SpanEvent, tag="end"):
+class End(_SpanEvent, tag="end", frozen=True):
     """The most recent open ``begin`` of the same span on the same rank ends."""
 
 
-class Step(_Event, tag="step"):
+class Step(_Event, tag="step", frozen=True):
     """Step ``step`` starts consuming a batch (of ``samples`` samples)."""
 
     step: int
     samples: _Count | None = None
 
 
-class CheckpointCommitted(_Event, tag="checkpoint_committed"):
+class CheckpointCommitted(_Event, tag="checkpoint_committed", frozen=True):
     """The checkpoint holding every step ``<= step`` is durable."""
 
     step: int
 
 
-class Failure(_Event, tag="failure", omit_defaults=False):  # a failure always writes its reason
+class Failure(_Event, tag="failure", omit_defaults=False, frozen=True):  # a failure always writes its reason
     """The attempt dies here."""
 
     category: FailureCategory
     reason: str = ""
 
 
-class TrainEnd(_Event, tag="train_end"):
+class TrainEnd(_Event, tag="train_end", frozen=True):
     """The training loop finished: shutdown starts."""
 
 
-class AttemptEnd(_Event, tag="attempt_end"):
+class AttemptEnd(_Event, tag="attempt_end", frozen=True):
     """The attempt released its hardware."""
 
 
@@ -98,7 +98,7 @@ Event = Union[AttemptStart, Begin, End, Step, CheckpointCommitted, Failure, Trai
 
 _KINDS: tuple[type[_Event], ...] = get_args(Event)
 for _kind in _KINDS:
-    _kind.event = _kind.__struct_config__.tag  # type: ignore[misc]
+    _kind.event = str(_kind.__struct_config__.tag)  # every kind is tagged with its name
 del _kind
 EVENT_KINDS: tuple[str, ...] = tuple(kind.event for kind in _KINDS)
 
@@ -389,18 +389,6 @@ def _parse_line(path: Path, line: int, raw: bytes, torn: _TornLines, last: bool)
         return parse_event(obj)
     except ValueError as exc:
         raise EventFormatError(path, line, str(exc)) from None
-
-
-def event_files(run_dir: str | os.PathLike) -> list[Path]:
-    """The ``*.jsonl`` files of a run directory (searched recursively), sorted by path.
-
-    Raises:
-        EventFormatError: ``run_dir`` is not a directory.
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise EventFormatError(run_dir, None, "not a run directory (expected a directory of *.jsonl event files)")
-    return sorted(run_dir.rglob("*.jsonl"))
 
 
 def encode_events(events: Iterable[Event | Mapping[str, Any]]) -> bytes:

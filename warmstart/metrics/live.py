@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -33,15 +32,14 @@ from warmstart import _defaults
 from warmstart.config import MetricsSettings, metrics_settings
 from warmstart.errors import ConfigError
 from warmstart.metrics.buckets import EFFECTIVE
-from warmstart.metrics.events import FAILURE_CATEGORIES, Event, event_files, parse_event
+from warmstart.metrics.event_files import LineTail, event_files, rank_attempt
+from warmstart.metrics.events import FAILURE_CATEGORIES, Event, parse_event
 
 if TYPE_CHECKING:
     from warmstart.metrics.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
-#: The recorder's file of one rank and attempt: other ranks' files add nothing to this rank's figures.
-_RANK_FILE = re.compile(r"events-r(-?\d+)-a\d+\.jsonl")
 _DECODER = msgspec.json.Decoder(Event)
 _LABELS = ["job_id", "rank"]
 
@@ -139,6 +137,7 @@ class Exporter:
             failures.update(result.l1["failures_by_category"])
             committed = [a.last_committed_step for a in result.attempts if a.last_committed_step is not None]
             effective = result.buckets[EFFECTIVE]
+            assert result.ett_pct is not None  # only a window restricted to no counted time lacks one
             self.snapshot = Snapshot(
                 ett_pct=result.ett_pct,
                 recent_ett_pct=self._recent(result.e2e_s, effective),
@@ -376,7 +375,7 @@ class _EventTail:
 
     def __init__(self, run_dir: Path, job: str, rank: int) -> None:
         self.run_dir, self.job, self._ranks = run_dir, job, {-1, 0, rank}
-        self._files: dict[Path, tuple[int, list[Event]]] = {}
+        self._files: dict[Path, tuple[LineTail, list[Event]]] = {}
         self.ranks: set[int] = set()
         """Every rank >= 0 with a recorder file here, read or not: the job's devices are at least as many."""
 
@@ -385,24 +384,21 @@ class _EventTail:
         if not self.run_dir.is_dir():
             return []
         for path in event_files(self.run_dir):
-            match = _RANK_FILE.fullmatch(path.name)
-            if match and int(match[1]) >= 0:
-                self.ranks.add(int(match[1]))
-            if match and int(match[1]) not in self._ranks:
+            recorded = rank_attempt(path)
+            if recorded is not None and recorded[0] >= 0:
+                self.ranks.add(recorded[0])
+            if recorded is not None and recorded[0] not in self._ranks:
                 continue  # another rank's file refines its own breakdown, never the job's figures
-            offset, events = self._files.get(path, (0, []))
+            tail, events = self._files.get(path) or (LineTail(path), [])
             try:
-                with open(path, "rb") as f:
-                    if os.fstat(f.fileno()).st_size < offset:  # replaced or truncated: read it afresh
-                        offset, events = 0, []
-                    f.seek(offset)
-                    data = f.read()
+                data, afresh = tail.read()
             except OSError:
                 continue
-            cut = data.rfind(b"\n") + 1
-            if cut:
-                events.extend(ev for ev in _decode(data[:cut]) if ev.job == self.job)
-            self._files[path] = (offset + cut, events)
+            if afresh:  # replaced or truncated: what was read of it is gone
+                events = []
+            if data:
+                events.extend(ev for ev in _decode(data) if ev.job == self.job)
+            self._files[path] = (tail, events)
         return [ev for _, events in self._files.values() for ev in events]
 
 
@@ -448,7 +444,8 @@ def start_exporter(recorder: Recorder, settings: MetricsSettings | None = None) 
     setting or a delivery that cannot start is one warning line, and the job goes on without it.
 
     Args:
-        recorder: the process's recorder (``get_recorder()`` starts its exporter itself).
+        recorder: a recorder built by hand (the process-wide one, ``get_recorder()``'s, gets its
+            exporter when it is built).
         settings: default: from the environment (``WARMSTART_METRICS_*``).
 
     Returns:

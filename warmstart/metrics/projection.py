@@ -119,7 +119,7 @@ def measure(result: RunResult) -> RunCosts:
     Raises:
         ProjectionError: the run has no attempts (no events).
     """
-    if not result.attempts:
+    if not result.attempts or result.ett_pct is None:  # a window without counted time has no ETT%
         raise ProjectionError(f"{result.run_dir}: job {result.job} has no events to project from")
     l1, buckets = result.l1, result.buckets
     failures = int(l1["failures"])
@@ -331,6 +331,7 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
     devices = scale.devices or costs.devices
     e2e = scale.days * SECONDS_PER_DAY if scale.days is not None else costs.e2e_s
     hours = e2e / 3600.0
+    mtbf_h: float | None
     if scale.mtbf_h is not None:
         failures, mtbf_h, failures_from = hours / scale.mtbf_h, scale.mtbf_h, "option"
     elif scale.own:

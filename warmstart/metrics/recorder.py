@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from warmstart import _defaults, _launch
 from warmstart.config import ensure_job_id, job_identity, job_run_dir, metrics_on, new_job_id
 from warmstart.metrics.buckets import PRELOAD_HANDOVER, PROCESS_LAUNCH
+from warmstart.metrics.event_files import file_name
 from warmstart.metrics.events import (
     FAILURE_CATEGORIES,
     AttemptEnd,
@@ -128,7 +130,7 @@ class Recorder:
             attempt = identity.attempt if attempt is None else attempt
         self.run_dir = Path(run_dir)
         self.job, self.rank, self.attempt = job, int(rank), int(attempt)
-        self.path = self.run_dir / f"events-r{self.rank}-a{self.attempt}.jsonl"
+        self.path = self.run_dir / file_name(self.rank, self.attempt)
         self.flush_interval_s = flush_interval_s
         self._buf: deque[tuple] = deque()  # append/popleft are atomic: no lock on the hot path
         self._append = self._buf.append
@@ -385,22 +387,38 @@ class NullRecorder:
 
 _process_recorder: Recorder | NullRecorder | None = None
 _process_lock = threading.Lock()
-_exporter: Any = None  # live metrics of the process-wide recorder (metrics/live.py), when asked for
+
+ProcessRecorderHook = Callable[["Recorder"], "Callable[[bool], None] | None"]
+"""Called with the process-wide recorder when it is built; returns what to call when it goes, if anything."""
+_hooks: list[ProcessRecorderHook] = []
+_undo_hooks: list[Callable[[bool], None]] = []  # what the hooks returned for the current recorder
 
 
-def _start_exporter(rec: Recorder) -> None:
-    global _exporter
-    from warmstart.metrics.live import start_exporter  # prometheus_client is imported only when exporting
+def on_process_recorder(hook: ProcessRecorderHook) -> None:
+    """Have ``hook(recorder)`` run whenever the process-wide recorder is built (metrics on).
 
-    _exporter = start_exporter(rec)
+    What it returns, if anything, is called when that recorder goes: with ``False`` at
+    :func:`reset_process_recorder`, with ``True`` at exit, after the recorder's last events are
+    written. A hook that raises is ignored: the metrics never fail the job.
+    """
+    _hooks.append(hook)
 
 
-def _stop_exporter(at_exit: bool = False) -> None:
-    global _exporter
-    exporter, _exporter = _exporter, None
-    if exporter is not None:
+def _run_hooks(rec: Recorder) -> None:
+    for hook in list(_hooks):
         try:
-            exporter.stop(at_exit=at_exit)
+            undo = hook(rec)
+        except Exception:
+            continue
+        if undo is not None:
+            _undo_hooks.append(undo)
+
+
+def _undo_process_hooks(at_exit: bool = False) -> None:
+    while _undo_hooks:
+        undo = _undo_hooks.pop()
+        try:
+            undo(at_exit)
         except Exception:  # at exit too: the metrics never fail the job
             pass
 
@@ -433,7 +451,7 @@ def get_recorder() -> Recorder | NullRecorder:
                     job_run_dir(identity, job), job=job, rank=identity.rank, attempt=identity.attempt
                 )
                 _process_recorder.process_launch()
-                _start_exporter(_process_recorder)
+                _run_hooks(_process_recorder)
         return _process_recorder
 
 
@@ -451,7 +469,7 @@ def reset_process_recorder() -> None:
         rec, _process_recorder = _process_recorder, None
     if rec is not None:
         rec.close()
-    _stop_exporter()
+    _undo_process_hooks()
 
 
 # -- process hooks: exit, uncaught exceptions, SIGTERM, fork ------------------------------------------
@@ -496,7 +514,7 @@ def _at_exit() -> None:
             rec._at_exit()
         except Exception:
             pass
-    _stop_exporter(at_exit=True)  # after the last flush: the final textfile holds the attempt's last events
+    _undo_process_hooks(at_exit=True)  # after the last flush: a hook's last look sees the attempt's last events
 
 
 _held_at_fork: list[Recorder] = []

@@ -145,13 +145,12 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
     failures: dict[int, float] = {}
     span_marks: dict[int, list[tuple[float, int, tuple[int, str]]]] = defaultdict(list)
     for ev in [ev for ev in events if type(ev) is not Step]:
-        kind = type(ev)
-        if kind is Begin or kind is End:
-            span_marks[ev.attempt].append((ev.ts, 1 if kind is Begin else -1, (ev.rank, ev.span)))
-        elif kind is TrainEnd:
+        if type(ev) is Begin or type(ev) is End:
+            span_marks[ev.attempt].append((ev.ts, 1 if type(ev) is Begin else -1, (ev.rank, ev.span)))
+        elif type(ev) is TrainEnd:
             key = (ev.attempt, ev.rank)
             train_ends[key] = min(ev.ts, train_ends.get(key, math.inf))
-        elif kind is Failure:
+        elif type(ev) is Failure:
             failures[ev.attempt] = min(ev.ts, failures.get(ev.attempt, math.inf))
     ts = np.fromiter(map(_ts, step_events), dtype=float, count=len(step_events))
     numbers = _int_column(np, step_events, _step)
@@ -170,7 +169,8 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
         if len(starts) > 1 and (starts[1:] < starts[:-1]).any():  # events given out of time order
             idx = idx[np.argsort(starts, kind="stable")]
             starts = ts[idx]
-        job_end = train_ends.get((attempt, -1), train_ends.get((attempt, rank), math.inf))
+        rank_end = math.inf if rank is None else train_ends.get((attempt, rank), math.inf)
+        job_end = train_ends.get((attempt, -1), rank_end)
         train_end = train_ends.get((attempt, r), job_end)
         failure = failures.get(attempt, math.inf)
         cut = int(np.searchsorted(starts, min(train_end, failure), "left"))

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from warmstart.metrics.buckets import CHECKPOINT_BLOCKING, EFFECTIVE, LOST, RECOVERY, SHUTDOWN
-from warmstart.metrics.calculator import AttemptTimeline, RunResult, Segment, SpanMark, ordered_buckets
+from warmstart.metrics.calculator import AttemptTimeline, RankResult, RunResult, Segment, SpanMark, ordered_buckets
 
 MAX_WINDOWS = 10_000  # a longer series is a typo (--every 1s over a month), not a report
 DEFAULT_WINDOWS = (20, 100)  # how many windows a chart gets when no length is asked for (default_every)
@@ -292,7 +292,7 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
                 start_ts=min(max(a.start_ts, lo), hi),
                 end_ts=max(min(a.end_ts, hi), lo),
                 e2e_s=own_e2e,
-                ett_pct=_pct(own[EFFECTIVE], own_e2e),
+                ett_pct=100.0 * own[EFFECTIVE] / own_e2e,  # a kept attempt has counted time
                 buckets=own,
                 pre_first_step_s=init[i],
                 recovery_wait_s=own[RECOVERY],
@@ -317,17 +317,18 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
     )
 
     segments = [s._replace(attempt=index[s.attempt]) for s in segments]
-    ranks: dict[int, dict[str, Any]] = {}
+    ranks: dict[int, RankResult] = {}
     rank_segments: dict[int, list[Segment]] = {}
-    for rank, own in result.rank_segments.items():
-        if own is result.segments:  # the primary rank: the job's own timeline
+    for rank, rank_own_segments in result.rank_segments.items():
+        if rank_own_segments is result.segments:  # the primary rank: the job's own timeline
             clipped = segments
         else:
-            clipped = [s._replace(attempt=index.get(s.attempt, -1)) for s in _clipped(own, pieces)]
+            clipped = [s._replace(attempt=index.get(s.attempt, -1)) for s in _clipped(rank_own_segments, pieces)]
         rank_segments[rank] = clipped
-        rank_buckets = _like(_sum_buckets(clipped), result.ranks.get(rank, {}).get("buckets", {}))
+        whole = result.ranks.get(rank)
+        rank_buckets = _like(_sum_buckets(clipped), whole.buckets if whole is not None else {})
         rank_e2e = sum(rank_buckets.values())
-        ranks[rank] = {"e2e_s": rank_e2e, "ett_pct": _pct(rank_buckets[EFFECTIVE], rank_e2e), "buckets": rank_buckets}
+        ranks[rank] = RankResult(e2e_s=rank_e2e, ett_pct=_pct(rank_buckets[EFFECTIVE], rank_e2e), buckets=rank_buckets)
 
     timeline = [tl for tl in (_clip_timeline(tl, lo, hi) for tl in result.timeline) if tl is not None]
     return dataclasses.replace(

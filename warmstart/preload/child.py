@@ -26,6 +26,8 @@ from warmstart.preload.server import CHILD_DECLINED, Request
 
 _PR_SET_PDEATHSIG = 1
 
+_Program = tuple[str, str, list[str]]  # program_mode's (mode, target, args)
+
 
 def become(request: Request) -> None:
     """Set up this child as ``request``'s process would have started, run its program and end as
@@ -38,6 +40,9 @@ def become(request: Request) -> None:
     message = request.message
     conn = request.conn
     try:
+        mode = program_mode(message["argv"])
+        if mode is None:  # a client hands over only what it can run: this request came from elsewhere
+            raise ValueError("the command line is not one a preloader runs")
         conn = _setup(message, request)
         pidfd = os.pidfd_open(os.getpid())
     except Exception as exc:  # anything: the process then starts as usual
@@ -46,8 +51,8 @@ def become(request: Request) -> None:
         os._exit(CHILD_DECLINED)
     wire.send(conn, {"running": os.getpid()}, [pidfd])
     os.close(pidfd)
-    _interpreter_state(message)
-    _end(_run_program(program_mode(message["argv"])), conn)
+    _interpreter_state(message, mode)
+    _end(_run_program(mode), conn)
 
 
 def _setup(message: dict, request: Request) -> socket.socket:
@@ -173,18 +178,19 @@ def _set_rlimit(resource_id: int, soft: int, hard: int) -> None:
         resource.setrlimit(resource_id, (soft, hard))
 
 
-def _interpreter_state(message: dict) -> None:
+def _interpreter_state(message: dict, program: _Program) -> None:
     from warmstart import _bootstrap, _launch
 
     argv = message["argv"]
-    mode, target, args = program_mode(argv)
+    mode, target, args = program
     sys.orig_argv = list(argv)
     sys.argv = {"script": [target], "module": [target], "command": ["-c"]}[mode] + list(args)
     _standard_streams(unbuffered=_unbuffered(argv))
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
-    if not sys.flags.safe_path:
+    safe_path = sys.version_info >= (3, 11) and sys.flags.safe_path  # -P came with 3.11
+    if not safe_path:
         first = {"script": _script_path_entry(target), "module": os.getcwd(), "command": ""}[mode]
         sys.path.insert(0, first)
     _reseed()
@@ -217,9 +223,10 @@ def _standard_streams(unbuffered: bool) -> None:
         text.mode = mode  # type: ignore[misc]
         return text
 
-    sys.stdin = sys.__stdin__ = stream(0, "r")
-    sys.stdout = sys.__stdout__ = stream(1, "w")
-    sys.stderr = sys.__stderr__ = stream(2, "w")
+    # The originals too: in the program's process they are these streams, not the preloader's.
+    sys.stdin = sys.__stdin__ = stream(0, "r")  # type: ignore[misc]  # typeshed makes them Final
+    sys.stdout = sys.__stdout__ = stream(1, "w")  # type: ignore[misc]
+    sys.stderr = sys.__stderr__ = stream(2, "w")  # type: ignore[misc]
 
 
 def _unbuffered(argv: list[str]) -> bool:
@@ -273,13 +280,14 @@ def _reseed() -> None:
             torch.manual_seed(torch.initial_seed())
 
 
-def _run(mode) -> None:
+def _run(mode: _Program) -> None:
     kind, target, _args = mode
     main = sys.modules["__main__"]
     if kind == "module":
         import runpy
 
-        runpy._run_module_as_main(target, alter_argv=True)  # what the interpreter itself does for -m
+        # Private, but what the interpreter itself runs for -m: the code runs in the real __main__.
+        runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
         return
     if kind == "command":
         _exec(compile(target, "<string>", "exec"), main)
@@ -287,7 +295,8 @@ def _run(mode) -> None:
     if _is_package_main(target):
         import runpy
 
-        runpy._run_module_as_main("__main__", alter_argv=False)  # a directory or zip with __main__.py
+        # A directory or zip with __main__.py: private, as above.
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
         return
     with open(target, "rb") as f:
         source = f.read()
@@ -303,7 +312,7 @@ def _exec(code, main: types.ModuleType) -> None:
 _SIGINT_EXIT = -int(signal.SIGINT)  # _run_program: end by SIGINT, as an uncaught KeyboardInterrupt does
 
 
-def _run_program(mode) -> int:
+def _run_program(mode: _Program) -> int:
     """Run the program; its exit status, as the interpreter's top level would make it."""
     try:
         _run(mode)

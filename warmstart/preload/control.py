@@ -115,7 +115,7 @@ def preloaders() -> list[dict]:
     from warmstart.preload.environment import private_dir
 
     found = []
-    paths = set()
+    paths: set[str] = set()
     with contextlib.suppress(OSError):
         paths.update(os.path.join(private_dir(), n) for n in os.listdir(private_dir()) if n.endswith(".sock"))
     if os.environ.get("WARMSTART_PRELOAD_SOCKET"):

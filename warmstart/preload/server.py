@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warmstart.preload import environment, wire
@@ -92,9 +93,11 @@ class Preloader:
     owner_pid: int = field(default_factory=os.getpid)
     _checked_at: float = float("-inf")
     _stale_reason: str | None = None
-    _selector: selectors.BaseSelector | None = None
     _files: dict[str, tuple[int, int]] = field(default_factory=dict)
     _stopping: bool = False
+    #: (device, inode) of the socket this preloader bound: what it unlinks, and what must still be
+    #: at its path for anyone to reach it.
+    _socket_id: tuple[int, int] | None = None
 
     def load(self) -> None:
         """Import the modules, then note every file they came from (to refuse once one changes)."""
@@ -127,7 +130,8 @@ class Preloader:
         signal.set_wakeup_fd(write_end)
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, lambda *_: None)  # handled in the loop, from the wakeup pipe
-        selector = self._selector = selectors.DefaultSelector()
+        self._socket_id = _identity(self.path)
+        selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ, "listener")
         selector.register(read_end, selectors.EVENT_READ, "signal")
         try:
@@ -135,16 +139,17 @@ class Preloader:
                 events = selector.select(timeout=STALE_CHECK_S / 2)
                 if not events:
                     self._stale(max_age_s=STALE_CHECK_S / 2)  # idle: check now, not at the next request
+                    self._check_socket()
                 for key, _ in events:
                     try:
                         if key.data == "signal":
-                            self._on_signals(read_end)
+                            self._on_signals(read_end, selector)
                         elif key.data == "listener":
                             request = self._accept(listener, selector)
                             if request is not None:  # in the child
                                 self._become_child(listener, selector, read_end, write_end)
                                 return request
-                        else:
+                        elif isinstance(key.fileobj, socket.socket):  # a served client; data: its child's pid
                             self._on_client(key.fileobj, key.data, selector)
                     except Exception:  # one request's trouble must not end the preloader
                         if os.getpid() != self.owner_pid:
@@ -153,10 +158,10 @@ class Preloader:
                 if self._stopping and listener.fileno() >= 0:
                     selector.unregister(listener)
                     listener.close()
-                    _unlink_own(self.path)
+                    _unlink_own(self.path, self._socket_id)
         finally:
             if os.getpid() == self.owner_pid:
-                _unlink_own(self.path)
+                _unlink_own(self.path, self._socket_id)
         raise SystemExit(0)
 
     def status(self) -> dict:
@@ -181,7 +186,7 @@ class Preloader:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def _accept(self, listener: socket.socket, selector) -> Request | None:
+    def _accept(self, listener: socket.socket, selector: selectors.BaseSelector) -> Request | None:
         try:
             conn, _ = listener.accept()
         except OSError:
@@ -256,7 +261,14 @@ class Preloader:
         self._checked_at = now
         return self._stale_reason
 
-    def _on_client(self, conn: socket.socket, pid: int, selector) -> None:
+    def _check_socket(self) -> None:
+        # Removed (a cleaner of /tmp or /run, a test's directory) or replaced by another preloader's:
+        # no process can reach this one again, so it must not stay behind.
+        if not self._stopping and _identity(self.path) != self._socket_id:
+            log.info("warmstart preload: %s is no longer this preloader's socket; stopping", self.path)
+            self._stopping = True
+
+    def _on_client(self, conn: socket.socket, pid: int, selector: selectors.BaseSelector) -> None:
         # The only thing a client sends after its request is its end: it is gone (killed, perhaps
         # with SIGKILL). Its program must not outlive it.
         try:
@@ -270,7 +282,7 @@ class Preloader:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
-    def _on_signals(self, read_end: int) -> None:
+    def _on_signals(self, read_end: int, selector: selectors.BaseSelector) -> None:
         with contextlib.suppress(BlockingIOError):
             received = os.read(read_end, 512)
             if {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} & set(received):
@@ -296,10 +308,12 @@ class Preloader:
             with contextlib.suppress(OSError):
                 wire.send(child.conn, outcome)
             with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(child.conn)  # its descriptor number is free for the next one
+                selector.unregister(child.conn)  # its descriptor number is free for the next one
             child.conn.close()
 
-    def _become_child(self, listener, selector, read_end: int, write_end: int) -> None:
+    def _become_child(
+        self, listener: socket.socket, selector: selectors.BaseSelector, read_end: int, write_end: int
+    ) -> None:
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
@@ -363,12 +377,22 @@ def _listen(path: str) -> socket.socket:
     return listener
 
 
-def _unlink_own(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
-def _reply(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def _unlink_own(path: str, identity: tuple[int, int] | None) -> None:
+    # Never another preloader's socket, started at the same path after this one's was removed.
+    if identity is not None and _identity(path) == identity:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _reply(conn: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
     with contextlib.suppress(OSError):
         wire.send(conn, message)
     for fd in fds:

@@ -5,7 +5,7 @@ secrets, ``preflight`` checks the machine, ``process`` starts and stops it, ``cl
 Cluster, ``status`` and ``metrics`` report on it.
 """
 
-from warmstart.server.acl import KEY_PREFIX
+from warmstart.compile_cache.keyspace import KEY_PREFIX
 from warmstart.server.config import ServerOptions, default_dir
 from warmstart.server.credentials import Credentials
 from warmstart.server.process import run_foreground, start, stop

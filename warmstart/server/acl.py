@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-KEY_PREFIX = "ws:"
-"""Every key the store writes starts with this; the writer and reader users see nothing else."""
+from warmstart.compile_cache.keyspace import KEY_PREFIX
+
 KEY_PATTERN = KEY_PREFIX + "*"
 
 USERS = ("admin", "writer", "reader")

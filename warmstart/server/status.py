@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from warmstart.server.acl import KEY_PREFIX
+from warmstart.compile_cache.keyspace import KEY_PREFIX
 from warmstart.server.config import URL_FILES
 from warmstart.server.credentials import SIGNING_KEY_FILE, VERIFY_KEY_FILE, Credentials
 from warmstart.server.state import ServerState
@@ -197,7 +197,8 @@ def _sample_namespaces(client, total_keys: int, out: dict[str, int], limit: int)
     """Add this node's bytes per namespace to ``out``; return whether every key was measured."""
     if limit <= 0:
         return total_keys == 0
-    cursor, seen, sampled = 0, 0, {}
+    cursor, seen = 0, 0
+    sampled: dict[str, int] = {}
     while True:
         cursor, keys = client.scan(cursor=cursor, match=f"{KEY_PREFIX}*", count=500)
         if keys:

@@ -1,0 +1,148 @@
+"""Saving: what this process's packages for a key compiled, merged into one entry (one per variant)
+and stored once AOTAutograd has recorded every compiled graph its frames call."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+from warmstart.compile_cache import frame_reads
+from warmstart.compile_cache.dynamo_frames.keys import (
+    FORMAT,
+    KIND,
+    code_ident,
+    fingerprint,
+    guarded_digest,
+    variant_key,
+)
+from warmstart.compile_cache.dynamo_frames.state import STATE, dynamo_compile_lock
+from warmstart.compile_cache.dynamo_identity import code_qualname
+from warmstart.compile_cache.storage import fail_open
+
+
+def save_ready() -> None:
+    """Save every key with new frames whose compiled graphs are all recorded."""
+    with STATE.lock:
+        keys = {s.key for p, s in list(STATE.packages.items()) if s.dirty and s.key is not None}
+    for key in keys:
+        try:
+            with dynamo_compile_lock():  # a backward's graphs are recorded outside any frame compile
+                _save(key)
+        except Exception as exc:
+            for state in list(STATE.packages.values()):
+                if state.key == key:
+                    state.dirty = False
+            fail_open("Dynamo frames write", exc)
+
+
+def _save(key: str) -> None:
+    """Store what this process's packages for ``key`` hold, as one entry.
+
+    Several packages share a key when instances of one module class are compiled one by one
+    (regional compilation): each holds the frames it compiled (the first layer's input does not
+    require grad, the next ones' does), and the stored entry must hold them all.
+    """
+    from torch._dynamo.package import PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    from warmstart.compile_cache import get_store
+
+    artifacts = PrecompileContext._backend_artifacts_by_key
+    merged: dict[tuple, Any] = {}
+    seen: set[bytes] = set()
+    identities: dict[tuple[str, str], str] = {}
+    values: dict[bytes, list] = {}
+    folds: dict[tuple[str, bytes], str] = {}
+    inlined: set = set()
+    compile_s, saved, device_type = 0.0, [], "cpu"
+    with STATE.lock:
+        parts = [(p, s) for p, s in list(STATE.packages.items()) if s.key == key and p.is_initialized()]
+    for package, state in parts:
+        if package._current_entry is not None:
+            continue  # compiling a frame now: saved when that ends
+        entry = package.cache_entry()
+        if any(backend not in artifacts for code in entry.codes if not code.bypassed for backend in code.backend_ids):
+            continue  # the backward is compiled at the first backward: saved then
+        for index, code in enumerate(entry.codes):
+            if index == 0 or not _unresolved(code):  # the first is the compiled function's own
+                _merge(merged, code, seen)
+        inlined |= entry.source_info.inlined_sources
+        device_type = entry.device_type
+        identities.update(state.identities)
+        values.update(state.values)
+        folds.update(state.folds.calls)
+        compile_s += state.compile_s
+        saved.append(state)
+    for state in saved:
+        state.dirty = False
+    # A code object without guarded code is stored as not packaged: torch would mark it as one Dynamo
+    # skips, and a new machine must trace it instead.
+    codes = [
+        code if code.guarded_codes or code.bypassed else dataclasses.replace(code, bypassed=True)
+        for code in merged.values()
+    ]
+    if not saved or not any(not code.bypassed for code in codes):
+        return
+    store_key = key
+    if folds:  # one entry per result of those calls, found through a record of which calls they are
+        calls = sorted(folds)
+        store_key = variant_key(key, frame_reads.variant(calls, [folds[c] for c in calls]))
+    frames = fingerprint(codes)
+    if STATE.stored.get(store_key) == frames:
+        return  # the store holds these frames already
+    entry = _DynamoCacheEntry(
+        codes=codes,
+        source_info=SourceInfo(inlined_sources=inlined),
+        device_type=device_type,
+        fn_name=code_qualname(codes[0].python_code),
+        fn_first_lineno=codes[0].python_code.co_firstlineno,
+    )
+    full = PrecompileCacheEntry.from_cache_entry(entry, artifacts)
+    data = pickle.dumps(
+        {"format": FORMAT, "entry": full, "identities": identities, "values": values, "folds": folds},
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
+    STATE.stored[store_key] = frames
+    store = get_store()
+    if store is not None:
+        if folds:
+            variants = pickle.dumps({"format": FORMAT, "variants_by": sorted(folds)}, protocol=pickle.HIGHEST_PROTOCOL)
+            store.put(KIND, key, variants, cost_s=compile_s)
+        store.put(KIND, store_key, data, cost_s=compile_s)
+
+
+def _unresolved(code: Any) -> bool:
+    """Whether a package's entry for a code object is one ``hooks.hook_package`` recorded: no new
+    machine could find that code, so it is not stored."""
+    return code.bypassed and code.code_source is None and not code.install_to_global and not code.function_names
+
+
+def _merge(merged: dict[tuple, Any], code: Any, seen: set[bytes]) -> None:
+    """Add one package's entry for a code object to ``merged`` (an entry per code object)."""
+    ident = code_ident(code)
+    guarded = []
+    for guarded_code in code.guarded_codes:
+        digest = guarded_digest(guarded_code)
+        if digest not in seen:
+            seen.add(digest)
+            guarded.append(guarded_code)
+    have = merged.get(ident)
+    if have is None:
+        merged[ident] = dataclasses.replace(
+            code,
+            guarded_codes=guarded,
+            backend_ids=list(code.backend_ids),
+            import_sources=dict(code.import_sources),
+            function_names=list(code.function_names),
+        )
+        return
+    if code.bypassed and not have.bypassed:
+        return
+    if have.bypassed and not code.bypassed:
+        merged[ident] = have = dataclasses.replace(have, bypassed=False, guarded_codes=[], backend_ids=[])
+    have.guarded_codes.extend(guarded)
+    have.backend_ids.extend(b for b in code.backend_ids if b not in have.backend_ids)
+    have.import_sources.update(code.import_sources)
+    have.function_names.extend(n for n in code.function_names if n not in have.function_names)
+    have.has_compile_id = have.has_compile_id or code.has_compile_id

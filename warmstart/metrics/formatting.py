@@ -1,0 +1,56 @@
+"""How the reports write figures: durations, shares, ETT% and its grade, the slow-steps summary.
+
+Shared by the terminal tables (``report``) and the HTML page (``report_html``), so that both say the
+same thing the same way.
+"""
+
+from __future__ import annotations
+
+from warmstart.metrics.steps import SlowSteps
+
+L1_LABELS = (  # the L1 figures a run's report lists, in order, with their labels
+    ("time_to_start_s", "time to start"),
+    ("time_to_recover_s", "time to recover"),
+    ("lost_progress_s", "lost progress"),
+    ("checkpoint_blocking_s", "checkpoint blocking"),
+    ("shutdown_s", "shutdown"),
+)
+
+
+def format_duration(seconds: float) -> str:
+    """``3725.4`` -> ``1h 02m 05s``; under a minute, seconds with two decimals."""
+    if seconds < 60:
+        return f"{seconds:.2f} s"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def pct_text(part: float, whole: float) -> str:
+    """``part`` as a share of ``whole``, ``"12.5%"``; ``"-"`` when ``whole`` holds nothing."""
+    return f"{100.0 * part / whole:.1f}%" if whole > 0 else "-"
+
+
+def ett_grade(ett_pct: float | None) -> str:
+    """The headline's grade (its colour in both formats): 80% and up good, 50% fair, below poor."""
+    return "poor" if ett_pct is None else "good" if ett_pct >= 80 else "fair" if ett_pct >= 50 else "poor"
+
+
+def ett_text(ett_pct: float | None) -> str:
+    """An ETT% as reports write it; ``"-"`` for none."""
+    return "-" if ett_pct is None else f"{ett_pct:.1f}%"
+
+
+def step_time(seconds: float) -> str:
+    """Step-sized durations: milliseconds under a second."""
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else format_duration(seconds)
+
+
+def slow_summary(slow: SlowSteps, ideal_s: float, slow_above_s: float, e2e_s: float) -> str:
+    """The slow-steps diagnostic in one sentence (its parts separated by ``"; "``)."""
+    return (
+        f"slow steps: ideal step {step_time(ideal_s)} (trimmed median of {slow.measured_steps:,} "
+        f"steps of rank {slow.rank}); {slow.slow_count:,} slower than {step_time(slow_above_s)} "
+        f"lost {format_duration(slow.lost_s)} ({pct_text(slow.lost_s, e2e_s)} of end-to-end)"
+    )
