@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from _wait import until
+
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "benchmarks" / "compile_job.py"
 SECRET = "single-flight-secret"
@@ -40,6 +42,8 @@ def _start(
         WARMSTART_CACHE_DIR=str(machine / "warmstart"),
         WARMSTART_RUN_DIR=str(machine / "runs"),
         TORCHINDUCTOR_COMPILE_THREADS="1",
+        # Inductor's vector-ISA build probes (seconds each on a new machine) are not what this checks: passed.
+        TORCHINDUCTOR_VEC_ISA_OK="1",
         OMP_NUM_THREADS="1",
         TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
         WARMSTART="1",
@@ -67,25 +71,21 @@ def _result(proc: subprocess.Popen) -> dict:
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
 
 
-def _compiler(tmp_path: Path, *, sleep_s: int, fail: bool) -> Path:
-    """A directory whose ``g++`` sleeps before building Inductor's kernels (``*.main.cpp``; not the
-    vector-ISA probes or ``--version``), then builds with the real compiler, or fails."""
+def _compiler(tmp_path: Path, *, fail: bool) -> tuple[Path, Path]:
+    """A directory whose ``g++`` holds Inductor's kernel builds (``*.main.cpp``; not the vector-ISA
+    probes or ``--version``) until the returned file exists, then builds with the real compiler, or
+    fails. (The file never appearing is a hang guard's business, at HANG_GUARD_S.)"""
     directory = tmp_path / "compiler"
     directory.mkdir()
+    release = tmp_path / "release-the-compiler"
     real = "/usr/bin/g++"
     action = 'echo "injected compiler failure" >&2; exit 1' if fail else f'exec {real} "$@"'
+    hold = f'while [ ! -e "{release}" ]; do sleep 0.1; done'
     (directory / "g++").write_text(
-        f'#!/bin/sh\ncase " $* " in *".main.cpp "*) sleep {sleep_s}; {action};; esac\nexec {real} "$@"\n'
+        f'#!/bin/sh\ncase " $* " in *".main.cpp "*) {hold}; {action};; esac\nexec {real} "$@"\n'
     )
     (directory / "g++").chmod(0o755)
-    return directory
-
-
-def _until(predicate, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.1)
+    return directory, release
 
 
 def _aot_lease(url: str) -> bool:
@@ -114,11 +114,12 @@ def test_two_machines_compiling_one_model_at_once_compile_it_once(redis_node, tm
 
 
 def test_a_holder_killed_mid_compile_is_taken_over(redis_node, tmp_path):
-    holder = _start(tmp_path / "holder", redis_node.url, compiler_dir=_compiler(tmp_path, sleep_s=120, fail=False))
+    compiler, _ = _compiler(tmp_path, fail=False)  # never released: the holder is killed while it compiles
+    holder = _start(tmp_path / "holder", redis_node.url, compiler_dir=compiler)
     try:
-        _until(lambda: _aot_lease(redis_node.url))
+        until(lambda: _aot_lease(redis_node.url), timeout=120.0, poll_s=0.1)
         waiter = _start(tmp_path / "waiter", redis_node.url)
-        _until(lambda: _waiting(tmp_path / "waiter"))
+        until(lambda: _waiting(tmp_path / "waiter"), timeout=120.0, poll_s=0.1)
         time.sleep(1.0)
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
@@ -132,9 +133,12 @@ def test_a_holder_killed_mid_compile_is_taken_over(redis_node, tmp_path):
 
 
 def test_a_holder_whose_compile_raises_releases_its_leases(redis_node, tmp_path):
-    holder = _start(tmp_path / "holder", redis_node.url, compiler_dir=_compiler(tmp_path, sleep_s=25, fail=True))
-    _until(lambda: _aot_lease(redis_node.url))
+    compiler, release = _compiler(tmp_path, fail=True)
+    holder = _start(tmp_path / "holder", redis_node.url, compiler_dir=compiler)
+    until(lambda: _aot_lease(redis_node.url), timeout=120.0, poll_s=0.1)
     waiter = _start(tmp_path / "waiter", redis_node.url)
+    until(lambda: _waiting(tmp_path / "waiter"), timeout=120.0, poll_s=0.1)  # it waits on the holder's lease
+    release.touch()  # ... and then the holder's compile fails
     _, err = holder.communicate(timeout=HANG_GUARD_S)
     assert holder.returncode != 0 and "injected compiler failure" in err
     result = _result(waiter)
