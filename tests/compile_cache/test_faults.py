@@ -15,13 +15,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
 from _redis import RedisNode, free_port_block
+from _wait import until
 from warmstart import _defaults
 from warmstart.compile_cache import RemoteTier, TieredStore, get_store, open_store, signing
 from warmstart.compile_cache.storage import BREAKER_OPEN, ERROR, TIMEOUT
@@ -293,10 +293,7 @@ def lone_cluster_node(tmp_path_factory):
     node.start()
     client = redis.Redis(port=node.port)
     client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-    deadline = time.monotonic() + 10
-    while client.cluster("info").get("cluster_state") != "ok":
-        assert time.monotonic() < deadline, "one-node cluster did not reach cluster_state:ok"
-        time.sleep(0.05)
+    until(lambda: client.cluster("info").get("cluster_state") == "ok", timeout=10, poll_s=0.05)
     client.close()
     yield node
     if node.proc.poll() is None:

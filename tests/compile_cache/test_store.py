@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import redis
 
+from _wait import until
 from warmstart.compile_cache import LocalTier, RemoteTier, TieredStore, open_store
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import BREAKER_OPEN, ERROR
@@ -206,10 +206,7 @@ def test_server_killed_mid_job_then_breaker_then_recovery(redis_node):
     assert tier.get("pgo", "k").reason is BREAKER_OPEN
     assert tier.stats.get("remote", "pgo").errors == 1
     redis_node.start()  # same port, empty
-    deadline = time.monotonic() + 10
-    while not tier.breaker.allow() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tier.breaker.allow()
+    until(tier.breaker.allow, timeout=10, poll_s=0.05)
     assert tier.put("pgo", "k", b"again") and tier.get("pgo", "k").value == b"again"
 
 

@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from _wait import until
 from warmstart.errors import ConfigError
 from warmstart.metrics import NullRecorder, Recorder, get_recorder, read_events, reset_process_recorder
 
@@ -82,9 +82,7 @@ def test_failure_category_is_checked(tmp_path):
 def test_background_thread_flushes_on_its_interval(tmp_path):
     rec = Recorder(tmp_path, job="j", rank=0, attempt=0, flush_interval_s=0.05)
     rec.step(7)
-    deadline = time.monotonic() + 5
-    while not rec.path.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    until(rec.path.exists, timeout=5)
     assert _lines(rec.path)[0]["step"] == 7
     rec.close()
 

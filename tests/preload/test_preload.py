@@ -224,10 +224,7 @@ def test_sigkill_of_the_original_ends_the_child(preloader):
     assert forked == "True" and int(child_pid) != proc.pid
     proc.kill()
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 10  # a hang guard; the preloader kills it at once
-    while time.monotonic() < deadline and _alive(int(child_pid)):
-        time.sleep(0.02)
-    assert not _alive(int(child_pid))
+    until(lambda: not _alive(int(child_pid)), timeout=10)  # the preloader kills it at once
 
 
 def test_faulthandler_dumps_on_sigusr1(preloader):
