@@ -10,6 +10,7 @@ environment decides everything else, as it would for a user's job.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -147,11 +148,11 @@ class Tower(nn.Module):
 class EncoderLayer(nn.Module):
     """A pre-norm residual MLP block, a module with its own forward (Dynamo inlines each one)."""
 
-    def __init__(self, dim: int = 32, hidden: int = 64) -> None:
+    def __init__(self, dim: int = 32, hidden: int = 64, act: type[nn.Module] = nn.GELU) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
+        self.act = act()
         self.down = nn.Linear(hidden, dim)
 
     def forward(self, x):
@@ -162,15 +163,71 @@ class Encoder(nn.Module):
     """Many small layers: 12 encoder layers of width 32 and a linear head. Little arithmetic, but
     12 module calls for Dynamo to inline and many small kernels: the costs that grow with depth."""
 
-    def __init__(self, layers: int = 12, dim: int = 32) -> None:
+    def __init__(self, layers: int = 12, dim: int = 32, edit: str | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(dim) for _ in range(layers))
+        # The edits (see ``Tower``) touch the middle layer, or add one at the end.
+        layers += edit == "deeper"
+        self.layers = nn.ModuleList(
+            EncoderLayer(
+                dim, 128 if edit == "wider" and i == 6 else 64, nn.SiLU if edit == "act" and i == 6 else nn.GELU
+            )
+            for i in range(layers)
+        )
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+class CrossNetwork(nn.Module):
+    """A DCN-v2-style ranking model's dense part, from TorchRec's own modules: a low-rank cross
+    network (``torchrec.modules.crossnet.LowRankCrossNet``) beside a deep ``torchrec`` MLP over 8
+    embedded features of width 16, and a linear head over both. Edits: ``act`` (the MLP's ReLU ->
+    SiLU), ``deeper`` (one more cross layer), ``wider`` (the MLP's first layer twice as wide)."""
+
+    def __init__(self, edit: str | None = None) -> None:
+        super().__init__()
+        from torchrec.modules.crossnet import LowRankCrossNet
+        from torchrec.modules.mlp import MLP as TorchRecMLP
+
+        width = 8 * 16
+        self.cross = LowRankCrossNet(in_features=width, num_layers=3 + (edit == "deeper"), low_rank=16)
+        self.deep = TorchRecMLP(
+            width, [256 if edit == "wider" else 128, 64], activation=torch.nn.SiLU if edit == "act" else torch.relu
+        )
+        self.head = nn.Linear(width + 64, 1)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.cross(x), self.deep(x)], dim=1))
+
+
+class DeepFMNet(nn.Module):
+    """The dense part of TorchRec's DeepFM (``torchrec.models.deepfm``): ``torchrec.modules.deepfm``'s
+    ``DeepFM`` (a deep MLP over the concatenated embeddings) and ``FactorizationMachine`` over the same
+    8 embedded features of width 16 (in two groups, as a model with two embedding collections has
+    them), and a linear over-arch. Edits: ``act`` (ReLU -> SiLU), ``deeper`` (one more deep layer),
+    ``wider`` (the first deep layer twice as wide)."""
+
+    def __init__(self, edit: str | None = None) -> None:
+        super().__init__()
+        from torchrec.modules.deepfm import DeepFM, FactorizationMachine
+        from torchrec.modules.mlp import MLP as TorchRecMLP
+
+        sizes = [256 if edit == "wider" else 128, 64] + ([32] if edit == "deeper" else [])
+        activation = torch.nn.SiLU if edit == "act" else torch.relu
+        self.deep = DeepFM(dense_module=TorchRecMLP(8 * 16, sizes, activation=activation))
+        self.fm = FactorizationMachine()
+        self.over = nn.Linear(sizes[-1] + 1, 1)
+
+    def forward(self, x):
+        features = x.view(x.shape[0], 8, 16)
+        embeddings = [features[:, :5], features[:, 5:]]
+        return self.over(torch.cat([self.deep(embeddings), self.fm(embeddings)], dim=1))
+
+
+EDITS = ("act", "deeper", "wider")
 
 
 MODELS = {
@@ -184,7 +241,17 @@ MODELS = {
     "tower-act": (lambda: Tower("act"), lambda: torch.randn(64, 64)),
     "tower-deeper": (lambda: Tower("deeper"), lambda: torch.randn(64, 64)),
     "tower-wider": (lambda: Tower("wider"), lambda: torch.randn(64, 64)),
+    "dcn": (CrossNetwork, lambda: torch.randn(64, 128)),
+    "deepfm": (DeepFMNet, lambda: torch.randn(64, 128)),
 }
+# The edited versions of the models the edit benchmark changes (the tower's are above).
+for _family, (_cls, _make_input) in {
+    "encoder": (Encoder, MODELS["encoder"][1]),
+    "dcn": (CrossNetwork, MODELS["dcn"][1]),
+    "deepfm": (DeepFMNet, MODELS["deepfm"][1]),
+}.items():
+    for _edit in EDITS:
+        MODELS[f"{_family}-{_edit}"] = (functools.partial(_cls, edit=_edit), _make_input)
 
 
 def run_model(name: str, regional: bool = False) -> float:

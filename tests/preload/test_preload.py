@@ -368,6 +368,20 @@ def test_another_user_is_refused():
         shutil.rmtree(top, ignore_errors=True)
 
 
+def test_a_forked_child_has_what_torch_loads_on_a_first_compile(preloader):
+    """The compiler modules torch imports lazily are the preloader's, so a forked rank's first compile
+    does not import them; a new interpreter has none of them."""
+    from warmstart.preload.server import COMPILER_MODULES
+
+    code = FORKED + "; import sys; print(_forked, sorted(n for n in NAMES if n not in sys.modules))"
+    code = code.replace("NAMES", repr(COMPILER_MODULES))
+    forked, plain = preloader.run(["-c", code]), preloader.run(["-c", code], preload=False)
+    assert forked.returncode == plain.returncode == 0, (forked.stderr, plain.stderr)
+    assert forked.stdout.strip() == "True []"
+    assert plain.stdout.startswith("False ['torch.")
+    assert preloader.status()["fork_safe"]
+
+
 def test_dataloader_and_inductor_compile_workers_in_a_forked_child(preloader):
     code = FORKED + textwrap.dedent("""
         import torch

@@ -53,6 +53,77 @@ DEFAULT_MODULES = (
     "warmstart.compile_cache",
 )
 
+#: What torch loads lazily on a job's first ``torch.compile`` call (torch 2.13 on CPU; a name this torch
+#: lacks is skipped): Dynamo's backends, Inductor's per-device code generators, pattern passes and cache
+#: layers, ``torch.export``'s tracer and ``torch.utils.cpp_extension`` (which brings setuptools). A
+#: forked rank would otherwise import them in its first compile, on its critical path (about 0.1 s on
+#: a warm start). Imported after the requested modules and not listed with them.
+COMPILER_MODULES = (
+    "torch._appdirs",
+    "torch._dynamo.backends.cudagraphs",
+    "torch._dynamo.backends.distributed",
+    "torch._dynamo.backends.inductor",
+    "torch._dynamo.backends.onnxrt",
+    "torch._dynamo.backends.tensorrt",
+    "torch._dynamo.backends.torchxla",
+    "torch._dynamo.backends.tvm",
+    "torch._dynamo.dce_extra_outputs",
+    "torch._dynamo.repro.after_dynamo",
+    "torch._export.db.logging",
+    "torch._export.passes._node_metadata_hook",
+    "torch._export.passes.add_runtime_assertions_for_constraints_pass",
+    "torch._export.passes.collect_tracepoints_pass",
+    "torch._functorch._aot_autograd.subclass_codegen",
+    "torch._higher_order_ops.passes.inline_invoke_subgraph",
+    "torch._inductor.bounds",
+    "torch._inductor.choices",
+    "torch._inductor.codegen.cpp_wrapper_cpu_array_ref",
+    "torch._inductor.codegen.cpp_wrapper_gpu",
+    "torch._inductor.codegen.cpp_wrapper_mps",
+    "torch._inductor.codegen.cpu_device_op_overrides",
+    "torch._inductor.codegen.cuda.device_op_overrides",
+    "torch._inductor.codegen.cuda_combined_scheduling",
+    "torch._inductor.codegen.cutedsl.cutedsl_scheduling",
+    "torch._inductor.codegen.cutlass.scheduling",
+    "torch._inductor.codegen.halide",
+    "torch._inductor.codegen.memory_planning",
+    "torch._inductor.codegen.mps",
+    "torch._inductor.codegen.mps_device_op_overrides",
+    "torch._inductor.codegen.mtia.device_op_overrides",
+    "torch._inductor.codegen.nv_universal_gemm.nv_universal_gemm_scheduling",
+    "torch._inductor.codegen.nv_universal_gemm.nv_universal_gemm_utils",
+    "torch._inductor.codegen.pallas",
+    "torch._inductor.codegen.python_wrapper_mtia",
+    "torch._inductor.codegen.rocm.rocm_cpp_scheduling",
+    "torch._inductor.codegen.segmented_tree",
+    "torch._inductor.codegen.wrapper_fxir",
+    "torch._inductor.codegen.xpu.device_op_overrides",
+    "torch._inductor.codegen.xpu.xpu_combined_scheduling",
+    "torch._inductor.compiler_bisector",
+    "torch._inductor.extern_node_serializer",
+    "torch._inductor.fx_passes.apply_gumbel_max_trick",
+    "torch._inductor.fx_passes.efficient_conv_bn_eval",
+    "torch._inductor.fx_passes.freezing_patterns",
+    "torch._inductor.fx_passes.fuse_attention",
+    "torch._inductor.fx_passes.mkldnn_fusion",
+    "torch._inductor.fx_passes.pad_mm",
+    "torch._inductor.fx_passes.quantization",
+    "torch._inductor.fx_passes.serialized_patterns.addmm_pattern",
+    "torch._inductor.fx_passes.serialized_patterns.bmm_pattern",
+    "torch._inductor.fx_passes.serialized_patterns.mm_pattern",
+    "torch._inductor.hooks",
+    "torch._inductor.kernel_template_choice",
+    "torch._inductor.runtime.caching.implementations",
+    "torch._inductor.runtime.caching.memoizers",
+    "torch._subclasses.schema_check_mode",
+    "torch.export._leakage_detection_utils",
+    "torch.export._trace",
+    "torch.export._unlift",
+    "torch.fx.experimental.validator",
+    "torch.utils._cpp_embed_headers",
+    "torch.utils.cpp_extension",
+)
+
 #: How old a check that nothing the preloader imported has changed may be when a request is
 #: served; the preloader checks again whenever it has been idle this long.
 STALE_CHECK_S = 1.0
@@ -108,6 +179,10 @@ class Preloader:
                 self.imported.append(name)
             except ImportError as exc:
                 log.info("warmstart preload: %s not imported (%s)", name, exc)
+        if "torch._dynamo" in self.imported:
+            for name in COMPILER_MODULES:
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(name)
         self.imports_s = time.perf_counter() - start
         _stop_blas_threads()
         _skip_library_teardown()
