@@ -2,6 +2,7 @@
 print one JSON line with the loss, the time to compile and run the first step, and cache counters.
 
     python benchmarks/compile_job.py --model mlp [--regional] [--kill-redis-pid PID] [--no-preimport]
+        [--until-compiled]
 
 Run it with WARMSTART=1 (and WARMSTART_CACHE_URL, WARMSTART_SECRET) to use warmstart; the
 environment decides everything else, as it would for a user's job.
@@ -268,6 +269,44 @@ def run_model(name: str, regional: bool = False) -> float:
     return float(loss.detach())
 
 
+def run_until_compiled(name: str, max_s: float = 1800.0) -> dict:
+    """Train ``name`` (SGD on one batch) until a step has run compiled: with ``WARMSTART_COMPILE=
+    background`` the first steps run eagerly while a worker compiles. Seconds from the start to the
+    end of the first step and of the first compiled step, and the steps run before it."""
+    import importlib
+
+    from warmstart.compile_cache.background import state_of
+
+    # The models as module ``compile_job``'s, not ``__main__``'s: a compile worker imports them.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    models = importlib.import_module("compile_job").MODELS
+    torch.manual_seed(0)
+    cls, make_input = models[name]
+    module = cls()
+    x = make_input()
+    compiled = torch.compile(module)
+    state = state_of(compiled)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    start, first_step_s, steps = time.perf_counter(), None, 0
+    while time.perf_counter() - start < max_s:
+        phase = state.phase if state is not None else "inline"
+        loss = compiled(x).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+        if first_step_s is None:
+            first_step_s = time.perf_counter() - start
+        if phase != "eager":
+            break
+    return {
+        "first_step_s": first_step_s,
+        "first_compiled_step_s": time.perf_counter() - start,
+        "steps_before_compiled": steps - 1,
+        "phase": state.phase if state is not None else "inline",
+    }
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process and its ended children (g++, and compile workers that exited)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -374,6 +413,12 @@ def main() -> None:
     parser.add_argument(
         "--regional", action="store_true", help="compile each region of the model on its own (the tower models)"
     )
+    parser.add_argument(
+        "--until-compiled",
+        action="store_true",
+        help="train each model until a step ran compiled (first_step_s, first_compiled_step_s): with "
+        "WARMSTART_COMPILE=background the first steps run eagerly while a worker compiles",
+    )
     parser.add_argument("--mega-save", default=None, help="after compiling, save torch's Mega-Cache here")
     parser.add_argument("--mega-load", default=None, help="before compiling, load torch's Mega-Cache from here")
     parser.add_argument(
@@ -388,7 +433,8 @@ def main() -> None:
         help="do not load torch's compiler modules before the clock: compile_s includes them",
     )
     args = parser.parse_args()
-    losses = {}
+    losses: dict = {}
+    until_compiled: dict = {}
     mega_load_s = 0.0
     if args.mega_load:
         t = time.perf_counter()
@@ -399,7 +445,10 @@ def main() -> None:
     modules_before = len(sys.modules)
     t0, cpu0, ws_cpu0 = time.perf_counter(), _cpu_s(), _warmstart_threads_cpu_s()
     for i, name in enumerate(args.model):
-        losses[name] = run_model(name, args.regional)
+        if args.until_compiled:
+            until_compiled[name] = run_until_compiled(name)
+        else:
+            losses[name] = run_model(name, args.regional)
         if i == 0 and args.kill_redis_pid:
             os.kill(args.kill_redis_pid, signal.SIGKILL)
     compile_s, compile_cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
@@ -418,6 +467,7 @@ def main() -> None:
         "import_s": T_IMPORTED - T_START,
         "compiler_import_s": T_COMPILER_IMPORTED - T_IMPORTED,
         "compile_s": compile_s,
+        "until_compiled": until_compiled,
         "compile_cpu_s": compile_cpu_s,
         "warmstart_threads_cpu_s": warmstart_threads_cpu_s,
         "mega_load_s": mega_load_s,

@@ -236,6 +236,8 @@ def metrics_on(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process records ETT events: ``WARMSTART=1`` or ``WARMSTART_RUN_DIR`` set.
     Never raises, so that a malformed rank matters only to jobs that record."""
     env = os.environ if environ is None else environ
+    if env.get("WARMSTART_COMPILE_WORKER") == "1":  # a background compile's worker is not the job
+        return False
     return env.get("WARMSTART", "") == "1" or bool(env.get("WARMSTART_RUN_DIR", "").strip())
 
 
@@ -440,6 +442,8 @@ class Settings:
     dynamo_frames: bool = False
     """``WARMSTART_DYNAMO``: ``1`` shares Dynamo's output (each compiled frame's bytecode and guards),
     so a new machine does not trace frames another one compiled; off by default."""
+    compile_mode: str = "inline"
+    """``WARMSTART_COMPILE``: ``inline`` or ``background`` (see ``compile_cache/background.py``)."""
     job: JobIdentity = dataclasses.field(default_factory=lambda: JobIdentity(False, "", None, 0, 0, False))
     """Which job, rank and attempt this process belongs to (see :func:`job_identity`)."""
 
@@ -488,6 +492,7 @@ class Settings:
             accepted="seconds, a number >= 0 (0: never wait on the cache)",
         )
         dynamo_frames = dynamo_frames_setting(env)
+        compile_mode = compile_mode_setting(env)
         job = job_identity(env)
         values: dict[str, object] = dict(
             enabled=enabled_raw == "1",
@@ -503,9 +508,25 @@ class Settings:
             job=job,
             max_wait_s=max_wait_s,
             dynamo_frames=dynamo_frames,
+            compile_mode=compile_mode,
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def compile_mode_setting(env: Mapping[str, str]) -> str:
+    """``WARMSTART_COMPILE``: ``inline`` (torch's own way, the default) or ``background`` (run eagerly
+    until a compile worker has filled the cache, then switch); always ``inline`` in a compile worker.
+
+    Raises:
+        ConfigError: another value.
+    """
+    if env.get("WARMSTART_COMPILE_WORKER") == "1":
+        return "inline"
+    raw = env.get("WARMSTART_COMPILE", "").strip().lower() or "inline"
+    if raw not in ("inline", "background"):
+        raise ConfigError("WARMSTART_COMPILE", env["WARMSTART_COMPILE"], "inline or background")
+    return raw
 
 
 def dynamo_frames_setting(env: Mapping[str, str]) -> bool:

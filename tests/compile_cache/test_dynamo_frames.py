@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from _machine import machine_env
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "_frames_job.py"
@@ -42,23 +43,7 @@ def _model_dir(root: Path, name: str, edit: tuple[str, str] | None = None) -> Pa
 
 
 def _job(machine: Path, model_dir: Path, model: str, variant: str = "base", **env_extra: str) -> dict:
-    for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
-        (machine / sub).mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(
-        HOME=str(machine / "home"),
-        TMPDIR=str(machine / "tmp"),
-        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
-        WARMSTART_RUN_DIR=str(machine / "runs"),
-        TORCHINDUCTOR_COMPILE_THREADS="1",
-        # Inductor's vector-ISA build probes (seconds each on a new machine) are not what this checks: passed.
-        TORCHINDUCTOR_VEC_ISA_OK="1",
-        OMP_NUM_THREADS="1",
-        WARMSTART="1",
-        WARMSTART_DYNAMO="1",
-    )
-    env.update(env_extra)
+    env = machine_env(machine, WARMSTART_DYNAMO="1", **env_extra)
     # Each machine works in a directory of its own (torch's configs hold paths such as the working
     # directory's: they must not be part of the key).
     proc = subprocess.run(

@@ -13,7 +13,6 @@ Real compiles, real ``torchrun`` with gloo for the rank-dependent cases.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from _machine import machine_env
 
 HERE = Path(__file__).resolve().parent
 #: Hang guard for some forty small compiles on 2 cores: not a speed check.
@@ -48,26 +48,9 @@ def cache(tmp_path_factory):
 
 
 def _environment(cache: dict, machine: Path, key: str, **extra: str) -> dict:
-    for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
-        (machine / sub).mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(
-        HOME=str(machine / "home"),
-        TMPDIR=str(machine / "tmp"),
-        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
-        WARMSTART_RUN_DIR=str(machine / "runs"),
-        TORCHINDUCTOR_COMPILE_THREADS="1",
-        # Inductor's vector-ISA build probes (seconds each on a new machine) are not what this checks: passed.
-        TORCHINDUCTOR_VEC_ISA_OK="1",
-        OMP_NUM_THREADS="1",
-        WARMSTART="1",
-        WARMSTART_DYNAMO="1",
-        WARMSTART_CACHE_URL=cache["url"],
-        WARMSTART_KEY_FILE=cache[key],
-        **extra,
+    return machine_env(
+        machine, WARMSTART_DYNAMO="1", WARMSTART_CACHE_URL=cache["url"], WARMSTART_KEY_FILE=cache[key], **extra
     )
-    return env
 
 
 def _results(proc: subprocess.CompletedProcess) -> list[dict]:

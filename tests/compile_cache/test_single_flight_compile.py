@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _machine import machine_env
 import redis
 
 from _wait import until
@@ -32,23 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(HANG_GUARD_S)]
 def _start(
     machine: Path, url: str, *, compiler_dir: Path | None = None, model: str = "tiny", key_file: Path | None = None
 ) -> subprocess.Popen:
-    for sub in ("home", "tmp", "inductor", "warmstart", "runs"):
-        (machine / sub).mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR", "TORCH_COMPILE"))}
-    env.update(
-        HOME=str(machine / "home"),
-        TMPDIR=str(machine / "tmp"),
-        TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"),
-        WARMSTART_CACHE_DIR=str(machine / "warmstart"),
-        WARMSTART_RUN_DIR=str(machine / "runs"),
-        TORCHINDUCTOR_COMPILE_THREADS="1",
-        # Inductor's vector-ISA build probes (seconds each on a new machine) are not what this checks: passed.
-        TORCHINDUCTOR_VEC_ISA_OK="1",
-        OMP_NUM_THREADS="1",
-        TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
-        WARMSTART="1",
-        WARMSTART_CACHE_URL=url,
-        WARMSTART_SECRET=SECRET,
+    env = machine_env(
+        machine, TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0", WARMSTART_CACHE_URL=url, WARMSTART_SECRET=SECRET
     )
     if compiler_dir is not None:
         env["PATH"] = f"{compiler_dir}{os.pathsep}{env['PATH']}"

@@ -84,6 +84,9 @@ class BenchOptions:
     """``warm`` runs on machines that run a preloader as a node service (``warmstart preload``): each
     machine's preloader is started when the machine is brought up, before its attempt is launched,
     as a pool's spare node has one; its start-up time is reported apart (``preload_start_s``)."""
+    compile_mode: str = "inline"
+    """``WARMSTART_COMPILE`` of ``cold`` and ``warm``: ``inline``, or ``background`` (train eagerly while
+    a compile worker fills the cache, then switch)."""
 
 
 @dataclasses.dataclass
@@ -201,6 +204,7 @@ def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str
         "ranks": options.nproc,
         "checkpoint_mode": job.checkpoint_mode,
         "preload": options.preload,
+        "compile": options.compile_mode,
     }
     return out
 
@@ -227,7 +231,7 @@ def _run_config(
     preloaders: list[str] = []
     preload_start_s: list[float] | None = None
     try:
-        env = _job_env(name, root, tmp_root, run_dir, bench_id, server)
+        env = _job_env(name, root, tmp_root, run_dir, bench_id, server, options.compile_mode)
         if name == "warm" and options.preload:
             # What a user names for their own job: its trainer module, preloaded with torch and TorchRec.
             env["WARMSTART_PRELOAD_MODULES"] = "warmstart.bench.trainer"
@@ -279,7 +283,13 @@ def _run_config(
 
 
 def _job_env(
-    name: str, root: Path, tmp_root: Path, run_dir: Path, bench_id: str, server: CacheServer | None
+    name: str,
+    root: Path,
+    tmp_root: Path,
+    run_dir: Path,
+    bench_id: str,
+    server: CacheServer | None,
+    compile_mode: str = "inline",
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_PREFIXES)}
     home = root / "home"
@@ -306,6 +316,7 @@ def _job_env(
                 "WARMSTART_CACHE_URL": server.writer_url,
                 "WARMSTART_KEY_FILE": server.signing_key_file,
                 "WARMSTART_NAMESPACE": f"bench-{bench_id}",
+                "WARMSTART_COMPILE": compile_mode,
             }
         )
         if "WARMSTART_DYNAMO" in os.environ:  # the one setting the caller chooses: compiled frames on or off

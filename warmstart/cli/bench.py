@@ -106,6 +106,15 @@ def group() -> None:
 @click.option(
     "--no-preload", is_flag=True, help="Run warm on machines without a preloader: every rank starts a new interpreter."
 )
+@click.option(
+    "--compile",
+    "compile_mode",
+    type=click.Choice(["inline", "background"]),
+    default="inline",
+    show_default=True,
+    help="How cold and warm compile (WARMSTART_COMPILE): background trains eagerly while a compile "
+    "worker fills the cache, then switches.",
+)
 def cold_vs_warm(
     json_file,
     html_file,
@@ -120,12 +129,14 @@ def cold_vs_warm(
     timeout_s,
     stall_timeout_s,
     no_preload,
+    compile_mode,
 ) -> None:
     """Run the reference job as baseline, cold and warm, each on fresh machines, and compare.
 
     baseline: no warmstart. cold: warmstart on, a throwaway `warmstart server` that starts empty.
     warm: the same server, filled by cold, on machines that run a preloader (warmstart preload) as a
-    node service, started before their attempt (--no-preload: without). Every job has 2 ranks under
+    node service, started before their attempt (--no-preload: without). --compile background: cold
+    and warm train eagerly while a compile worker compiles, then switch. Every job has 2 ranks under
     torchrun, fails once and restarts on a new machine (fresh local directories), and resumes from
     its last checkpoint.
 
@@ -159,7 +170,12 @@ def cold_vs_warm(
     temporary = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="warmstart-bench-")) if temporary else work_dir
     options = BenchOptions(
-        job=job, work_dir=work, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s, preload=not no_preload
+        job=job,
+        work_dir=work,
+        timeout_s=timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        preload=not no_preload,
+        compile_mode=compile_mode,
     )
     try:
         results = _run_with_progress(options)

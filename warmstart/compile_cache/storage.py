@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {
     "isa_probe": "vector ISA probe",
     "dynamo_frames": "dynamo frames",
     "sharding_plan": "sharding plan",
+    "background_compile": "background compile",
 }
 
 #: Kinds whose entry under a key grows (Dynamo's frames for a function, as more are compiled): a

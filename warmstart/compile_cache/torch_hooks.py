@@ -288,6 +288,13 @@ def _patch(module_name: str) -> Callable[[Callable[[ModuleType], None]], Callabl
     return register
 
 
+@_patch("torch")
+def _hook_torch_compile(torch_module: ModuleType) -> None:
+    from warmstart.compile_cache import background
+
+    background.hook_torch_compile(torch_module)
+
+
 # -- FX graph, AOTAutograd, autotune, PGO ----------------------------------------------------
 
 

@@ -1,0 +1,159 @@
+"""Background compiles (``WARMSTART_COMPILE=background``), with real compiles and real processes: the
+job trains eagerly while a worker compiles, then runs compiled; the losses are eager's until the
+switch and the compiled code's after it; a worker that dies, or code a worker cannot import, costs an
+inline compile, never the job. Time bounds are hang guards only."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _machine import machine_env
+from _wait import until
+
+JOB = Path(__file__).with_name("_background_job.py")
+HANG_GUARD_S = 400  # a cold compile of these models takes 10-25 s on 2 cores
+
+
+def _env(machine: Path, **extra: str) -> dict[str, str]:
+    # no precompiled header either (seconds per machine), and no preloader
+    return machine_env(machine, TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0", WARMSTART_PRELOAD="0", **extra)
+
+
+def _start(machine: Path, *args: str, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(JOB), *args],
+        env=_env(machine, **extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _result(proc: subprocess.Popen) -> tuple[dict, str]:
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :]), err
+
+
+def _run(machine: Path, *args: str, **extra: str) -> tuple[dict, str]:
+    return _result(_start(machine, *args, **extra))
+
+
+def _eager(tmp_path: Path, model: str, steps: int) -> list[float]:
+    result, _ = _run(tmp_path / "eager", "--model", model, "--eager-only", "--steps", str(steps))
+    return result["losses"]
+
+
+def _assert_eager_then_compiled(result: dict, reference: list[float]) -> None:
+    phases, losses = result["phases"], result["losses"]
+    reference = reference[: len(losses)]
+    first_compiled = phases.index("compiled")
+    assert first_compiled > 0 and set(phases[:first_compiled]) == {"eager"}
+    assert set(phases[first_compiled:]) == {"compiled"}
+    # Before the switch the job ran the module itself: eager's losses, bit for bit.
+    assert losses[:first_compiled] == reference[:first_compiled]
+    # After it, the compiled code: the same to float rounding.
+    for got, want in zip(losses[first_compiled:], reference[first_compiled:], strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), (got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["regional", "breaking"])  # a plain module: the test after this one
+def test_the_job_trains_eagerly_then_runs_what_the_worker_compiled(tmp_path, model):
+    result, err = _run(tmp_path / "job", "--model", model, WARMSTART_COMPILE="background")
+    assert result["worker_pid"], err[-2000:]
+    assert f"a compile worker (pid {result['worker_pid']})" in err
+    assert "runs compiled from now on" in err
+    _assert_eager_then_compiled(result, _eager(tmp_path, model, len(result["losses"])))
+    # The worker recorded no ETT events (it is not the job's rank): every process that records starts
+    # with its launch, and only the job's is there.
+    events = [
+        json.loads(line)
+        for path in (tmp_path / "job" / "runs").rglob("events-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    launches = [e for e in events if e.get("span") == "process_launch" and e["event"] == "begin"]
+    assert len(launches) <= 1, launches
+
+
+@pytest.mark.slow
+def test_a_killed_worker_costs_an_inline_compile_at_the_next_call(tmp_path):
+    # A function compiled on its own (the other tests compile modules).
+    result, err = _run(tmp_path / "job", "--model", "function", "--kill-worker", WARMSTART_COMPILE="background")
+    pid = result["worker_pid"]
+    assert f"compiles inline: its compile worker (pid {pid}) ended with status -9" in err, err[-2000:]
+    phases, losses = result["phases"], result["losses"]
+    switched = phases.index("inline")
+    assert set(phases[:switched]) == {"eager"} and set(phases[switched:]) == {"inline"}
+    reference = _eager(tmp_path, "function", len(losses))
+    assert losses[:switched] == reference[:switched]
+    for got, want in zip(losses[switched:], reference[switched:], strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), (got, want)
+
+
+def test_a_worker_ends_with_its_job(tmp_path):
+    job = _start(tmp_path / "job", "--model", "net", "--exit-after-first-step", WARMSTART_COMPILE="background")
+    out, err = job.communicate(timeout=HANG_GUARD_S)
+    pid = int(next(line for line in out.splitlines() if line.startswith("WORKER ")).split()[1])
+    # Hang guard only: the worker checks every 0.5 s.
+    until(lambda: not _alive(pid), timeout=30)
+    # It ended because its job had, not because it was done: it never finished its compile.
+    assert list((tmp_path / "job" / "warmstart" / "background").glob("*.done")) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_processes_of_one_host_start_one_worker_and_all_switch(tmp_path):
+    shared = {"WARMSTART_CACHE_DIR": str(tmp_path / "shared-cache"), "WARMSTART_COMPILE": "background"}
+    jobs = [_start(tmp_path / f"rank{i}", "--model", "net", **shared) for i in range(2)]
+    results = [_result(job) for job in jobs]
+    started = [r for r, _ in results if r["worker_pid"]]
+    assert len(started) == 1, [err[-1500:] for _, err in results]
+    waited = next(err for r, err in results if not r["worker_pid"])
+    assert "while another process's worker compiles it" in waited
+    reference = _eager(tmp_path, "net", max(len(r["losses"]) for r, _ in results))
+    for result, _ in results:
+        _assert_eager_then_compiled(result, reference)
+
+
+@pytest.mark.slow
+def test_a_new_machine_whose_store_holds_the_compile_runs_compiled_from_its_first_call(tmp_path, redis_node):
+    shared = {"WARMSTART_CACHE_URL": redis_node.url, "WARMSTART_SECRET": "s3cret", "WARMSTART_COMPILE": "background"}
+    first, err = _run(tmp_path / "first", "--model", "net", **shared)
+    assert first["worker_pid"] and "runs compiled from now on" in err
+    _assert_eager_then_compiled(first, _eager(tmp_path, "net", len(first["losses"])))
+    again, err = _run(tmp_path / "second", "--model", "net", **shared)
+    assert again["worker_pid"] is None and set(again["phases"]) == {"compiled"}, err[-2000:]
+    assert "runs compiled from now on (after 0 eager calls" in err
+    reference = _eager(tmp_path, "net", len(again["losses"]))
+    for got, want in zip(again["losses"], reference, strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), (got, want)
+
+
+def test_code_a_worker_cannot_import_compiles_inline(tmp_path):
+    result, err = _run(tmp_path / "job", "--model", "main", "--compiled-steps", "1", WARMSTART_COMPILE="background")
+    assert result["phases"] == ["inline"] and result["worker_pid"] is None
+    assert "MainNet compiles inline: defined in __main__ (a worker cannot import it)" in err
+
+
+def test_a_value_of_warmstart_compile_that_is_not_accepted_says_what_is():
+    from warmstart.compile_cache.background import mode
+    from warmstart.config import ConfigError
+
+    assert mode({}) == "inline" and mode({"WARMSTART_COMPILE": " Background "}) == "background"
+    assert mode({"WARMSTART_COMPILE": "background", "WARMSTART_COMPILE_WORKER": "1"}) == "inline"
+    with pytest.raises(ConfigError, match="WARMSTART_COMPILE.*sometimes.*inline or background"):
+        mode({"WARMSTART_COMPILE": "sometimes"})
