@@ -48,9 +48,8 @@ def cache(tmp_path_factory):
 
 
 def _environment(cache: dict, machine: Path, key: str, **extra: str) -> dict:
-    return machine_env(
-        machine, WARMSTART_DYNAMO="1", WARMSTART_CACHE_URL=cache["url"], WARMSTART_KEY_FILE=cache[key], **extra
-    )
+    frames = {"WARMSTART_DYNAMO": "1", "WARMSTART_CACHE_URL": cache["url"], "WARMSTART_KEY_FILE": cache[key]}
+    return machine_env(machine, **{**frames, **extra})
 
 
 def _results(proc: subprocess.CompletedProcess) -> list[dict]:
