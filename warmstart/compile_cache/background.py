@@ -160,6 +160,8 @@ class Background:
         self._dir: Path | None = None
         self._next_poll = 0.0
         self._lock = threading.Lock()
+        self._args: tuple | None = None  # the first call's inputs, kept until a worker is given them
+        self._kwargs_of_call: dict | None = None
 
     def call_function(self) -> Any:
         def call(*args, **kwargs):
@@ -217,11 +219,7 @@ class Background:
         if store is None:
             self.inline("the compile cache is off in this process")
             return
-        try:
-            self._payload = _payload(self._model, self._kwargs, args, kwargs)
-        except ValueError as exc:
-            self.inline(str(exc))
-            return
+        self._args, self._kwargs_of_call = args, kwargs  # pickled only if this process starts a worker
         self._key = _key(self._model, self._kwargs, args, kwargs)
         self._dir = Settings.from_env().cache_dir / "background"
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -247,9 +245,14 @@ class Background:
             if self._done():
                 self._switch()
                 return
+            try:
+                payload = _payload(self._model, self._kwargs, self._args or (), self._kwargs_of_call or {})
+            except ValueError as exc:
+                self.inline(str(exc))
+                return
             fd, payload_path = tempfile.mkstemp(prefix=f"{self._key}-", suffix=".job", dir=self._dir)
             with os.fdopen(fd, "wb") as f:
-                f.write(self._payload)
+                f.write(payload)
             env = {
                 **os.environ,
                 WORKER_ENV: "1",
@@ -294,6 +297,7 @@ class Background:
 
     def _switch(self) -> None:
         self.phase = "compiled"
+        self._args = self._kwargs_of_call = None
         self.switched_after_s = time.monotonic() - (self._started or time.monotonic())
         log.info(
             "warmstart: %s runs compiled from now on (after %d eager calls, %.1f s)",
