@@ -1,5 +1,6 @@
 """A training loop for the background-compile tests: SGD on a fixed batch, one JSON line at the end
-with each step's loss and phase (eager, compiled, inline: see warmstart/compile_cache/background.py).
+with each step's loss and phase (eager, compiled, inline: see warmstart/compile_cache/background.py);
+a ``step`` event per step in the run directory.
 
     python _background_job.py --model net|regional|breaking|function|main [--kill-worker] [--compiled-steps N]
         [--eager-only] [--max-s S]
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _background_model import Breaking, Net, shifted  # noqa: E402
 
 from warmstart.compile_cache.background import state_of  # noqa: E402
+from warmstart.metrics import get_recorder  # noqa: E402
 
 
 class MainNet(nn.Module):  # defined in __main__: a worker cannot import it
@@ -69,7 +71,9 @@ def main() -> None:
     losses, phases = [], []
     state = None if args.eager_only else state_of(handle)
     start, after = time.monotonic(), 0
+    rec = get_recorder()
     while time.monotonic() - start < args.max_s:
+        rec.step(len(losses))
         loss = step_fn().pow(2).mean()
         phases.append(state.phase if state is not None else "eager")
         loss.backward()

@@ -15,6 +15,8 @@ import pytest
 from _machine import machine_env
 from _wait import until
 
+from warmstart.metrics import compute_runs
+
 JOB = Path(__file__).with_name("_background_job.py")
 HANG_GUARD_S = 400  # a cold compile of these models takes 10-25 s on 2 cores
 
@@ -80,6 +82,12 @@ def test_the_job_trains_eagerly_then_runs_what_the_worker_compiled(tmp_path, mod
     ]
     launches = [e for e in events if e.get("span") == "process_launch" and e["event"] == "begin"]
     assert len(launches) <= 1, launches
+    # The report says when the job switched: in the step that first ran compiled, after the eager ones.
+    (run,) = compute_runs([tmp_path / "job" / "runs"])
+    (switch,) = run.compile_switches
+    first_compiled = result["phases"].index("compiled")
+    assert (switch.rank, switch.switches, switch.during_step) == (0, 1, first_compiled)
+    assert switch.eager_steps == first_compiled and switch.eager_step_s is not None
 
 
 @pytest.mark.slow

@@ -299,12 +299,25 @@ class Background:
         self.phase = "compiled"
         self._args = self._kwargs_of_call = None
         self.switched_after_s = time.monotonic() - (self._started or time.monotonic())
+        if self.eager_calls:
+            _record_switch()
         log.info(
             "warmstart: %s runs compiled from now on (after %d eager calls, %.1f s)",
             self.name,
             self.eager_calls,
             self.switched_after_s,
         )
+
+
+def _record_switch() -> None:
+    # The moment this rank starts running the worker's compile, for the ETT report: a span of no
+    # length (the install that follows is the compile spans' time, the eager steps before it training).
+    from warmstart.metrics import get_recorder
+    from warmstart.metrics.buckets import COMPILE, COMPILE_SWITCH
+
+    rec = get_recorder()
+    rec.begin(COMPILE_SWITCH, bucket=COMPILE)
+    rec.end(COMPILE_SWITCH, bucket=COMPILE)
 
 
 def _payload(model: Any, compile_kwargs: dict[str, Any], args: tuple, kwargs: dict) -> bytes:

@@ -64,6 +64,9 @@ KNOWN_SPANS: tuple[str, ...] = tuple(span for b in BUCKETS for span in b.spans)
 CACHE_FETCH = "cache_fetch"
 #: A wait for another process that is compiling the same entry (single-flight); in the ``compile`` bucket.
 CACHE_WAIT = "cache_wait"
+#: The moment a background-compiled function or module starts running compiled (``WARMSTART_COMPILE=
+#: background``): a span of no length, in the ``compile`` bucket, that the report's switch table reads.
+COMPILE_SWITCH = "compile_switch"
 
 _BY_NAME = {b.name: b for b in BUCKETS}
 _SPAN_TO_BUCKET = {span: b.name for b in BUCKETS for span in b.spans}

@@ -63,6 +63,7 @@ from warmstart.metrics.events import (
 )
 from warmstart.metrics.event_files import event_files
 from warmstart.metrics.steps import SlowSteps, analyse_steps
+from warmstart.metrics.switches import CompileSwitch, compile_switches
 
 if TYPE_CHECKING:
     from warmstart.metrics.windows import Window
@@ -196,6 +197,8 @@ class RunResult:
     """The ETT% of consecutive time windows, when a report asks for them (``warmstart.metrics.windows``)."""
     slow_steps: SlowSteps | None = None
     """Slow steps and stragglers (``warmstart.metrics.steps``), a diagnostic beside the buckets."""
+    compile_switches: list[CompileSwitch] = dataclasses.field(default_factory=list)
+    """Where each rank went from eager to compiled with background compiles (``warmstart.metrics.switches``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``warmstart ett report --json`` object of this run (docs/reference.md#report-json)."""
@@ -213,6 +216,7 @@ class RunResult:
             "end_ts": self.end_ts,
             "warnings": list(self.warnings),
             "slow_steps": self.slow_steps.to_dict() if self.slow_steps is not None else None,
+            "compile_switches": [s.to_dict() for s in self.compile_switches],
         }
         if self.windows is not None:
             d["windows"] = [w.to_dict() for w in self.windows]
@@ -389,6 +393,7 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
         segments=job_segments or [],
         rank_segments=rank_segments,
         slow_steps=analyse_steps(events, primary),
+        compile_switches=compile_switches(events),
     )
 
 

@@ -1,4 +1,5 @@
-"""How the reports write figures: durations, shares, ETT% and its grade, the slow-steps summary.
+"""How the reports write figures: durations, shares, ETT% and its grade, the slow-steps summary, the
+background compiles' switches.
 
 Shared by the terminal tables (``report``) and the HTML page (``report_html``), so that both say the
 same thing the same way.
@@ -7,6 +8,7 @@ same thing the same way.
 from __future__ import annotations
 
 from warmstart.metrics.steps import SlowSteps
+from warmstart.metrics.switches import CompileSwitch
 
 L1_LABELS = (  # the L1 figures a run's report lists, in order, with their labels
     ("time_to_start_s", "time to start"),
@@ -53,4 +55,32 @@ def slow_summary(slow: SlowSteps, ideal_s: float, slow_above_s: float, e2e_s: fl
         f"slow steps: ideal step {step_time(ideal_s)} (trimmed median of {slow.measured_steps:,} "
         f"steps of rank {slow.rank}); {slow.slow_count:,} slower than {step_time(slow_above_s)} "
         f"lost {format_duration(slow.lost_s)} ({pct_text(slow.lost_s, e2e_s)} of end-to-end)"
+    )
+
+
+SWITCH_TITLE = "background compiles: when each rank switched from eager to compiled"
+#: ``eager (n)``, ``compiled (n)``: the median step time before and after, over ``n`` steps.
+SWITCH_COLUMNS = ("attempt", "rank", "switched at", "in step", "eager (n)", "compiled (n)", "speed-up")
+
+
+def switch_row(s: CompileSwitch) -> tuple[str, ...]:
+    """One rank's switch as the reports' row (:data:`SWITCH_COLUMNS`): when (from the attempt's start;
+    a range when several functions switched), the step it fell in, and the median step time on either
+    side with the number of steps it is taken over."""
+    at = format_duration(s.at_s)
+    if s.switches > 1:
+        at += f" - {format_duration(s.last_at_s)} ({s.switches} switched)"
+
+    def median(value: float | None, count: int) -> str:
+        return "-" if value is None else f"{step_time(value)} ({count:,})"
+
+    speed_up = f"{s.eager_step_s / s.compiled_step_s:.2f}x" if s.eager_step_s is not None and s.compiled_step_s else "-"
+    return (
+        str(s.attempt),
+        str(s.rank),
+        at,
+        "-" if s.during_step is None else f"{s.during_step:,}",
+        median(s.eager_step_s, s.eager_steps),
+        median(s.compiled_step_s, s.compiled_steps),
+        speed_up,
     )

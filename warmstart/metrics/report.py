@@ -24,12 +24,15 @@ from warmstart.metrics.projection import Projection
 from warmstart.metrics.windows import FleetWindow, Window
 from warmstart.metrics.formatting import (
     L1_LABELS,
+    SWITCH_COLUMNS,
+    SWITCH_TITLE,
     ett_grade,
     ett_text,
     format_duration,
     pct_text,
     slow_summary,
     step_time,
+    switch_row,
 )
 
 
@@ -181,6 +184,14 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
         _table(out, "ranks", (("rank", "left"), ("ETT%", "right"), ("largest other bucket", "left")), rank_rows, free=2)
     if result.slow_steps is not None and result.slow_steps.measured_steps:
         print_slow_steps(result, out)
+    if result.compile_switches:
+        _table(
+            out,
+            SWITCH_TITLE,
+            [(c, "left" if c == "switched at" else "right") for c in SWITCH_COLUMNS],
+            [switch_row(s) for s in result.compile_switches],
+            free=2,
+        )
     if result.windows is not None:
         print_windows(result.windows, out)
 

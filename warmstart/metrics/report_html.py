@@ -13,17 +13,29 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from warmstart.metrics.buckets import EFFECTIVE, INIT_OTHER, LOST, RECOVERY, SHUTDOWN, bucket_colour, bucket_label
+from warmstart.metrics.buckets import (
+    COMPILE_SWITCH,
+    EFFECTIVE,
+    INIT_OTHER,
+    LOST,
+    RECOVERY,
+    SHUTDOWN,
+    bucket_colour,
+    bucket_label,
+)
 from warmstart.metrics.calculator import AttemptTimeline, RunResult, ordered_buckets
 from warmstart.metrics.fleet import FleetResult
 from warmstart.metrics.formatting import (
     L1_LABELS,
+    SWITCH_COLUMNS,
+    SWITCH_TITLE,
     ett_grade,
     ett_text,
     format_duration,
     pct_text,
     slow_summary,
     step_time,
+    switch_row,
 )
 from warmstart.metrics.windows import FleetWindow, Window, format_time
 
@@ -63,7 +75,8 @@ def _lanes(result: RunResult) -> tuple[list[str], dict[str, list], list[str]]:
     spans: dict[str, list] = {}
     for tl in result.timeline:
         for s in tl.spans:
-            spans.setdefault(s.name, []).append(s)
+            if s.name != COMPILE_SWITCH:  # a moment, drawn as a marker on its attempt's lane
+                spans.setdefault(s.name, []).append(s)
     shown, hidden = {}, []
     for name in sorted(spans):
         if result.e2e_s > 0 and max(s.end - s.start for s in spans[name]) >= _MIN_LANE_SHARE * result.e2e_s:
@@ -121,6 +134,7 @@ def _timeline_figure(result: RunResult):
             )
         )
     _markers(fig, result.timeline, t0)
+    _switch_markers(fig, result, t0)
     plot_px = 30 * len(lanes) + 20
     fig.update_layout(
         title=_title(f"timeline of {html.escape(result.job)}"),
@@ -219,6 +233,24 @@ def _markers(fig, timeline: Sequence[AttemptTimeline], t0: float) -> None:
                 {"symbol": "x", "size": 14, "color": "#d62728", "line": {"width": 1, "color": "black"}},
                 seen,
             )
+
+
+def _switch_markers(fig, result: RunResult, t0: float) -> None:
+    import plotly.graph_objects as go
+
+    seen: set[str] = set()
+    for s in result.compile_switches:
+        step = "before the first step" if s.during_step is None else f"during step {s.during_step:,}"
+        _marker_trace(
+            fig,
+            go,
+            [s.ts - t0],
+            f"attempt {s.attempt}",
+            "switched to compiled",
+            [f"rank {s.rank} switched to compiled code {step}"],
+            {"symbol": "star", "size": 12, "color": "#1f77b4", "line": {"width": 1, "color": "black"}},
+            seen,
+        )
 
 
 def _marker_trace(
@@ -374,6 +406,14 @@ def _slow_steps_html(result: RunResult) -> str:
     )
 
 
+def _switches_html(result: RunResult) -> str:
+    if not result.compile_switches:
+        return ""
+    rows = [switch_row(s) for s in result.compile_switches]
+    title = html.escape(SWITCH_TITLE.capitalize())
+    return f'<div class="switches"><h3>{title}</h3>{_html_table(SWITCH_COLUMNS, rows)}</div>'
+
+
 def _run_section(result: RunResult, index: int) -> str:
     e2e = result.e2e_s
     l1_rows = [(label, format_duration(result.l1[key]), pct_text(result.l1[key], e2e)) for key, label in L1_LABELS]
@@ -402,6 +442,7 @@ def _run_section(result: RunResult, index: int) -> str:
   <div class="tables"><div><h3>L1</h3>{_html_table(("figure", "time", "% of e2e"), l1_rows)}</div>
   <div><h3>L2 buckets</h3>{_html_table(("bucket", "seconds", "% of e2e", "what"), l2_rows)}</div></div>
   {_slow_steps_html(result)}
+  {_switches_html(result)}
   {breakdown}
   {windows}
   {timeline}
