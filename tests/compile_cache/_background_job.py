@@ -3,10 +3,12 @@ with each step's loss and phase (eager, compiled, inline: see warmstart/compile_
 a ``step`` event per step in the run directory.
 
     python _background_job.py --model net|regional|breaking|function|main [--kill-worker] [--compiled-steps N]
-        [--eager-only] [--max-s S]
+        [--new-shape-after N | --new-shape-at STEP] [--eager-only] [--max-s S]
 
 Runs until N steps ran after the phase left ``eager`` (or --max-s, a hang guard), then prints
-``RESULT {...}``.
+``RESULT {...}``. With ``--new-shape-after N`` the batch takes another shape after N compiled steps
+(a recompile), and the N steps are counted again on it; ``--new-shape-at STEP`` changes it at that
+step (the eager reference of such a run).
 """
 
 import argparse
@@ -44,16 +46,18 @@ def main() -> None:
     parser.add_argument("--compiled-steps", type=int, default=3)
     parser.add_argument("--eager-only", action="store_true")
     parser.add_argument("--steps", type=int, default=0, help="with --eager-only: how many")
+    parser.add_argument("--new-shape-after", type=int, default=0)
+    parser.add_argument("--new-shape-at", type=int, default=-1)
     parser.add_argument("--max-s", type=float, default=240.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     torch.manual_seed(0)
-    x = torch.randn(8, 16)
+    batches = [torch.randn(8, 16), torch.randn(4, 16)]  # the second: another shape, a recompile
     if args.model == "function":
         w = torch.randn(16, 4, requires_grad=True)
         params, fn = [w], shifted
         call = fn if args.eager_only else torch.compile(fn)
-        step_fn = lambda: call(x, w)  # noqa: E731
+        step_fn = lambda x: call(x, w)  # noqa: E731
         handle = call
     elif args.model == "regional":  # nn.Module.compile() of one submodule, as regional compilation does
         net = Net()
@@ -61,21 +65,23 @@ def main() -> None:
         if not args.eager_only:
             net.a.compile()
         handle = net.a
-        step_fn = lambda: net(x)  # noqa: E731
+        step_fn = lambda x: net(x)  # noqa: E731
     else:
         net = {"net": Net, "breaking": Breaking, "main": MainNet}[args.model]()
         params = list(net.parameters())
         handle = net if args.eager_only else torch.compile(net)
-        step_fn = lambda: handle(x)  # noqa: E731
+        step_fn = lambda x: handle(x)  # noqa: E731
     opt = torch.optim.SGD(params, lr=0.05)
     losses, phases = [], []
     state = None if args.eager_only else state_of(handle)
     start, after = time.monotonic(), 0
     rec = get_recorder()
+    new_at = args.new_shape_at if args.new_shape_at >= 0 else None
     while time.monotonic() - start < args.max_s:
         rec.step(len(losses))
-        loss = step_fn().pow(2).mean()
-        phases.append(state.phase if state is not None else "eager")
+        x = batches[new_at is not None and len(losses) >= new_at]
+        loss = step_fn(x).pow(2).mean()
+        phases.append(state.last_call if state is not None else "eager")
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -90,10 +96,25 @@ def main() -> None:
                 break
             continue
         after += phases[-1] != "eager"
+        if args.new_shape_after and new_at is None and after >= args.new_shape_after:
+            new_at, after = len(losses), 0
+            continue
         if after >= args.compiled_steps:
             break
         time.sleep(0.02)
-    result = {"losses": losses, "phases": phases, "worker_pid": getattr(state, "worker_pid", None)}
+    fx, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
+    result = {
+        "losses": losses,
+        "phases": phases,
+        "worker_pid": getattr(state, "worker_pid", None),
+        "new_shape_at": new_at,
+        "recompiles": getattr(state, "recompiles", 0),
+        "fx_graph_hits": fx["fxgraph_cache_hit"],
+        "fx_graph_misses": fx["fxgraph_cache_miss"],
+        "autograd_hits": aot["autograd_cache_hit"],
+        "autograd_misses": aot["autograd_cache_miss"],
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -47,8 +47,8 @@ def _run(machine: Path, *args: str, **extra: str) -> tuple[dict, str]:
     return _result(_start(machine, *args, **extra))
 
 
-def _eager(tmp_path: Path, model: str, steps: int) -> list[float]:
-    result, _ = _run(tmp_path / "eager", "--model", model, "--eager-only", "--steps", str(steps))
+def _eager(tmp_path: Path, model: str, steps: int, *extra: str) -> list[float]:
+    result, _ = _run(tmp_path / "eager", "--model", model, "--eager-only", "--steps", str(steps), *extra)
     return result["losses"]
 
 
@@ -88,6 +88,33 @@ def test_the_job_trains_eagerly_then_runs_what_the_worker_compiled(tmp_path, mod
     first_compiled = result["phases"].index("compiled")
     assert (switch.rank, switch.switches, switch.during_step) == (0, 1, first_compiled)
     assert switch.eager_steps == first_compiled and switch.eager_step_s is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "graphs"), [("net", 1), ("breaking", 2)])
+def test_a_recompile_after_the_switch_runs_eagerly_while_a_worker_compiles_it(tmp_path, model, graphs):
+    # With a graph break, the recompile of the function's start is stopped (nothing of the call has
+    # run yet), and the one of its second half, further into the call, runs as torch runs it.
+    result, err = _run(tmp_path / "job", "--model", model, "--new-shape-after", "2", WARMSTART_COMPILE="background")
+    phases, losses, at = result["phases"], result["losses"], result["new_shape_at"]
+    # Eager, compiled; on the new shape eager again while a second worker compiles it, then compiled.
+    first = phases.index("compiled")
+    assert first > 0 and set(phases[:first]) == {"eager"} and set(phases[first:at]) == {"compiled"}, phases
+    again = phases.index("compiled", at)
+    assert again > at and set(phases[at:again]) == {"eager"} and set(phases[again:]) == {"compiled"}, phases
+    assert result["recompiles"] == 1 and "recompiles from what its worker stored" in err, err[-2000:]
+    # The job compiled both graphs (the first and the recompile), and each came from the store its
+    # workers filled: none was compiled in the job, and none was left to run eagerly for good.
+    assert result["graphs"] == 2 * graphs and result["autograd_hits"] == 2 * graphs, result
+    assert result["autograd_misses"] == 0 and result["fx_graph_misses"] == 0, result
+    reference = _eager(tmp_path, model, len(losses), "--new-shape-at", str(at))
+    assert losses[:first] == reference[:first]
+    for got, want in zip(losses[first:], reference[first:], strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), (got, want)
+    # Two switches on rank 0 in the report: the first compile and the recompile.
+    (run,) = compute_runs([tmp_path / "job" / "runs"])
+    (switch,) = run.compile_switches
+    assert switch.switches == 2 and switch.during_step == first and switch.eager_steps == first
 
 
 @pytest.mark.slow

@@ -18,8 +18,12 @@ store.
 Never worse than inline: when the worker cannot be built for the code (a backend given as an object,
 a module or function pickle cannot carry, a class defined in ``__main__``, lazy modules, parameters
 over ``MAX_WORKER_BYTES``), or when it fails or is killed, one info line, and the next call compiles
-inline as torch would. Recompiles after the switch (a new shape, a guard failure) are torch's own,
-inline.
+inline as torch would.
+
+Recompiles after the switch (a new shape, a guard that fails) follow the same path: a call whose
+start Dynamo would compile anew is stopped there, before any of it runs (``recompile_probe``), runs
+eagerly, and a worker replays the calls that compiled so far and then this one; a recompile further
+into a call is torch's, inline, so that no part of a call runs twice.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any
 
 log = logging.getLogger("warmstart.cache")
@@ -143,13 +148,18 @@ def _describe(model: Any) -> str:
 
 class Background:
     """One compiled function or module in background mode: eager until its worker's entries are in
-    the store, then compiled. ``phase`` is ``eager``, ``compiled`` or ``inline`` (compiled by torch
-    at its next call, the worker not used)."""
+    the store, then compiled. ``phase`` is ``eager``, ``compiled``, ``recompiling`` (compiled, but the
+    calls that would make Dynamo compile anew run eagerly while a worker compiles them) or ``inline``
+    (compiled by torch at its next call, the worker not used); ``last_call`` says how the last call
+    ran: ``eager``, ``compiled`` or ``inline``."""
 
     def __init__(self, name: str, model: Any, kwargs: dict[str, Any], *, eager: Any, compiled: Any) -> None:
         self.name = name
         self.phase = "eager"
+        self.last_call = "eager"
         self.eager_calls = 0
+        self.recompiles = 0
+        """Recompiles (a new shape, a guard failure) that a worker compiled before this process ran them."""
         self.worker_pid: int | None = None
         self.switched_after_s: float | None = None
         self._model, self._kwargs = model, kwargs
@@ -160,8 +170,14 @@ class Background:
         self._dir: Path | None = None
         self._next_poll = 0.0
         self._lock = threading.Lock()
-        self._args: tuple | None = None  # the first call's inputs, kept until a worker is given them
-        self._kwargs_of_call: dict | None = None
+        #: The input specs of each call that made Dynamo compile, in order, the pending one last: a
+        #: worker replays them all, so that its Dynamo decides as the job's did (shapes it marks dynamic).
+        self._calls: list[Any] = []
+        self._pending: Any = None
+        self._pending_repr: str | None = None
+        #: The code object Dynamo intercepts first at each call (the function's, or the module's
+        #: ``forward``): a recompile of it at the start of a call is followed (see ``_call_compiled``).
+        self._code = _entry_code(model)
 
     def call_function(self) -> Any:
         def call(*args, **kwargs):
@@ -171,7 +187,10 @@ class Background:
         return call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.phase != "eager":
+        if self.phase in ("compiled", "recompiling"):
+            return self._call_compiled(args, kwargs)
+        if self.phase == "inline":
+            self.last_call = "inline"
             return self._compiled(*args, **kwargs)
         with self._lock:
             if self.phase == "eager":
@@ -180,8 +199,10 @@ class Background:
                 except Exception as exc:
                     self.inline(f"warmstart's part failed ({type(exc).__name__}: {exc})")
         if self.phase != "eager":
+            self.last_call = "inline" if self.phase == "inline" else "compiled"
             return self._compiled(*args, **kwargs)
         self.eager_calls += 1
+        self.last_call = "eager"
         return self._eager(*args, **kwargs)
 
     def inline(self, reason: str) -> None:
@@ -195,21 +216,11 @@ class Background:
         if self._key is None:
             self._start(args, kwargs)
             return
-        if self._worker is not None:
-            status = self._worker.poll()
-            if status is None:
-                return
-            self._worker = None
-            if status != 0 or not self._done():
-                self.inline(f"its compile worker (pid {self.worker_pid}) ended with status {status}")
-                return
-        elif time.monotonic() < self._next_poll:
-            return
-        self._next_poll = time.monotonic() + _POLL_S
-        if self._done():
+        outcome = self._progress()
+        if outcome == "done":
             self._switch()
-        elif not self._lock_held_elsewhere():
-            self._launch()  # the worker another process started is gone without a result
+        elif outcome is not None:
+            self.inline(outcome)
 
     def _start(self, args: tuple, kwargs: dict) -> None:
         from warmstart.compile_cache import get_store
@@ -219,8 +230,8 @@ class Background:
         if store is None:
             self.inline("the compile cache is off in this process")
             return
-        self._args, self._kwargs_of_call = args, kwargs  # pickled only if this process starts a worker
-        self._key = _key(self._model, self._kwargs, args, kwargs)
+        self._calls = [_specs(args, kwargs)]
+        self._key = _key(self._model, self._kwargs, self._calls)
         self._dir = Settings.from_env().cache_dir / "background"
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._started = time.monotonic()
@@ -230,9 +241,144 @@ class Background:
         if self._lock_held_elsewhere():
             log.info("warmstart: %s runs eagerly while another process's worker compiles it", self.name)
             return
-        self._launch()
+        outcome = self._launch()
+        if outcome == "done":
+            self._switch()
+        elif outcome is not None:
+            self.inline(outcome)
 
-    def _launch(self) -> None:
+    def _switch(self) -> None:
+        self.phase = "compiled"
+        self.switched_after_s = time.monotonic() - (self._started or time.monotonic())
+        if self.eager_calls:
+            _record_switch()
+        log.info(
+            "warmstart: %s runs compiled from now on (after %d eager calls, %.1f s)",
+            self.name,
+            self.eager_calls,
+            self.switched_after_s,
+        )
+
+    # -- recompiles ------------------------------------------------------------------------------
+
+    def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
+        """A call after the switch. It runs compiled with a probe on: if Dynamo would compile anew at
+        the call's start (a new shape, a guard that fails), the probe stops it there, before any of
+        the call has run, and the call runs eagerly while a worker compiles those inputs; once the
+        worker is done, the next such call compiles from the store. Anything else runs as torch runs
+        it: a recompile further into a call (after a graph break) is compiled inline."""
+        code = self._code if _no_module_hooks(self._model) else None
+        if code is not None:
+            pending = self._pending_repr
+            spec = _specs(args, kwargs) if pending is not None else None
+            # The inputs a worker compiles now run eagerly without asking Dynamo again: each stopped
+            # recompile counts toward its limit on compiles of a function (256), after which it would
+            # run that function eagerly for good.
+            if spec is None or repr(spec) != pending:
+                outer = getattr(_probe, "code", None)
+                _probe.code = code
+                try:
+                    result = self._compiled(*args, **kwargs)
+                except Exception as exc:
+                    if not getattr(exc, "_warmstart_probe", False):
+                        raise
+                else:
+                    self.last_call = "compiled"
+                    return result
+                finally:
+                    _probe.code = outer
+            with self._lock:
+                try:
+                    ready = self._recompile(spec if spec is not None else _specs(args, kwargs))
+                except Exception as exc:
+                    self._recompile_inline(f"warmstart's part failed ({type(exc).__name__}: {exc})")
+                    ready = True
+            if not ready:
+                self.eager_calls += 1
+                self.last_call = "eager"
+                return self._eager(*args, **kwargs)
+        self.last_call = "compiled"
+        return self._compiled(*args, **kwargs)
+
+    def _recompile(self, spec: Any) -> bool:
+        """Where the compile of a call whose inputs ``spec`` would make Dynamo compile anew stands:
+        ``True`` when the call may compile now (a worker stored it, or it is to compile inline)."""
+        if self._code is None:
+            return True
+        outcome: str | None
+        if self._pending is not None and self._pending_repr != repr(spec):
+            # Other inputs than those a worker compiles: once it is done, they are compiled (the
+            # job's next call with them finds them in the store); until then these run eagerly too.
+            outcome = self._progress()
+            if outcome is None:
+                return False
+            if outcome != "done":
+                self._recompile_inline(outcome)
+                return True
+            self._calls.append(self._pending)
+            self._pending = self._pending_repr = None
+        if self._pending is None:
+            self._pending, self._pending_repr = spec, repr(spec)
+            self._key = _key(self._model, self._kwargs, [*self._calls, spec])
+            self._worker, self._next_poll = None, 0.0
+            from warmstart.compile_cache import get_store
+
+            store = get_store()
+            if store is None:
+                self._recompile_inline("the compile cache is off in this process")
+                return True
+            if self._done() or store.get("background_compile", self._key).value is not None:
+                outcome = "done"
+            elif self._lock_held_elsewhere():
+                outcome = None
+            else:
+                outcome = self._launch()
+        else:
+            outcome = self._progress()
+        if outcome is None:
+            self.phase = "recompiling"
+            return False
+        if outcome != "done":
+            self._recompile_inline(outcome)
+            return True
+        self._calls.append(spec)
+        self._pending = self._pending_repr = None
+        self.phase = "compiled"
+        self.recompiles += 1
+        _record_switch()
+        log.info("warmstart: %s recompiles from what its worker stored (recompile %d)", self.name, self.recompiles)
+        return True
+
+    def _recompile_inline(self, reason: str) -> None:
+        self._code, self._pending, self._pending_repr, self.phase = None, None, None, "compiled"
+        log.info("warmstart: %s recompiles inline from now on: %s", self.name, reason)
+
+    # -- the worker ------------------------------------------------------------------------------
+
+    def _progress(self) -> str | None:
+        """Where the compile of ``self._key`` stands: ``"done"``, ``None`` while it runs, else why it
+        failed (for an info line)."""
+        if self._worker is not None:
+            status = self._worker.poll()
+            if status is None:
+                return None
+            self._worker = None
+            if status != 0 or not self._done():
+                return f"its compile worker (pid {self.worker_pid}) ended with status {status}"
+            return "done"
+        if time.monotonic() < self._next_poll:
+            return None
+        self._next_poll = time.monotonic() + _POLL_S
+        if self._done():
+            return "done"
+        if not self._lock_held_elsewhere():
+            return self._launch()  # the worker another process started is gone without a result
+        return None
+
+    def _launch(self) -> str | None:
+        """Start a worker for ``self._calls`` (with the pending call): ``None`` when one runs now (this
+        process's, or another's that took the lock first), ``"done"`` when the result is there, else
+        why no worker can compile the code."""
         from warmstart.compile_cache.background_worker import start_time
 
         assert self._dir is not None and self._key is not None
@@ -241,15 +387,14 @@ class Background:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return  # another process took it first: its worker's result is awaited
+                return None  # another process took it first: its worker's result is awaited
             if self._done():
-                self._switch()
-                return
+                return "done"
+            calls = [*self._calls, self._pending] if self._pending is not None else self._calls
             try:
-                payload = _payload(self._model, self._kwargs, self._args or (), self._kwargs_of_call or {})
+                payload = _payload(self._model, self._kwargs, calls)
             except ValueError as exc:
-                self.inline(str(exc))
-                return
+                return str(exc)
             fd, payload_path = tempfile.mkstemp(prefix=f"{self._key}-", suffix=".job", dir=self._dir)
             with os.fdopen(fd, "wb") as f:
                 f.write(payload)
@@ -273,6 +418,7 @@ class Background:
                 self.name,
                 self.worker_pid,
             )
+            return None
         finally:
             os.close(lock)  # the worker holds the lock from here on
 
@@ -295,18 +441,63 @@ class Background:
             os.close(fd)
         return False
 
-    def _switch(self) -> None:
-        self.phase = "compiled"
-        self._args = self._kwargs_of_call = None
-        self.switched_after_s = time.monotonic() - (self._started or time.monotonic())
-        if self.eager_calls:
-            _record_switch()
-        log.info(
-            "warmstart: %s runs compiled from now on (after %d eager calls, %.1f s)",
-            self.name,
-            self.eager_calls,
-            self.switched_after_s,
+
+#: The code object whose recompile this thread's current call stops (``Background._call_compiled``).
+_probe = threading.local()
+
+
+def recompile_probe(code: CodeType | None) -> BaseException | None:
+    """Called by Dynamo's recompile path (hooked in ``torch_hooks``) before it compiles ``code`` anew:
+    the exception that stops it, when the calling thread's background-compiled call probes ``code``
+    and nothing of that call has run yet (no frame but torch's and warmstart's between the call and
+    Dynamo), else ``None``."""
+    if code is None or getattr(_probe, "code", None) is not code:
+        return None
+    torch_dir, stdlib_dir, here = _internal_dirs()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not _CALL_COMPILED_CODE:
+        filename = frame.f_code.co_filename
+        internal = filename.startswith((torch_dir, here)) or (
+            filename.startswith(stdlib_dir) and "-packages" not in filename
         )
+        if not internal:
+            return None  # a recompile further into the call: part of it ran, so it must finish as torch runs it
+        frame = frame.f_back
+    if frame is None:
+        return None
+    from torch._dynamo.exc import RecompileError
+
+    name = getattr(code, "co_name", "?")
+    stop = RecompileError(f"warmstart: {name} would recompile; a background worker compiles it")
+    stop._warmstart_probe = True  # type: ignore[attr-defined]
+    return stop
+
+
+def _entry_code(model: Any) -> Any:
+    target = getattr(model, "__self__", model)
+    forward = getattr(type(target), "forward", None) if hasattr(target, "_modules") else None
+    function = forward if forward is not None else target
+    return getattr(function, "__code__", None)
+
+
+def _no_module_hooks(model: Any) -> bool:
+    # Module hooks run before Dynamo sees ``forward``: a call stopped there, then run eagerly, would
+    # run them twice.
+    target = getattr(model, "__self__", model)
+    if not hasattr(target, "_forward_pre_hooks"):
+        return True
+    from torch.nn.modules import module as nn_module
+
+    return not (
+        target._forward_pre_hooks
+        or target._forward_hooks
+        or target._backward_pre_hooks
+        or target._backward_hooks
+        or nn_module._global_forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_backward_pre_hooks
+        or nn_module._global_backward_hooks
+    )
 
 
 def _record_switch() -> None:
@@ -320,32 +511,26 @@ def _record_switch() -> None:
     rec.end(COMPILE_SWITCH, bucket=COMPILE)
 
 
-def _payload(model: Any, compile_kwargs: dict[str, Any], args: tuple, kwargs: dict) -> bytes:
+def _payload(model: Any, compile_kwargs: dict[str, Any], calls: list[Any]) -> bytes:
     """What a worker needs, pickled: the code (the module, a copy of its parameters and buffers, or the
-    function by reference), how torch.compile was called, and the inputs' specs.
+    function by reference), how torch.compile was called, and the input specs of each call to replay.
 
     Raises:
         ValueError: the worker cannot be given this code (the caller compiles inline).
     """
     import torch
-    from torch.utils._pytree import tree_map
 
     target = getattr(model, "__self__", model)
     if isinstance(target, torch.nn.Module):
         size = sum(t.numel() * t.element_size() for t in (*target.parameters(), *target.buffers()))
         if size > MAX_WORKER_BYTES:
             raise ValueError(f"parameters and buffers of {size / 2**30:.1f} GiB, over the worker's bound")
-
-    def spec(value: Any) -> Any:
-        return _spec(value) if isinstance(value, torch.Tensor) else value
-
     how = "module_compile" if getattr(model, "__name__", "") == "_call_impl" else "torch_compile"
     code = {
         "target": target,
         "how": how,
         "compile_kwargs": compile_kwargs,
-        "args": tree_map(spec, args),
-        "kwargs": tree_map(spec, kwargs),
+        "calls": calls,
         "grad_enabled": torch.is_grad_enabled(),
         "num_threads": torch.get_num_threads(),
     }
@@ -355,6 +540,17 @@ def _payload(model: Any, compile_kwargs: dict[str, Any], args: tuple, kwargs: di
         raise ValueError(f"the worker cannot be given it: {type(exc).__name__}: {exc}") from exc
     # Where to import the code from comes first: the worker can unpickle it only from there.
     return pickle.dumps({"sys_path": list(sys.path), "cwd": os.getcwd(), "code": pickled})
+
+
+def _specs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """A call's inputs with each tensor replaced by its :class:`_TensorSpec` (other values as they are)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def spec(value: Any) -> Any:
+        return _spec(value) if isinstance(value, torch.Tensor) else value
+
+    return tree_map(spec, args), tree_map(spec, kwargs)
 
 
 def _spec(tensor: Any) -> _TensorSpec:
@@ -389,11 +585,11 @@ class _TensorSpec:
         return f"Tensor{self.shape}/{self.stride}/{self.dtype}/{self.device}/{self.requires_grad}"
 
 
-def _key(model: Any, compile_kwargs: dict[str, Any], args: tuple, kwargs: dict) -> str:
-    """One key per code, structure, inputs and way of compiling, the same in every process that runs
-    the same code (the parameters' values, which a compile does not read, are not in it)."""
+def _key(model: Any, compile_kwargs: dict[str, Any], calls: list[Any]) -> str:
+    """One key per code, structure, sequence of input specs and way of compiling, the same in every
+    process that runs the same code (the parameters' values, which a compile does not read, are not
+    in it)."""
     import torch
-    from torch.utils._pytree import tree_map
 
     target = getattr(model, "__self__", model)
     parts: list[str] = [torch.__version__, repr(sorted(compile_kwargs.items(), key=lambda kv: kv[0]))]
@@ -411,6 +607,21 @@ def _key(model: Any, compile_kwargs: dict[str, Any], args: tuple, kwargs: dict) 
     else:
         code = target.__code__
         parts += [target.__module__, target.__qualname__, hashlib.sha256(code.co_code).hexdigest()]
-    parts.append(repr(tree_map(lambda v: _spec(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))))
+    parts += [repr(call) for call in calls]
     parts.append(str(torch.is_grad_enabled()))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+_CALL_COMPILED_CODE = Background._call_compiled.__code__
+
+
+@functools.cache
+def _internal_dirs() -> tuple[str, str, str]:
+    """Where the frames between a probed call and Dynamo's recompile path come from: torch, the
+    standard library (without its site-packages) and warmstart's compile cache, none of which runs
+    the call's own code."""
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    torch_dir, stdlib_dir = (os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (torch, os))
+    return torch_dir, stdlib_dir, here + os.sep

@@ -2,9 +2,10 @@
 
 Started by :mod:`warmstart.compile_cache.background` with the job's environment (warmstart's store
 on, ``WARMSTART_COMPILE_WORKER=1``: no ETT events, no background mode of its own). It loads the job
-file (the code, how ``torch.compile`` was called, the inputs' specs), compiles the code as the job
-would have at that first call, runs it forward and backward once on inputs made to the specs, waits
-until the store has written everything, and then creates ``<key>.done`` next to the job file.
+file (the code, how ``torch.compile`` was called, the input specs of each call that made the job's
+Dynamo compile), compiles the code as the job would have, running it forward and backward on inputs
+made to each call's specs in turn, waits until the store has written everything, and then creates
+``<key>.done`` next to the job file.
 
 It runs at a lower CPU priority, with the job's intra-op thread count (Inductor writes it into the code
 it generates), and holds the lock file it was given until it exits (inherited: the lock lasts as long
@@ -83,7 +84,6 @@ def main(argv: list[str]) -> int:
     def make(value):
         return value.make() if isinstance(value, _TensorSpec) else value
 
-    args, kwargs = tree_map(make, payload["args"]), tree_map(make, payload["kwargs"])
     target = payload["target"]
     start = time.perf_counter()
     with torch.set_grad_enabled(payload["grad_enabled"]):
@@ -92,10 +92,14 @@ def main(argv: list[str]) -> int:
             compiled = target
         else:
             compiled = torch.compile(target, **payload["compile_kwargs"])
-        out = compiled(*args, **kwargs)
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.stack([t.float().sum() for t in tensors]).sum().backward()
+        # Every call that made the job's Dynamo compile, in order: the last one's compile is the one
+        # asked for, and the ones before it make Dynamo decide as the job's did (what it marks dynamic).
+        for args, kwargs in payload["calls"]:
+            out = compiled(*tree_map(make, args), **tree_map(make, kwargs))
+            leaves = torch.utils._pytree.tree_leaves(out)
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.stack([t.float().sum() for t in tensors]).sum().backward()
     from warmstart.compile_cache import get_store
 
     seconds = f"{time.perf_counter() - start:.3f}"

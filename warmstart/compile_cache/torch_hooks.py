@@ -616,7 +616,12 @@ def _hook_recompiles(convert_frame: ModuleType) -> None:
     original = convert_frame.get_and_maybe_log_recompilation_reasons
 
     def counted(*args, **kwargs):
-        from warmstart.compile_cache import get_store
+        from warmstart.compile_cache import background, get_store
+
+        frame = args[1] if len(args) > 1 else kwargs.get("frame")
+        stop = background.recompile_probe(getattr(frame, "f_code", None))
+        if stop is not None:
+            raise stop  # before any tracing, as torch's own error_on_recompile does
 
         try:
             store = get_store()

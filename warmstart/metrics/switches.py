@@ -40,7 +40,8 @@ class CompileSwitch:
     last_at_s: float
     """The same for its last switch (equal to ``at_s`` when one function or module switched)."""
     switches: int
-    """How many functions or modules switched on this rank."""
+    """How many switches this rank made: one per function or module, and one per recompile a worker
+    compiled for it."""
     during_step: int | None
     """The step that was running at the first switch; ``None`` before the first step."""
     eager_steps: int
