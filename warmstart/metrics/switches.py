@@ -58,18 +58,24 @@ class CompileSwitch:
 
 def compile_switches(events: Iterable[Event]) -> list[CompileSwitch]:
     """One :class:`CompileSwitch` per attempt and rank that switched, by attempt then rank."""
+    events = events if isinstance(events, list) else list(events)
+    marks: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for ev in events:
+        if isinstance(ev, Begin) and ev.span == COMPILE_SWITCH:
+            marks[(ev.attempt, ev.rank)].append(ev.ts)
+    if not marks:  # a job without background compiles (most): one pass, nothing kept
+        return []
     starts: dict[int, float] = {}
     first_event: dict[tuple[int, int], float] = {}
-    marks: dict[tuple[int, int], list[float]] = defaultdict(list)
     steps: dict[tuple[int, int], list[tuple[float, int]]] = defaultdict(list)
     for ev in events:
         where = (ev.attempt, ev.rank)
-        first_event[where] = min(first_event.get(where, ev.ts), ev.ts)
         if isinstance(ev, AttemptStart):
             starts[ev.attempt] = min(starts.get(ev.attempt, ev.ts), ev.ts)
-        elif isinstance(ev, Begin) and ev.span == COMPILE_SWITCH:
-            marks[where].append(ev.ts)
-        elif isinstance(ev, Step):
+        if where not in marks:
+            continue
+        first_event[where] = min(first_event.get(where, ev.ts), ev.ts)
+        if isinstance(ev, Step):
             steps[where].append((ev.ts, ev.step))
     found = []
     for (attempt, rank), times in sorted(marks.items()):
