@@ -133,6 +133,79 @@ def test_a_compile_that_stores_nothing_releases_the_lease_when_it_returns(redis_
     a.close(), b.close()
 
 
+#: An AOTAutograd entry's key as torch's remote cache names it; torch saves it at the first backward.
+AOT_KIND, AOT_KEY = "aot_autograd", "pt2:autograd-experimental::aot-key-1:c1"
+
+
+def _backward_of_aot_key(key: str) -> bool:
+    return "::aot-key-1:" in key
+
+
+@pytest.fixture
+def short_deferral(monkeypatch):
+    """A deferred lease kept for 0.1 s after the last compile, so that a renewal (every second)
+    would let it go in any pause longer than that."""
+    from warmstart.compile_cache import single_flight
+
+    monkeypatch.setattr(single_flight, "DEFERRED_MIN_S", 0.1)
+    return 2 * _defaults.LEASE_TTL_S / 3 + 0.5  # two renewals and a margin
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_an_entry_saved_at_the_first_backward_keeps_its_lease_however_long_that_compile_takes(
+    short_deferral, redis_node, tmp_path
+):
+    a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
+    with a.single_flight.scope():  # the forward's frame compile: a miss, and torch defers the save
+        assert not a.get(AOT_KIND, AOT_KEY)
+    with a.single_flight.deferred_compile(AOT_KIND, _backward_of_aot_key):  # the lazy backward
+        time.sleep(short_deferral)
+        assert a.single_flight.holds(AOT_KIND, AOT_KEY) and len(_lease_keys(redis_node.url)) == 1
+        waiter = _Lookup(b, AOT_KIND, AOT_KEY)
+        until(waiter.waiting)
+        time.sleep(short_deferral)
+        assert a.put(AOT_KIND, AOT_KEY, VALUE)  # torch's save at the end of the backward compile
+    result = waiter.outcome()
+    assert result and result.value == VALUE
+    assert "takeovers" not in b.stats.counters_dict() and "leases_lapsed" not in a.stats.counters_dict()
+    assert a.single_flight.held == 0
+    a.close(), b.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_backward_compile_that_saves_nothing_releases_the_lease_when_it_ends(redis_node, tmp_path):
+    a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
+    with a.single_flight.scope():
+        assert not a.get(AOT_KIND, AOT_KEY)
+    assert a.single_flight.holds(AOT_KIND, AOT_KEY)  # kept for the deferred save
+    waiter = None
+    with a.single_flight.deferred_compile(AOT_KIND, lambda key: key == "another entry's"):
+        assert a.single_flight.holds(AOT_KIND, AOT_KEY)  # another graph's backward leaves it alone
+    with a.single_flight.deferred_compile(AOT_KIND, _backward_of_aot_key):
+        waiter = _Lookup(b, AOT_KIND, AOT_KEY)
+        until(waiter.waiting)
+    # torch chose not to save (a bypass): the waiter takes over at once, not after a timer
+    assert a.single_flight.held == 0 and "leases_lapsed" not in a.stats.counters_dict()
+    assert not waiter.outcome(timeout=_defaults.LEASE_POLL_S + 5)
+    assert b.stats.counters_dict()["takeovers"] == 1
+    a.close(), b.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_deferred_lease_lasts_while_the_process_compiles_and_lapses_after(short_deferral, redis_node, tmp_path):
+    a = _store(tmp_path / "a", redis_node.url)
+    with a.single_flight.scope():
+        assert not a.get(AOT_KIND, AOT_KEY)
+    with a.single_flight.scope():  # another frame's compile before the first backward (a graph break)
+        time.sleep(short_deferral)
+        assert a.single_flight.holds(AOT_KIND, AOT_KEY)
+    # No backward comes (an evaluation-only function): the lease lapses DEFERRED_MIN_S after the last
+    # compile, at the next renewal.
+    until(lambda: a.single_flight.held == 0, timeout=short_deferral + 5)
+    assert not _lease_keys(redis_node.url) and a.stats.counters_dict()["leases_lapsed"] == 1
+    a.close()
+
+
 _HOLDER = textwrap.dedent("""
     import sys, time
     from warmstart.compile_cache import open_store

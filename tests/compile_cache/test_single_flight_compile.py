@@ -99,6 +99,25 @@ def test_two_machines_compiling_one_model_at_once_compile_it_once(redis_node, tm
     assert waiter["aot_autograd"].get("autograd_cache_hit", 0) == 1
 
 
+def test_the_aot_autograd_lease_lasts_through_a_slow_lazy_backward(tmp_path):
+    """AOTAutograd saves its entry when it lowers the backward, at the first backward pass: a lowering
+    that takes longer than the lease is kept after the forward's compile must not lose the lease
+    (waiters would take over and trace the joint graph again), and the save releases it."""
+    env = machine_env(tmp_path / "m", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "compile_cache" / "_lazy_backward_job.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
+    assert seen["aot_leases_after_forward"] == 1 and seen["aot_leases_in_backward"] == 1, seen
+    assert seen["aot_autograd"].get("autograd_cache_saved") == 1, seen
+    assert seen["held_after"] == 0 and "leases_lapsed" not in seen["counters"], seen
+
+
 def test_a_holder_killed_mid_compile_is_taken_over(redis_node, tmp_path):
     compiler, _ = _compiler(tmp_path, fail=False)  # never released: the holder is killed while it compiles
     holder = _start(tmp_path / "holder", redis_node.url, compiler_dir=compiler)

@@ -339,4 +339,6 @@ def _single_flight_line(counters: dict[str, float]) -> str:
     )
     if counters.get("wait_timeouts"):
         line += f", {n('wait_timeouts', 'wait')} past WARMSTART_COMPILE_WAIT_S"
+    if counters.get("leases_lapsed"):
+        line += f", {n('leases_lapsed', 'lease')} let go before its entry was stored"
     return line

@@ -58,9 +58,10 @@ log = logging.getLogger("warmstart.cache")
 LEASED_KINDS = frozenset({"fx_graph", "aot_autograd", "cpp_object", "triton_kernel", "autotune"})
 
 #: Kinds torch may store after the compile that missed them has returned: AOTAutograd lowers the
-#: backward graph lazily, at the first backward pass, and saves its entry then. A lease of these kinds
-#: outlives a scope that ends normally by as long as the scope took (at least ``DEFERRED_MIN_S``), so
-#: that waiters load the entry instead of tracing the joint graph again.
+#: backward graph lazily, at the first backward pass, and saves its entry then (see
+#: :meth:`SingleFlight.deferred_compile`). A lease of these kinds outlives a scope that ends normally:
+#: it is kept while this process compiles anything, and for ``DEFERRED_MIN_S`` after its last compile
+#: ended, so that waiters load the entry instead of tracing the joint graph again.
 DEFERRED_KINDS = frozenset({"aot_autograd"})
 DEFERRED_MIN_S = 5.0
 
@@ -86,7 +87,8 @@ class Lease:
     taken_at: float = field(default_factory=time.monotonic)
     pid: int = field(default_factory=os.getpid)
     release_at: float | None = None
-    """Set when the compile that took it returned without storing it (see ``DEFERRED_KINDS``)."""
+    """When the renewer lets it go, if nothing stored it by then: set when the compile that took it
+    returned without storing it (see ``DEFERRED_KINDS``), or for a lease taken outside any compile."""
 
 
 class _Held:
@@ -104,7 +106,8 @@ class SingleFlight:
         local_dir: the local tier's directory (lock files go in ``leases/`` under it), or ``None``.
         local_writable: whether this process may take local locks (not in read-only mode).
         remote: the remote tier, or ``None``; a :class:`ReadOnly` one is watched, never leased.
-        stats: where ``leases``, ``waits``, ``wait_s``, ``takeovers`` and ``wait_timeouts`` are counted.
+        stats: where ``leases``, ``waits``, ``wait_s``, ``takeovers``, ``wait_timeouts`` and
+            ``leases_lapsed`` (leases let go without their entry, see :meth:`_lapsed`) are counted.
         wait_s: the longest one wait lasts (and a lease is held); 0 turns single-flight off.
         ttl_s: a Redis lease's lifetime without renewal: how soon a dead holder's lease lapses.
         poll_s: the longest pause between two looks at a lease.
@@ -139,6 +142,7 @@ class SingleFlight:
         self._renewer_pid = 0
         self._wake = threading.Event()
         self._scopes = threading.local()
+        self._compiling = 0  # compile scopes open in this process, in any thread
         _instances.add(self)
 
     # -- the store's side ------------------------------------------------------------------------
@@ -224,30 +228,59 @@ class SingleFlight:
     def scope(self) -> Iterator[None]:
         """Leases this thread takes inside the body and still holds when it ends are released then:
         a compile that raised (or stored nothing) must not keep others waiting. When the body returns,
-        leases of ``DEFERRED_KINDS`` are kept for as long again as the body took (at least
-        ``DEFERRED_MIN_S``), waiting for torch's deferred save."""
+        leases of ``DEFERRED_KINDS`` are kept, waiting for torch's deferred save: while any compile of
+        this process runs, and ``DEFERRED_MIN_S`` after the last one ended."""
         stack = getattr(self._scopes, "stack", None)
         if stack is None:
             stack = self._scopes.stack = []
         stack.append([])
-        start = time.monotonic()
+        with self._lock:
+            self._compiling += 1
         failed = True
         try:
             yield
             failed = False
         finally:
             taken: list[Lease] = stack.pop()
-            now = time.monotonic()
-            for lease in taken:
-                with self._lock:
+            ended: list[Lease] = []
+            with self._lock:
+                self._compiling -= 1
+                now = time.monotonic()
+                for lease in taken:
                     if self._held.get((lease.kind, lease.key)) is not lease:
                         continue
                     if not failed and lease.kind in DEFERRED_KINDS:
-                        lease.release_at = now + max(DEFERRED_MIN_S, now - start)
-                        self._wake.set()
+                        lease.release_at = now
                         continue
                     del self._held[(lease.kind, lease.key)]
+                    ended.append(lease)
+                for lease in self._held.values():  # the time after this process last compiled
+                    if lease.kind in DEFERRED_KINDS and lease.release_at is not None:
+                        lease.release_at = max(lease.release_at, now + DEFERRED_MIN_S)
+            for lease in ended:
                 self._release(lease, popped=True)
+
+    @contextlib.contextmanager
+    def deferred_compile(self, kind: str, matches: Callable[[str], bool]) -> Iterator[None]:
+        """The body is the compile torch deferred for the entries of ``kind`` whose keys ``matches``
+        accepts (AOTAutograd's backward, lowered at the first backward pass), which stores them when
+        it ends. Their leases, kept since the compile that missed them returned, do not lapse while
+        it runs, however long it takes (up to ``wait_s``); those it did not store are released when
+        it ends. The body is a :meth:`scope` of its own."""
+        with self._lock:
+            pinned = [
+                lease
+                for (held_kind, key), lease in self._held.items()
+                if held_kind == kind and lease.release_at is not None and matches(key)
+            ]
+            for lease in pinned:
+                lease.release_at = None
+        try:
+            with self.scope():
+                yield
+        finally:
+            for lease in pinned:
+                self._release(lease)  # a no-op for those its save released
 
     def release_all(self) -> None:
         """Release every lease this process holds (at exit)."""
@@ -402,13 +435,11 @@ class SingleFlight:
             with self._lock:
                 leases = list(self._held.values())
             now = time.monotonic()
-            expired = [
-                lease
-                for lease in leases
-                if now - lease.taken_at > self.wait_s or (lease.release_at is not None and now >= lease.release_at)
-            ]
+            compiling = self._compiling > 0
+            expired = [lease for lease in leases if self._lapsed(lease, now, compiling)]
             for lease in expired:  # nobody waits longer than wait_s: holding it longer only misleads
                 log.debug("lease on a %s entry held for %.0f s: released", lease.kind, now - lease.taken_at)
+                self.stats.bump("leases_lapsed")
                 self._release(lease)
             for lease in leases:  # this process is alive: its host locks must not look stale
                 if lease not in expired and lease.local_fd is not None:
@@ -428,6 +459,15 @@ class SingleFlight:
                     if (lease.kind, lease.key) in lost:
                         lease.remote = False
 
+    def _lapsed(self, lease: Lease, now: float, compiling: bool) -> bool:
+        """Whether ``lease`` is let go without its entry: held ``wait_s``, or past its ``release_at``
+        (for a deferred kind, only while this process compiles nothing)."""
+        if now - lease.taken_at > self.wait_s:
+            return True
+        if lease.release_at is None or now < lease.release_at:
+            return False
+        return not (compiling and lease.kind in DEFERRED_KINDS)
+
     def _forget_after_fork(self) -> None:
         # A forked child holds none of its parent's leases; the parent's flock descriptors are
         # closed here (the lock stays with the parent) and its renewer thread does not exist here.
@@ -441,6 +481,7 @@ class SingleFlight:
         self._renewer = None
         self._renewer_pid = 0
         self._scopes = threading.local()
+        self._compiling = 0
 
 
 def _same_file(fd: int, path: Path) -> bool:

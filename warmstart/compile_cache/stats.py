@@ -66,9 +66,10 @@ class Stats:
         self._counts: dict[tuple[str, str], Counts] = defaultdict(Counts)
         self.counters: dict[str, float] = defaultdict(int)
         """Process-level events that are not per tier, e.g. ``recompiles``, single-flight's
-        ``leases``, ``waits``, ``wait_s`` (seconds), ``takeovers`` and ``wait_timeouts``, untrusted
-        lease records ignored (``leases_ignored``), host locks of stopped holders taken over
-        (``stale_locks``) and slow-server trips (``slow_trips``)."""
+        ``leases``, ``waits``, ``wait_s`` (seconds), ``takeovers``, ``wait_timeouts`` and
+        ``leases_lapsed`` (let go before their entry was stored), untrusted lease records ignored
+        (``leases_ignored``), host locks of stopped holders taken over (``stale_locks``) and
+        slow-server trips (``slow_trips``)."""
         _instances.add(self)
 
     def _after_fork(self) -> None:

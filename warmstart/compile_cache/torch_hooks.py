@@ -553,6 +553,45 @@ def _lease_scope():
         return contextlib.nullcontext()
 
 
+@_patch("torch._functorch._aot_autograd.runtime_wrappers")
+def _hook_lazy_backward(runtime_wrappers: ModuleType) -> None:
+    """AOTAutograd's backward, lowered at the first backward pass, is the end of the compile that
+    missed its entry: that entry's lease lasts until torch saves it then (see
+    :meth:`~warmstart.compile_cache.single_flight.SingleFlight.deferred_compile`)."""
+    compiler = runtime_wrappers._AutogradBackwardCompiler
+    original = compiler.get_or_compile
+
+    @functools.wraps(original)
+    def get_or_compile(self, *args, **kwargs):
+        if self.compiled_bw is not None:
+            return original(self, *args, **kwargs)
+        with _deferred_compile_scope(self.aot_config):
+            return original(self, *args, **kwargs)
+
+    compiler.get_or_compile = get_or_compile
+
+
+def _deferred_compile_scope(aot_config):
+    import contextlib
+
+    try:
+        from warmstart.compile_cache import get_store
+
+        flight = getattr(get_store(), "single_flight", None)
+        if flight is None:
+            return contextlib.nullcontext()
+        cache_info = getattr(aot_config, "cache_info", None)
+        cache_key = getattr(cache_info, "cache_key", None)
+        if not cache_key:  # AOTAutograd's cache is off for this graph: no entry, no lease
+            return flight.scope()
+        # torch's remote key for the entry: "pt2:autograd-experimental::<cache key>:c<version>"
+        needle = f"::{cache_key}:"
+        return flight.deferred_compile("aot_autograd", lambda key: needle in key)
+    except Exception as exc:
+        fail_open("single-flight scope", exc)
+        return contextlib.nullcontext()
+
+
 # -- a frame's compile, and recompilations -----------------------------------------------------
 
 
