@@ -178,7 +178,6 @@ def test_a_backward_compile_that_saves_nothing_releases_the_lease_when_it_ends(r
     with a.single_flight.scope():
         assert not a.get(AOT_KIND, AOT_KEY)
     assert a.single_flight.holds(AOT_KIND, AOT_KEY)  # kept for the deferred save
-    waiter = None
     with a.single_flight.deferred_compile(AOT_KIND, lambda key: key == "another entry's"):
         assert a.single_flight.holds(AOT_KIND, AOT_KEY)  # another graph's backward leaves it alone
     with a.single_flight.deferred_compile(AOT_KIND, _backward_of_aot_key):

@@ -30,6 +30,7 @@ build) after one warning per process, and torch's own errors pass through unchan
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -541,16 +542,18 @@ def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
 def _lease_scope():
     """Leases taken in the body (single-flight) and not yet released by a ``put`` are released when
     it ends: a compile that raised, or that torch chose not to cache, must not keep others waiting."""
-    import contextlib
-
     try:
-        from warmstart.compile_cache import get_store
-
-        flight = getattr(get_store(), "single_flight", None)  # a store need not have leases
+        flight = _single_flight()
         return flight.scope() if flight is not None else contextlib.nullcontext()
     except Exception as exc:
         fail_open("single-flight scope", exc)
         return contextlib.nullcontext()
+
+
+def _single_flight():
+    from warmstart.compile_cache import get_store
+
+    return getattr(get_store(), "single_flight", None)  # a store need not have leases
 
 
 @_patch("torch._functorch._aot_autograd.runtime_wrappers")
@@ -572,12 +575,8 @@ def _hook_lazy_backward(runtime_wrappers: ModuleType) -> None:
 
 
 def _deferred_compile_scope(aot_config):
-    import contextlib
-
     try:
-        from warmstart.compile_cache import get_store
-
-        flight = getattr(get_store(), "single_flight", None)
+        flight = _single_flight()
         if flight is None:
             return contextlib.nullcontext()
         cache_info = getattr(aot_config, "cache_info", None)
@@ -616,8 +615,6 @@ def _hook_frame_compile(convert_frame: ModuleType) -> None:
 
 
 def _frames_scope(package):
-    import contextlib
-
     if package is None:
         return contextlib.nullcontext()
     try:
