@@ -369,17 +369,57 @@ def test_another_user_is_refused():
 
 
 def test_a_forked_child_has_what_torch_loads_on_a_first_compile(preloader):
-    """The compiler modules torch imports lazily are the preloader's, so a forked rank's first compile
-    does not import them; a new interpreter has none of them."""
-    from warmstart.preload.server import COMPILER_MODULES
+    """The compiler modules torch imports lazily, and those warmstart's store imports when it opens,
+    are the preloader's, so a forked rank's first compile does not import them; a new interpreter
+    has none of them."""
+    from warmstart.preload.server import COMPILER_MODULES, STORE_MODULES
 
     code = FORKED + "; import sys; print(_forked, sorted(n for n in NAMES if n not in sys.modules))"
-    code = code.replace("NAMES", repr(COMPILER_MODULES))
+    code = code.replace("NAMES", repr(COMPILER_MODULES + STORE_MODULES))
     forked, plain = preloader.run(["-c", code]), preloader.run(["-c", code], preload=False)
     assert forked.returncode == plain.returncode == 0, (forked.stderr, plain.stderr)
     assert forked.stdout.strip() == "True []"
-    assert plain.stdout.startswith("False ['torch.")
+    assert plain.stdout.startswith("False ['blake3', 'cryptography.")
     assert preloader.status()["fork_safe"]
+
+
+def test_a_forked_child_has_torchs_source_hash(preloader):
+    """Inductor's hash of torch's sources (part of every FX graph and AOTAutograd cache key) is the
+    preloader's: a forked child's first compile does not read torch's files again; a new
+    interpreter does."""
+    code = FORKED + textwrap.dedent("""
+        from torch._inductor import codecache
+        def _read_again(*args, **kwargs):
+            raise SystemExit("torch's sources read again")
+        codecache.build_code_hash = _read_again
+        print(_forked, codecache.torch_key().hex())
+    """)
+    forked, plain = preloader.run(["-c", code]), preloader.run(["-c", code], preload=False)
+    assert forked.returncode == 0, forked.stderr
+    assert forked.stdout.split()[0] == "True" and len(forked.stdout.split()[1]) == 64
+    assert (plain.returncode, plain.stderr.strip()) == (1, "torch's sources read again")
+
+
+def test_the_preloader_watches_every_file_torchs_source_hash_reads():
+    """A torch file the preloader never imported still decides the hash its children inherit: a
+    change to one (or a file added next to it) makes the preloader refuse, as for its own modules."""
+    import torch
+    from torch._inductor import codecache
+
+    from warmstart.preload.server import _hash_torch_sources
+
+    stamps = _hash_torch_sources()
+    root = Path(torch.__file__).parent
+    modules = {
+        path: ".".join(("torch", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        for path in sorted(root.glob("*/*.py"))
+    }
+    never_imported = [path for path, name in modules.items() if name not in sys.modules]
+    assert len(never_imported) > 10
+    assert [str(path) for path in never_imported if str(path) not in stamps] == []
+    assert str(root) in stamps and str(root / "_inductor") in stamps  # files added or removed
+    assert str(Path(codecache.__file__).parent / "script.ld") in stamps
+    assert all(stamp[0] > 0 for path, stamp in stamps.items() if path.endswith(".py"))
 
 
 def test_dataloader_and_inductor_compile_workers_in_a_forked_child(preloader):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -49,6 +50,8 @@ from warmstart.init_pipeline.plan_cache import PlanOutcome, broadcast_plan, reso
 log = logging.getLogger("warmstart.init_pipeline")
 
 _CONNECT_RETRY_S = 1.0  # how often a channel without a store tries to reach one again
+_LISTEN_POLL_S = 0.01  # how often a rank looks for rank 0's store before joining the rendezvous
+_LISTEN_WAIT_MAX_S = 30.0  # after this, the rendezvous goes on as torch's own (its retries, its timeout)
 
 
 class StoreFailureChannel:
@@ -250,6 +253,31 @@ class TorchRecStartup:
     dmp_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def _wait_for_rank0_store(env: Any, timeout_s: float) -> bool:
+    """Before an ``env://`` rendezvous whose store rank 0 starts (``MASTER_ADDR``/``MASTER_PORT``, no
+    torchrun agent store), wait until that store listens, looking every 10 ms.
+
+    A rank that reaches the store first is refused and torch's client then sleeps 0.5-1.5 s (its
+    back-off) before trying again, however soon the store listens: ranks forked together from a
+    preloader, or started in lock step, lose that second at most starts. Returns whether the store
+    listened within ``timeout_s``; either way the rendezvous that follows is torch's own.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return True  # the agent's store listened before this rank was started
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return False  # not an env:// rendezvous: nothing to wait for here
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=max(0.05, min(1.0, timeout_s))):
+                return True
+        except OSError:
+            if time.monotonic() + _LISTEN_POLL_S >= deadline:
+                return False
+            time.sleep(_LISTEN_POLL_S)
+
+
 def torchrec_startup_graph(
     spec: TorchRecStartup,
     *,
@@ -298,6 +326,8 @@ def torchrec_startup_graph(
 
     def process_group_init() -> dist.ProcessGroup:
         if not dist.is_initialized():
+            if rank != 0:
+                _wait_for_rank0_store(env, min(spec.pg_timeout_s, _LISTEN_WAIT_MAX_S))
             dist.init_process_group(backend=spec.backend, timeout=timedelta(seconds=spec.pg_timeout_s))
         if device.type == "cuda":
             torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))

@@ -124,6 +124,37 @@ COMPILER_MODULES = (
     "torch.utils.cpp_extension",
 )
 
+#: What warmstart imports when a process opens its cache store, at its first ``torch.compile`` call
+#: (the tiers, single-flight, signing and what they need: SQLite, diskcache, redis-py's URL parsing,
+#: Ed25519). A forked rank would otherwise import them on its first compile's critical path (about
+#: 50 ms). Imported after the requested modules, when ``warmstart.compile_cache`` is among them.
+STORE_MODULES = (
+    "blake3",
+    "cryptography.exceptions",
+    "cryptography.hazmat.primitives.asymmetric.ed25519",
+    "cryptography.hazmat.primitives.serialization",
+    "diskcache",
+    "encodings.idna",
+    "sqlite3",
+    "warmstart._fileio",
+    "warmstart._threads",
+    "warmstart.compile_cache.breaker",
+    "warmstart.compile_cache.keyspace",
+    "warmstart.compile_cache.local",
+    "warmstart.compile_cache.miss_log",
+    "warmstart.compile_cache.namespace",
+    "warmstart.compile_cache.remote",
+    "warmstart.compile_cache.remote_client",
+    "warmstart.compile_cache.remote_leases",
+    "warmstart.compile_cache.remote_registry",
+    "warmstart.compile_cache.signing",
+    "warmstart.compile_cache.single_flight",
+    "warmstart.compile_cache.stats",
+    "warmstart.compile_cache.tiered",
+    "warmstart.compile_cache.wait_budget",
+    "warmstart.metrics.live",
+)
+
 #: How old a check that nothing the preloader imported has changed may be when a request is
 #: served; the preloader checks again whenever it has been idle this long.
 STALE_CHECK_S = 1.0
@@ -183,10 +214,16 @@ class Preloader:
             for name in COMPILER_MODULES:
                 with contextlib.suppress(ImportError):
                     importlib.import_module(name)
+        if "warmstart.compile_cache" in self.imported:
+            for name in STORE_MODULES:
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(name)
         self.imports_s = time.perf_counter() - start
         _stop_blas_threads()
         _skip_library_teardown()
         self._files = _module_files()
+        if "torch._inductor.codecache" in sys.modules:
+            self._files.update(_hash_torch_sources())
         # Python's advice for a process that forks without exec: what exists now is never touched by
         # a child's garbage collector (its pages stay shared), and a child's gc.get_objects() holds
         # only what its program made.
@@ -482,6 +519,44 @@ def _module_files() -> dict[str, tuple[int, int]]:
         if isinstance(path, str) and path not in files:
             files[path] = _stamp(path)
     return files
+
+
+def _hash_torch_sources() -> dict[str, tuple[int, int]]:
+    """Compute Inductor's hash of torch's source files (``torch_key()``, part of every FX graph and
+    AOTAutograd cache key) once, so that no forked child spends its first compile on it (0.1-0.2 s of
+    reading and hashing every module file under ``torch/``); returns the stamps of the files and
+    directories it read, so that the preloader refuses to fork once one of them changes, as a new
+    interpreter would hash them anew."""
+    import pkgutil
+
+    import torch
+    from torch._inductor import codecache
+
+    try:
+        codecache.torch_key()
+    except Exception as exc:  # a torch whose key cannot be computed here: each child computes it, as before
+        log.info("warmstart preload: torch's source hash not computed (%s)", exc)
+        return {}
+    stamps: dict[str, tuple[int, int]] = {}
+
+    def walk(roots: list[str], prefix: str) -> None:
+        # The walk of codecache.build_code_hash: every module file, and the directories whose
+        # listing decides which files those are.
+        for root in roots:
+            stamps[root] = _stamp(root)
+        for info in pkgutil.iter_modules(roots, prefix):
+            spec = info.module_finder.find_spec(info.name, None)
+            if spec is None or spec.origin is None:
+                continue
+            stamps[spec.origin] = _stamp(spec.origin)
+            if info.ispkg and spec.submodule_search_locations:
+                walk(list(spec.submodule_search_locations), f"{spec.name}.")
+
+    walk([getattr(codecache, "_TORCH_PATH", os.path.dirname(torch.__file__))], "")
+    inductor = os.path.dirname(codecache.__file__)
+    for extra in ("codegen/aoti_runtime/interface.cpp", "script.ld"):
+        stamps[os.path.join(inductor, extra)] = _stamp(os.path.join(inductor, extra))
+    return stamps
 
 
 def _stamp(path: str) -> tuple[int, int]:
