@@ -151,11 +151,46 @@ def short_deferral(monkeypatch):
     return 2 * _defaults.LEASE_TTL_S / 3 + 0.5  # two renewals and a margin
 
 
+def _gate_remote_writes(store) -> threading.Event:
+    """Hold ``store``'s background writes to its remote tier until the returned event is set (a
+    slow upload); the real write happens then."""
+    gate, put = threading.Event(), store.remote.put
+
+    def held_put(*args, **kwargs):
+        assert gate.wait(HANG_GUARD_S)
+        return put(*args, **kwargs)
+
+    store.remote.put = held_put
+    return gate
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_lease_is_kept_until_the_background_write_is_readable(redis_node, tmp_path):
+    """The compile stored its entry and returned, but the upload is still under way: a waiter that
+    found the lease gone now would read nothing and compile again."""
+    a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
+    gate = _gate_remote_writes(a)
+    with a.single_flight.scope():
+        assert not a.get(KIND, KEY)
+        waiter = _Lookup(b)
+        until(waiter.waiting)
+        assert a.put(KIND, KEY, VALUE)
+    assert a.single_flight.holds(KIND, KEY) and len(_lease_keys(redis_node.url)) == 1
+    assert waiter.waiting()
+    gate.set()
+    result = waiter.outcome()
+    assert result and result.value == VALUE and result.tier == "remote"
+    assert "takeovers" not in b.stats.counters_dict()
+    until(lambda: a.single_flight.held == 0 and not _lease_keys(redis_node.url))
+    a.close(), b.close()
+
+
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_an_entry_saved_at_the_first_backward_keeps_its_lease_however_long_that_compile_takes(
     short_deferral, redis_node, tmp_path
 ):
     a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
+    gate = _gate_remote_writes(a)
     with a.single_flight.scope():  # the forward's frame compile: a miss, and torch defers the save
         assert not a.get(AOT_KIND, AOT_KEY)
     with a.single_flight.deferred_compile(AOT_KIND, _backward_of_aot_key):  # the lazy backward
@@ -165,6 +200,9 @@ def test_an_entry_saved_at_the_first_backward_keeps_its_lease_however_long_that_
         until(waiter.waiting)
         time.sleep(short_deferral)
         assert a.put(AOT_KIND, AOT_KEY, VALUE)  # torch's save at the end of the backward compile
+    # The backward compile has ended; its entry is still being uploaded, and the lease stays till then.
+    assert a.single_flight.holds(AOT_KIND, AOT_KEY) and waiter.waiting()
+    gate.set()
     result = waiter.outcome()
     assert result and result.value == VALUE
     assert "takeovers" not in b.stats.counters_dict() and "leases_lapsed" not in a.stats.counters_dict()

@@ -89,6 +89,9 @@ class Lease:
     release_at: float | None = None
     """When the renewer lets it go, if nothing stored it by then: set when the compile that took it
     returned without storing it (see ``DEFERRED_KINDS``), or for a lease taken outside any compile."""
+    saving: bool = False
+    """Its entry is being written in the background: only :meth:`SingleFlight.finished` (the write
+    readable) releases it, not the end of the compile that stored it."""
 
 
 class _Held:
@@ -217,6 +220,14 @@ class SingleFlight:
             if partial is not None:
                 self._release(partial)
 
+    def saving(self, kind: str, key: str) -> None:
+        """``kind``/``key`` is stored in the background: keep its lease until :meth:`finished`, so
+        that no waiter finds the lease gone before the entry is readable."""
+        with self._lock:
+            lease = self._held.get((kind, key))
+            if lease is not None:
+                lease.saving, lease.release_at = True, None
+
     def finished(self, kind: str, key: str) -> None:
         """The entry is readable in every tier that took it (or will not be): release its lease."""
         with self._lock:
@@ -247,7 +258,7 @@ class SingleFlight:
                 self._compiling -= 1
                 now = time.monotonic()
                 for lease in taken:
-                    if self._held.get((lease.kind, lease.key)) is not lease:
+                    if self._held.get((lease.kind, lease.key)) is not lease or lease.saving:
                         continue
                     if not failed and lease.kind in DEFERRED_KINDS:
                         lease.release_at = now
@@ -280,7 +291,8 @@ class SingleFlight:
                 yield
         finally:
             for lease in pinned:
-                self._release(lease)  # a no-op for those its save released
+                if not lease.saving:  # its save releases it once written, or already did
+                    self._release(lease)
 
     def release_all(self) -> None:
         """Release every lease this process holds (at exit)."""

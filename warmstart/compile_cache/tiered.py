@@ -212,6 +212,8 @@ class TieredStore:
             if not later:
                 return stored
             queued_release = self.single_flight is not None
+            if self.single_flight is not None:
+                self.single_flight.saving(kind, key)  # released by the writer once readable
             if self._enqueue(tuple(later), kind, key, value, cost_s, release=queued_release, writes_local=True):
                 return True  # a lease on the entry goes once the background writes are done
             queued_release = False
