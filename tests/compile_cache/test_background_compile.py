@@ -192,3 +192,27 @@ def test_a_value_of_warmstart_compile_that_is_not_accepted_says_what_is():
     assert mode({"WARMSTART_COMPILE": "background", "WARMSTART_COMPILE_WORKER": "1"}) == "inline"
     with pytest.raises(ConfigError, match="WARMSTART_COMPILE.*sometimes.*inline or background"):
         mode({"WARMSTART_COMPILE": "sometimes"})
+
+
+def test_a_worker_another_process_started_in_the_meantime_is_awaited_and_said(tmp_path, caplog):
+    """Two processes miss at once: the other one takes the worker's lock between this one's look at
+    it and its own attempt. This one starts no worker, waits for that one's, and says so."""
+    import fcntl
+    import logging
+    import os
+
+    import torch
+
+    from warmstart.compile_cache.background import Background
+
+    job = Background("Net", torch.nn.Linear(2, 2), {}, eager=None, compiled=None)
+    job._dir, job._key = tmp_path, "entry"
+    other = os.open(tmp_path / "entry.lock", os.O_RDWR | os.O_CREAT, 0o600)  # the other process's
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with caplog.at_level(logging.INFO, logger="warmstart.cache"):
+            assert job._launch() is None and job.worker_pid is None
+            assert job._launch() is None  # polled again: said once
+    finally:
+        os.close(other)
+    assert caplog.text.count("Net runs eagerly while another process's worker compiles it") == 1

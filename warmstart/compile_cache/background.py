@@ -161,6 +161,7 @@ class Background:
         self.recompiles = 0
         """Recompiles (a new shape, a guard failure) that a worker compiled before this process ran them."""
         self.worker_pid: int | None = None
+        self._noted_other_worker = False
         self.switched_after_s: float | None = None
         self._model, self._kwargs = model, kwargs
         self._eager, self._compiled = eager, compiled
@@ -239,7 +240,7 @@ class Background:
             self._switch()  # compiled before, here or on another machine: the warm path
             return
         if self._lock_held_elsewhere():
-            log.info("warmstart: %s runs eagerly while another process's worker compiles it", self.name)
+            self._note_other_worker()
             return
         outcome = self._launch()
         if outcome == "done":
@@ -320,7 +321,7 @@ class Background:
         if self._pending is None:
             self._pending, self._pending_repr = spec, repr(spec)
             self._key = _key(self._model, self._kwargs, [*self._calls, spec])
-            self._worker, self._next_poll = None, 0.0
+            self._worker, self._next_poll, self._noted_other_worker = None, 0.0, False
             from warmstart.compile_cache import get_store
 
             store = get_store()
@@ -330,6 +331,7 @@ class Background:
             if self._done() or store.get("background_compile", self._key).value is not None:
                 outcome = "done"
             elif self._lock_held_elsewhere():
+                self._note_other_worker()
                 outcome = None
             else:
                 outcome = self._launch()
@@ -387,7 +389,10 @@ class Background:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return None  # another process took it first: its worker's result is awaited
+                # Another process took it between this one's look at the lock and now: its worker's
+                # result is awaited, as when the look had found it taken.
+                self._note_other_worker()
+                return None
             if self._done():
                 return "done"
             calls = [*self._calls, self._pending] if self._pending is not None else self._calls
@@ -421,6 +426,11 @@ class Background:
             return None
         finally:
             os.close(lock)  # the worker holds the lock from here on
+
+    def _note_other_worker(self) -> None:
+        if not self._noted_other_worker:
+            self._noted_other_worker = True
+            log.info("warmstart: %s runs eagerly while another process's worker compiles it", self.name)
 
     def _done(self) -> bool:
         assert self._dir is not None
