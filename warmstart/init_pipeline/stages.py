@@ -259,7 +259,7 @@ def _wait_for_rank0_store(env: Any, timeout_s: float) -> bool:
 
     A rank that reaches the store first is refused and torch's client then sleeps 0.5-1.5 s (its
     back-off) before trying again, however soon the store listens: ranks forked together from a
-    preloader, or started in lock step, lose that second at most starts. Returns whether the store
+    preloader, or started in lock step, can lose that second at any start. Returns whether the store
     listened within ``timeout_s``; either way the rendezvous that follows is torch's own.
     """
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
