@@ -251,3 +251,36 @@ def test_switches_go_off_again_if_warmstarts_backend_cannot_be_installed(tmp_pat
     )
     assert proc.stdout.split() == ["True", "None", "None", "None", "None"]
     assert proc.stderr.count("could not hook torch._inductor.remote_cache") == 1
+
+
+def test_the_vector_isa_probes_child_starts_without_warmstart(tmp_path):
+    """Inductor probes each vector ISA by starting a Python that only dlopens a test library; with
+    warmstart's start-up hook (and a handover to a preloader) in it, every probe of every process
+    cost ~70 ms more. The probes still run, and still find the machine's ISA."""
+    env = machine_env(tmp_path, WARMSTART="1")
+    del env["TORCHINDUCTOR_VEC_ISA_OK"]  # the probes are what this checks
+    proc = run_python(
+        """
+        import json, os, subprocess
+        from torch._inductor import cpu_vec_isa
+
+        probes = []
+        original_run = subprocess.run
+
+        def run(cmd, *args, **kwargs):
+            if "LoadLibrary" in " ".join(map(str, cmd)):
+                child = kwargs["env"]
+                probes.append({"warmstart": child.get("WARMSTART"), "ld": child.get("LD_LIBRARY_PATH", "")})
+            return original_run(cmd, *args, **kwargs)
+
+        subprocess.run = run
+        isa = cpu_vec_isa.pick_vec_isa()
+        print("RESULT " + json.dumps({"isa": str(isa), "probes": probes, "here": os.environ.get("WARMSTART")}))
+        """,
+        env,
+    )
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    assert result["here"] == "1"
+    assert result["probes"], result  # a real probe ran
+    assert all(p["warmstart"] is None and "torch" in p["ld"] for p in result["probes"]), result
+    assert result["isa"] not in ("", "None"), result  # and found an ISA, as without warmstart

@@ -428,3 +428,50 @@ def test_a_bad_wait_is_one_clear_error(value):
         Settings.from_env({"WARMSTART_COMPILE_WAIT_S": value})
     assert "WARMSTART_COMPILE_WAIT_S" in str(info.value) and "seconds" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+BIG = b"precompiled header" * (_defaults.LOCAL_BACKGROUND_BYTES // 18 + 1)  # a background write
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_large_write_no_one_waits_for_goes_once_the_compile_ends(tmp_path):
+    """A precompiled header's compression and writes would come out of the compile on a busy machine:
+    held while this process compiles; small entries, and large ones a lease is kept for, are not."""
+    store = _store(tmp_path / "host")
+    with store.single_flight.scope():
+        assert store.put("cpp_object", "header", BIG)  # looked up without a lease: nobody waits for it
+        assert store.put(KIND, "small", VALUE)
+        assert not store.get("cpp_object", "leased")  # this process compiles it: a lease
+        assert store.put("cpp_object", "leased", BIG)
+        until(lambda: store.local.get(KIND, "small") and store.local.get("cpp_object", "leased"))
+        assert not store.single_flight.holds("cpp_object", "leased")  # released once readable
+        time.sleep(0.5)
+        assert not store.local.get("cpp_object", "header")  # held back while the compile goes on
+    until(lambda: store.local.get("cpp_object", "header"), timeout=10)
+    assert store.local.get("cpp_object", "header").value == BIG
+    store.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_held_back_write_goes_at_close_even_inside_a_compile(tmp_path):
+    store = _store(tmp_path / "host")
+    with store.single_flight.scope():
+        assert store.put("cpp_object", "header", BIG)
+        start = time.monotonic()
+        store.close()
+        assert time.monotonic() - start < _defaults.EXIT_FLUSH_S + 1
+    reopened = _store(tmp_path / "host")
+    assert reopened.get("cpp_object", "header").value == BIG
+    reopened.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_lookup_that_does_not_wait_takes_no_lease_and_never_waits(tmp_path):
+    a, b = _store(tmp_path / "host"), _store(tmp_path / "host")
+    with a.single_flight.scope():
+        assert not a.get("cpp_object", "header")  # a holds the lease: a waiting lookup would wait
+        start = time.monotonic()
+        assert not b.get("cpp_object", "header", wait=False)
+        assert time.monotonic() - start < 1
+        assert not b.single_flight.holds("cpp_object", "header") and "waits" not in b.stats.counters_dict()
+    a.close(), b.close()

@@ -148,6 +148,11 @@ class SingleFlight:
         self._compiling = 0  # compile scopes open in this process, in any thread
         _instances.add(self)
 
+    @property
+    def compiling(self) -> bool:
+        """Whether a compile scope is open in this process, in any thread."""
+        return self._compiling > 0
+
     # -- the store's side ------------------------------------------------------------------------
 
     def resolve(

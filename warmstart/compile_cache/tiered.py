@@ -48,6 +48,10 @@ from warmstart.compile_cache.wait_budget import WaitBudget
 
 log = logging.getLogger("warmstart.cache")
 
+#: One queued background write: the tiers, kind, key, value, the producer's cost, and whether a lease
+#: on the entry is released once it is written.
+_Write = tuple[tuple[Storage, ...], str, str, bytes, float, bool]
+
 
 class TieredStore:
     """Local tier plus optional remote tier, as one :class:`Storage`.
@@ -115,16 +119,17 @@ class TieredStore:
         """Tell ``observer`` of every lookup from now on."""
         self.observers.append(observer)
 
-    def get(self, kind: str, key: str) -> Lookup:
+    def get(self, kind: str, key: str, *, wait: bool = True) -> Lookup:
         """A hit from the nearest tier that has it, or the miss of the farthest tier asked (the
         remote tier's reason says more than the local one's); after :meth:`close`, a miss
-        (``error``). Never raises."""
+        (``error``). ``wait=False``: a miss neither waits for another process's compile nor takes a
+        lease (for values cheaper to make again than to wait for). Never raises."""
         if self._closed:
             self.stats.add(self.name, kind, misses=1)
             return Miss(ERROR, self.name, "the store is closed")
         try:
             result = self._get(kind, key)
-            if not result and self.single_flight is not None:
+            if not result and wait and self.single_flight is not None:
                 result = self.single_flight.resolve(
                     kind, key, result, lambda: self._get(kind, key), lambda: self._observed("waiting_on_peer", kind)
                 )
@@ -211,9 +216,10 @@ class TieredStore:
                     later.append(self.remote)
             if not later:
                 return stored
-            queued_release = self.single_flight is not None
-            if self.single_flight is not None:
-                self.single_flight.saving(kind, key)  # released by the writer once readable
+            flight = self.single_flight
+            queued_release = flight is not None and flight.holds(kind, key)
+            if flight is not None and queued_release:
+                flight.saving(kind, key)  # released by the writer once readable
             if self._enqueue(tuple(later), kind, key, value, cost_s, release=queued_release, writes_local=True):
                 return True  # a lease on the entry goes once the background writes are done
             queued_release = False
@@ -283,19 +289,49 @@ class TieredStore:
         with contextlib.suppress(Exception):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _defaults.WRITER_NICE)
         q = self._queue
+        # Large values no process waits for (a precompiled header: it serves only kernels that miss,
+        # and costs less to build again than to wait for) are not needed before this process's compile
+        # ends, and on a busy machine their compression and writes would come out of that compile: they
+        # are set aside while it compiles (within LARGE_WRITE_DEFER_S, never past close()), and the
+        # writes behind them go on.
+        held: list[_Write] = []
+        held_until = 0.0
         while True:
-            tiers, kind, key, value, cost_s, release = q.get()
             try:
-                for tier in tiers:
-                    tier.put(kind, key, value, cost_s=cost_s)
-            except Exception:  # put never raises by contract; this guards the thread regardless
-                log.debug("background write failed", exc_info=True)
-            finally:
-                self._written(kind, key, release)
-                with self._queued_lock:
-                    self.queued_bytes -= len(value)
-                del value  # not held while waiting for the next item
-                q.task_done()
+                item = q.get(timeout=0.05 if held else None)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                if self._holds_back(item):
+                    if not held:
+                        held_until = time.monotonic() + _defaults.LARGE_WRITE_DEFER_S
+                    held.append(item)
+                    continue
+                self._write(item)
+            if held and (not self._compiling() or self._closed or time.monotonic() > held_until):
+                for write in held:
+                    self._write(write)
+                held.clear()
+
+    def _holds_back(self, item: _Write) -> bool:
+        _, _, _, value, _, release = item
+        return not release and len(value) >= _defaults.LOCAL_BACKGROUND_BYTES and self._compiling()
+
+    def _compiling(self) -> bool:
+        return self.single_flight is not None and self.single_flight.compiling
+
+    def _write(self, item: _Write) -> None:
+        tiers, kind, key, value, cost_s, release = item
+        try:
+            for tier in tiers:
+                tier.put(kind, key, value, cost_s=cost_s)
+        except Exception:  # put never raises by contract; this guards the thread regardless
+            log.debug("background write failed", exc_info=True)
+        finally:
+            self._written(kind, key, release)
+            with self._queued_lock:
+                self.queued_bytes -= len(value)
+            self._queue.task_done()
 
     def _drop_queued(self) -> int:
         """Drop the writes still queued (counted), freeing their memory; the one under way goes on."""

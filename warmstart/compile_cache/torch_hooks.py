@@ -439,7 +439,9 @@ def _materialize_pch(command_line: str, original_build: Callable) -> None:
                 continue
             try:
                 store = get_store()
-                data = store.get("cpp_object", key).value if store is not None else None
+                # No waiting on a peer's lease: building it here costs seconds, a wait could cost a
+                # whole compile of the peer's (it uploads the header once that compile is over).
+                data = store.get("cpp_object", key, wait=False).value if store is not None else None
                 fetched = data is not None and _write_atomic(target, data)
             except Exception as exc:
                 fail_open("C++ object cache", exc)
@@ -537,6 +539,19 @@ def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
 
     _probe_load.__wrapped__ = original_probe  # type: ignore[attr-defined]
     cpu_vec_isa.VecISA._probe_load = _probe_load
+
+    original_env = getattr(cpu_vec_isa.VecISA, "_build_probe_env", None)
+    if original_env is not None:
+
+        def _build_probe_env() -> dict[str, str]:
+            # The probe's child Python only dlopens the test library: warmstart's start-up hook there
+            # (and a handover to a preloader) would add ~70 ms to each of a process's probes.
+            env = original_env()
+            env.pop("WARMSTART", None)
+            return env
+
+        _build_probe_env.__wrapped__ = original_env  # type: ignore[attr-defined]
+        cpu_vec_isa.VecISA._build_probe_env = staticmethod(_build_probe_env)
 
 
 def _lease_scope():
