@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def measure(model: str, rounds: int, mode: str, work: Path, status) -> dict[str,
 
     pairs: dict[str, list[tuple[dict, dict]]] = {name: [] for name in CONFIGS[1:]}
     for r in range(rounds):
-        node = RedisNode(work / f"redis-{model}-{r}").start()  # empty for every round
+        round_dir = work / f"{model}-{r}"  # removed after the round: a round's machines take ~3 GB
+        node = RedisNode(round_dir / "redis").start()  # empty for every round
         try:
             envs = {
                 "torch": {},
@@ -132,8 +134,8 @@ def measure(model: str, rounds: int, mode: str, work: Path, status) -> dict[str,
                 },
             }
 
-            def machine(name: str, tag: str = "", r: int = r) -> Path:
-                return work / f"{model}-{name.replace(', ', '-')}{tag}-{r}"
+            def machine(name: str, tag: str = "", round_dir: Path = round_dir) -> Path:
+                return round_dir / f"{name.replace(', ', '-')}{tag}"
 
             if mode == "pinned":
                 for name in CONFIGS[1:]:
@@ -151,6 +153,7 @@ def measure(model: str, rounds: int, mode: str, work: Path, status) -> dict[str,
                     pairs[name].append((results[name], results["torch"]))
         finally:
             node.stop()
+            shutil.rmtree(round_dir, ignore_errors=True)
     return pairs
 
 
@@ -176,9 +179,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ws-bench-cold-"))
     generate_key_pair(work / "signing.key", work / "verify.pub")
     out: dict = {"machine": MACHINE, "mode": args.mode, "models": {}}
-    with console.status("") as status:
-        for model in args.models.split(","):
-            out["models"][model] = measure(model, args.repeats, args.mode, work, status)
+    try:
+        with console.status("") as status:
+            for model in args.models.split(","):
+                out["models"][model] = measure(model, args.repeats, args.mode, work, status)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     table = Table(
         title=f"cold compile + first step ({args.mode}): "

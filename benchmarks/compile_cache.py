@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,7 @@ def main() -> None:
     finally:
         torch_redis.stop()
         ws_redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
     import statistics
 

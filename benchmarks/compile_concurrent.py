@@ -13,6 +13,7 @@ compilers', from the clock's start after the compiler modules are imported). Usa
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,8 @@ def main() -> None:
                     out["runs"][f"{label}/{n}"] = run_at_once(base / slug, n, models, env)
                 finally:
                     node.stop()
+                    shutil.rmtree(base / slug, ignore_errors=True)  # n machines of ~300 MB each
+    shutil.rmtree(base, ignore_errors=True)
 
     table = Table(
         title=f"{len(models)} models ({', '.join(models)}) compiled at once on new machines, one empty shared cache",

@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,7 @@ def main() -> None:
                         }
             finally:
                 node.stop()
+    shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title="compile + first step of an edited model on a new machine, seconds", title_justify="left")
     for column in (

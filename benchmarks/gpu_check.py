@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 out["models"][model] = {"results": results, "errors": errors}
     finally:
         redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title=f"compile + first step on new machines ({args.device}), seconds", title_justify="left")
     for column in TABLE_COLUMNS:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -95,6 +96,7 @@ def main() -> None:
         out["served"], out["refused"] = served.get("served"), served.get("refused")
     finally:
         control.stop(base["WARMSTART_PRELOAD_SOCKET"])
+        shutil.rmtree(work, ignore_errors=True)
 
     table = Table(
         title=f"one process start, ms: medians ({args.repeats} rounds for pass, fewer for the imports)",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,6 +113,7 @@ def main() -> None:
             first = _compile(inductor(f"{i}-{before}"), before, warmstart_dir)
             second = _compile(inductor(f"{i}-{after}"), after, warmstart_dir)
             out["rounds"].append({before: first, after: second, "ratio": second["compile_s"] / first["compile_s"]})
+    shutil.rmtree(base, ignore_errors=True)
 
     names = {
         "without": "without compiler modules",

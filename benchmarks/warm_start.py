@@ -28,6 +28,7 @@ total, so its phases add up. Usage::
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def main() -> None:
                 )
     finally:
         node.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
     tables = []
     for model, r in out["models"].items():

@@ -27,6 +27,7 @@ WRITER_NICE = 10  # the background writer's niceness (Linux, per thread): below 
 # writing it) waits while this process compiles, for at most this long: on a machine whose cores the
 # compile keeps busy, even a niced writer's share comes out of the compile (2-4% of a cold compile).
 LARGE_WRITE_DEFER_S = 300.0
+LARGE_WRITE_QUIET_S = 1.0  # ... and until no compile has run for this long (the gaps between a compile's parts)
 WRITE_QUEUE_BYTES = 256 * 1024**2  # background writes held in memory at most (256 MiB); more are dropped
 LOCAL_LOCK_TIMEOUT_S = 1.0  # the local tier's SQLite lock wait; past it the tier is off for the process
 EXIT_FLUSH_S = 5.0  # at exit, background writes get at most this many seconds, then are dropped

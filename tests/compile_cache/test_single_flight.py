@@ -238,8 +238,9 @@ def test_a_deferred_lease_lasts_while_the_process_compiles_and_lapses_after(shor
         assert a.single_flight.holds(AOT_KIND, AOT_KEY)
     # No backward comes (an evaluation-only function): the lease lapses DEFERRED_MIN_S after the last
     # compile, at the next renewal.
-    until(lambda: a.single_flight.held == 0, timeout=short_deferral + 5)
-    assert not _lease_keys(redis_node.url) and a.stats.counters_dict()["leases_lapsed"] == 1
+    # (The renewer forgets the lease, then deletes its key: wait for both.)
+    until(lambda: a.single_flight.held == 0 and not _lease_keys(redis_node.url), timeout=short_deferral + 5)
+    assert a.stats.counters_dict()["leases_lapsed"] == 1
     a.close()
 
 
@@ -448,6 +449,25 @@ def test_a_large_write_no_one_waits_for_goes_once_the_compile_ends(tmp_path):
         time.sleep(0.5)
         assert not store.local.get("cpp_object", "header")  # held back while the compile goes on
     until(lambda: store.local.get("cpp_object", "header"), timeout=10)
+    assert store.local.get("cpp_object", "header").value == BIG
+    store.close()
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_held_write_waits_out_the_gaps_between_compile_parts_and_goes_at_a_flush(monkeypatch, tmp_path):
+    """A compile comes in parts (Dynamo's frames, the backward lowered at the first backward pass):
+    the gap between two is no time to write; a flush() is."""
+    monkeypatch.setattr(_defaults, "LARGE_WRITE_QUIET_S", 60.0)
+    store = _store(tmp_path / "host")
+    with store.single_flight.scope():
+        assert store.put("cpp_object", "header", BIG)
+    time.sleep(0.5)  # between two parts of the compile
+    assert not store.local.get("cpp_object", "header")
+    with store.single_flight.scope():
+        pass
+    start = time.monotonic()
+    assert store.flush(timeout=10)
+    assert time.monotonic() - start < 5  # not the 60 s quiet period
     assert store.local.get("cpp_object", "header").value == BIG
     store.close()
 

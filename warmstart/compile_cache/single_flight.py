@@ -146,12 +146,13 @@ class SingleFlight:
         self._wake = threading.Event()
         self._scopes = threading.local()
         self._compiling = 0  # compile scopes open in this process, in any thread
+        self._compiled_at = float("-inf")  # when the last one ended (monotonic)
         _instances.add(self)
 
-    @property
-    def compiling(self) -> bool:
-        """Whether a compile scope is open in this process, in any thread."""
-        return self._compiling > 0
+    def compiled_within(self, seconds: float) -> bool:
+        """Whether a compile scope is open in this process (in any thread), or one ended less than
+        ``seconds`` ago."""
+        return self._compiling > 0 or time.monotonic() - self._compiled_at < seconds
 
     # -- the store's side ------------------------------------------------------------------------
 
@@ -261,7 +262,7 @@ class SingleFlight:
             ended: list[Lease] = []
             with self._lock:
                 self._compiling -= 1
-                now = time.monotonic()
+                now = self._compiled_at = time.monotonic()
                 for lease in taken:
                     if self._held.get((lease.kind, lease.key)) is not lease or lease.saving:
                         continue
@@ -499,6 +500,7 @@ class SingleFlight:
         self._renewer_pid = 0
         self._scopes = threading.local()
         self._compiling = 0
+        self._compiled_at = float("-inf")
 
 
 def _same_file(fd: int, path: Path) -> bool:

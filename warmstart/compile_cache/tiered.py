@@ -98,6 +98,7 @@ class TieredStore:
         """Bytes of values queued for background writes now (at most ``queue_bytes``)."""
         self._queued_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._flushing = 0  # callers of flush() waiting now: writes set aside go at once
         self._writer: threading.Thread | None = None
         self._writer_pid = 0
         self._closed = False
@@ -263,15 +264,22 @@ class TieredStore:
             self.single_flight.finished(kind, key)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until queued background writes are done; False if ``timeout`` ran out first."""
+        """Wait until queued background writes are done, those set aside while this process compiles
+        included (they are written now); False if ``timeout`` ran out first."""
         if self._writer is None or self._writer_pid != os.getpid():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        with self._queued_lock:
+            self._flushing += 1
+        try:
+            while self._queue.unfinished_tasks:
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+            return True
+        finally:
+            with self._queued_lock:
+                self._flushing -= 1
 
     def _ensure_writer(self) -> None:
         # After a fork the parent's thread does not exist in the child: start a new one there.
@@ -280,6 +288,7 @@ class TieredStore:
         self._queue = queue.Queue()
         self.queued_bytes = 0  # the parent's queued values are not this process's to write
         self._queued_lock = threading.Lock()
+        self._flushing = 0
         self._writer_pid = os.getpid()
         self._writer = start_daemon(self._write_loop, "warmstart-cache-writer")
 
@@ -292,8 +301,8 @@ class TieredStore:
         # Large values no process waits for (a precompiled header: it serves only kernels that miss,
         # and costs less to build again than to wait for) are not needed before this process's compile
         # ends, and on a busy machine their compression and writes would come out of that compile: they
-        # are set aside while it compiles (within LARGE_WRITE_DEFER_S, never past close()), and the
-        # writes behind them go on.
+        # are set aside while it compiles and LARGE_WRITE_QUIET_S after (within LARGE_WRITE_DEFER_S,
+        # never past a flush() or close()), and the writes behind them go on.
         held: list[_Write] = []
         held_until = 0.0
         while True:
@@ -308,7 +317,7 @@ class TieredStore:
                     held.append(item)
                     continue
                 self._write(item)
-            if held and (not self._compiling() or self._closed or time.monotonic() > held_until):
+            if held and (self._flushing or self._closed or not self._compiling() or time.monotonic() > held_until):
                 for write in held:
                     self._write(write)
                 held.clear()
@@ -318,7 +327,10 @@ class TieredStore:
         return not release and len(value) >= _defaults.LOCAL_BACKGROUND_BYTES and self._compiling()
 
     def _compiling(self) -> bool:
-        return self.single_flight is not None and self.single_flight.compiling
+        # A compile comes in parts with short gaps between them (Dynamo's frames, a backward lowered
+        # at the first backward pass): a held write waits for a quiet moment, not the first gap.
+        flight = self.single_flight
+        return flight is not None and flight.compiled_within(_defaults.LARGE_WRITE_QUIET_S)
 
     def _write(self, item: _Write) -> None:
         tiers, kind, key, value, cost_s, release = item
