@@ -70,19 +70,21 @@ def main() -> None:
     counts = [int(n) for n in args.machines.split(",")]
     base = Path(tempfile.mkdtemp(prefix="ws-bench-concurrent-"))
     out: dict = {"machine": MACHINE, "models": models, "runs": {}}
-    with console.status("") as status:
-        for label, extra in (("single-flight", {}), ("each compiles", {"WARMSTART_COMPILE_WAIT_S": "0"})):
-            for n in counts:
-                status.update(f"{label}: {n} machine(s) at once")
-                slug = f"{label.replace(' ', '-')}-{n}"  # g++ refuses paths with spaces in Inductor's commands
-                node = RedisNode(base / f"redis-{slug}").start()  # empty: a cold shared cache
-                try:
-                    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": node.url, "WARMSTART_SECRET": "bench", **extra}
-                    out["runs"][f"{label}/{n}"] = run_at_once(base / slug, n, models, env)
-                finally:
-                    node.stop()
-                    shutil.rmtree(base / slug, ignore_errors=True)  # n machines of ~300 MB each
-    shutil.rmtree(base, ignore_errors=True)
+    try:
+        with console.status("") as status:
+            for label, extra in (("single-flight", {}), ("each compiles", {"WARMSTART_COMPILE_WAIT_S": "0"})):
+                for n in counts:
+                    status.update(f"{label}: {n} machine(s) at once")
+                    slug = f"{label.replace(' ', '-')}-{n}"  # g++ refuses paths with spaces in Inductor's commands
+                    node = RedisNode(base / f"redis-{slug}").start()  # empty: a cold shared cache
+                    try:
+                        env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": node.url, "WARMSTART_SECRET": "bench", **extra}
+                        out["runs"][f"{label}/{n}"] = run_at_once(base / slug, n, models, env)
+                    finally:
+                        node.stop()
+                        shutil.rmtree(base / slug, ignore_errors=True)  # n machines of ~300 MB each
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
     table = Table(
         title=f"{len(models)} models ({', '.join(models)}) compiled at once on new machines, one empty shared cache",

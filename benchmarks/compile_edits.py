@@ -73,33 +73,35 @@ def main() -> None:
         parser.error(f"unknown model {', '.join(unknown)}: use {', '.join(FAMILIES)}")
     work = Path(tempfile.mkdtemp(prefix="ws-bench-edits-"))
     out: dict = {"machine": MACHINE, "results": {}}
-    with console.status("") as status:
-        for structure in STRUCTURES:
-            node = RedisNode(work / f"redis-{structure}").start()
-            ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": node.url, "WARMSTART_SECRET": "bench"}
-            try:
-                for family in families:
-                    if structure not in FAMILIES[family]:
-                        continue
-                    where = f"{family}-{structure}"
-                    status.update(f"{family}, {structure}: the previous version fills the shared cache")
-                    previous = run(work / f"{where}-previous", family, structure, ws)
-                    for edit in edits:
-                        model = f"{family}-{edit}"
-                        status.update(f"{family}, {structure}, {edit}: cold")
-                        cold = run(work / f"{where}-{edit}-cold", model, structure, {})
-                        status.update(f"{family}, {structure}, {edit}: after the edit, on a new machine")
-                        warm = run(work / f"{where}-{edit}-after", model, structure, ws)
-                        out["results"][f"{family}/{structure}/{edit}"] = {
-                            "previous": previous,
-                            "cold": cold,
-                            "after_edit": warm,
-                            "ratio": warm["compile_s"] / cold["compile_s"],
-                            "same_loss": warm["losses"] == cold["losses"],
-                        }
-            finally:
-                node.stop()
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        with console.status("") as status:
+            for structure in STRUCTURES:
+                node = RedisNode(work / f"redis-{structure}").start()
+                ws = {"WARMSTART": "1", "WARMSTART_CACHE_URL": node.url, "WARMSTART_SECRET": "bench"}
+                try:
+                    for family in families:
+                        if structure not in FAMILIES[family]:
+                            continue
+                        where = f"{family}-{structure}"
+                        status.update(f"{family}, {structure}: the previous version fills the shared cache")
+                        previous = run(work / f"{where}-previous", family, structure, ws)
+                        for edit in edits:
+                            model = f"{family}-{edit}"
+                            status.update(f"{family}, {structure}, {edit}: cold")
+                            cold = run(work / f"{where}-{edit}-cold", model, structure, {})
+                            status.update(f"{family}, {structure}, {edit}: after the edit, on a new machine")
+                            warm = run(work / f"{where}-{edit}-after", model, structure, ws)
+                            out["results"][f"{family}/{structure}/{edit}"] = {
+                                "previous": previous,
+                                "cold": cold,
+                                "after_edit": warm,
+                                "ratio": warm["compile_s"] / cold["compile_s"],
+                                "same_loss": warm["losses"] == cold["losses"],
+                            }
+                finally:
+                    node.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title="compile + first step of an edited model on a new machine, seconds", title_justify="left")
     for column in (

@@ -106,14 +106,16 @@ def main() -> None:
         return base / (f"inductor-{name}" if args.warmstart else "inductor")  # new machines, or one warm cache
 
     out: dict = {"machine": MACHINE, "warmstart": args.warmstart, "variants": [before, after], "rounds": []}
-    with console.status("a cold compile fills the caches") as status:
-        out["cold"] = _compile(inductor("cold"), before, warmstart_dir)
-        for i in range(args.rounds):
-            status.update(f"round {i + 1} of {args.rounds}")
-            first = _compile(inductor(f"{i}-{before}"), before, warmstart_dir)
-            second = _compile(inductor(f"{i}-{after}"), after, warmstart_dir)
-            out["rounds"].append({before: first, after: second, "ratio": second["compile_s"] / first["compile_s"]})
-    shutil.rmtree(base, ignore_errors=True)
+    try:
+        with console.status("a cold compile fills the caches") as status:
+            out["cold"] = _compile(inductor("cold"), before, warmstart_dir)
+            for i in range(args.rounds):
+                status.update(f"round {i + 1} of {args.rounds}")
+                first = _compile(inductor(f"{i}-{before}"), before, warmstart_dir)
+                second = _compile(inductor(f"{i}-{after}"), after, warmstart_dir)
+                out["rounds"].append({before: first, after: second, "ratio": second["compile_s"] / first["compile_s"]})
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
     names = {
         "without": "without compiler modules",
