@@ -253,6 +253,11 @@ def test_an_import_time_variable_that_differs_is_not_handed_over(preloader):
     refused = preloader.status()["refused"]
     assert sum(refused.values()) == sum(before.values()) + 1
     assert any("TORCHINDUCTOR_MAX_AUTOTUNE" in reason for reason in refused)
+    # The C++ compiler: torch._inductor.config reads CXX when it is imported.
+    code = FORKED + "; from torch._inductor import config; print(_forked, config.cpp.cxx[1])"
+    out = preloader.run(["-c", code], extra_env={"CXX": "c++"})
+    assert (out.returncode, out.stdout) == (0, "False c++\n"), out.stderr
+    assert any("CXX" in reason for reason in preloader.status()["refused"])
     # Variables read after import are the program's own: handed over, and set in the child.
     out = preloader.run(
         ["-c", FORKED + "; import os; print(_forked, os.environ['MY_SETTING'])"], extra_env={"MY_SETTING": "v1"}

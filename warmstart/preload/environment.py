@@ -33,8 +33,30 @@ IMPORT_TIME_NAMES = (
     "XDG_CACHE_HOME",  # Triton's and torch's default cache directories
     "LD_LIBRARY_PATH",
     "LD_PRELOAD",  # which shared libraries torch and its extensions loaded
+    "CXX",  # torch._inductor.config's C++ compiler, read when it is imported
     "KINETO_LOG_LEVEL",
     "KINETO_USE_DAEMON",  # libkineto, loaded with torch
+    # Read by torch's modules when they are imported, outside the prefixes below (torch 2.13; a test
+    # scans the modules a preloader imports for reads that none of these names or prefixes cover):
+    "AOT_PARTITIONER_DEBUG",
+    "CI",
+    "FAKE_ALLOW_META",  # torch._functorch.config
+    "CUTEDSL_ENABLE_AUTOTUNING",
+    "CUTLASS_EPILOGUE_FUSION",
+    "DUMP_AOTI_MINIFIER",
+    "ENABLE_PERSISTENT_TMA_MATMUL",
+    "ENABLE_TEMPLATE_TMA_STORE",
+    "ENABLE_TMA_LOAD_FOR_TEMPLATE_EPILOGUE",
+    "LOG_AUTOTUNE_RESULTS",
+    "LOG_TLPARSE",  # torch._inductor.config
+    "PT2_COMPILE_ID_PREFIX",
+    "UNSAFE_SKIP_FSDP_MODULE_GUARDS",  # torch._dynamo.config
+    "FX_PATCH_GETITEM",  # torch.fx._symbolic_trace
+    "KINETO_FORCE_OPTIMIZER_HOOK",  # torch.profiler
+    "CONDA_PREFIX",
+    "WINDOWS_CUDA_HOME",  # torch.utils.cpp_extension and its helpers
+    "IS_FBCODE",  # torch.utils.hipify
+    "debug_extract_compiled_graph",  # torch._lazy
 )
 
 #: Prefixes of the same (every variable that starts with one).
@@ -60,6 +82,12 @@ IMPORT_TIME_PREFIXES = (
     "ATEN_",  # OpenMP and BLAS, read when libtorch loads
     "FBGEMM_",
     "TORCHREC_",  # fbgemm_gpu and TorchRec, at import
+    "AOT_INDUCTOR_",
+    "AOTINDUCTOR_",
+    "INDUCTOR_",  # torch._inductor.config, besides TORCHINDUCTOR_*
+    "PARTITIONER_",  # torch._functorch.config
+    "COMPILE_STROBELIGHT_",  # torch._strobelight, imported by Dynamo
+    "QUACK_",  # torch._vendor.quack
 )
 
 
