@@ -34,8 +34,12 @@ system-deps:
 demo: setup
 	$(VENV)/bin/warmstart bench cold-vs-warm --json warmstart-demo.json --html warmstart-demo.html
 
+# Two workers by default (the suite's reference machine has 2 cores): most tests wait on processes,
+# servers and timeouts, so the compiles of one overlap the waits of the other. A test file runs in one
+# worker, so its module fixtures (a compiled model, a bench run) are built once.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # ruff (pycodestyle, pyflakes, bugbear; the formatter) and mypy, configured in pyproject.toml.
 lint: $(STAMP)

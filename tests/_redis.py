@@ -65,10 +65,22 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+def _base_ports() -> range:
+    # Bases come from 20000-29999, so that their Cluster bus ports (+10000) stay below 40000, and each
+    # pytest-xdist worker draws from its own slice: two workers never pick the same free port between
+    # the check and redis-server's bind.
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) % count if worker.isdigit() else 0
+    span = 10000 // count
+    return range(20000 + index * span, 20000 + (index + 1) * span - 16)
+
+
 def free_port_block(n: int, *, bus: bool = False) -> int:
     """A base port such that base..base+n-1 (and, with ``bus``, their Cluster bus ports) are free."""
+    bases = _base_ports()
     for _ in range(200):
-        base = random.randrange(20000, 40000)
+        base = random.choice(bases)
         ports = [base + i for i in range(n)]
         if bus:
             ports += [port + CLUSTER_BUS_OFFSET for port in ports]
