@@ -265,6 +265,30 @@ def test_an_import_time_variable_that_differs_is_not_handed_over(preloader):
     assert out.stdout == "True v1\n"
 
 
+def test_a_sys_path_directory_stales_the_preloader_only_when_what_can_be_imported_there_changes(tmp_path):
+    # A project root on sys.path (an editable install, PYTHONPATH=.), where a job writes its logs,
+    # run directories and caches: none of that changes what a new interpreter imports.
+    project = tmp_path / "project"
+    project.mkdir()
+    node = Preloader(tmp_path / "p", PYTHONPATH=str(project)).start()
+    code = FORKED + "; print(_forked)"
+    try:
+        (project / "run.log").write_text("step 1\n")
+        (project / "warmstart-runs").mkdir()
+        (project / ".hypothesis").mkdir()
+        (project / "notes.v2.txt").write_text("")
+        assert not node.status()["stale"]
+        out = node.run(["-c", code])
+        assert (out.returncode, out.stdout) == (0, "True\n"), out.stderr
+        # A module there could shadow one the preloader imported, or satisfy an import that failed.
+        (project / "torchrec_extras.py").write_text("")
+        assert str(project) in node.status()["stale"]
+        out = node.run(["-c", code])
+        assert (out.returncode, out.stdout) == (0, "False\n"), out.stderr
+    finally:
+        node.stop()
+
+
 def test_a_stale_socket_or_no_preloader_is_an_ordinary_start(tmp_path):
     path = tmp_path / "stale.sock"
     listener = socket.socket(socket.AF_UNIX)

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import gc
 import importlib
+import importlib.machinery
 import logging
 import os
 import selectors
@@ -33,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warmstart.preload import environment, wire
+
+_IMPORT_SUFFIXES = frozenset(importlib.machinery.all_suffixes())
 
 log = logging.getLogger("warmstart.preload")
 
@@ -196,6 +199,7 @@ class Preloader:
     _checked_at: float = float("-inf")
     _stale_reason: str | None = None
     _files: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _path_dirs: dict[str, frozenset[str]] = field(default_factory=dict)
     _stopping: bool = False
     #: (device, inode) of the socket this preloader bound: what it unlinks, and what must still be
     #: at its path for anyone to reach it.
@@ -231,7 +235,7 @@ class Preloader:
         gc.freeze()
         for entry in sys.path:
             if os.path.isdir(entry):
-                self._files[entry] = _stamp(entry)  # a package installed or removed there
+                self._path_dirs[entry] = _importable_entries(entry)  # a package installed or removed there
 
     def serve(self, listener: socket.socket) -> Request:
         """Serve requests on ``listener`` until stopped; returns only in a forked child, with its
@@ -363,13 +367,16 @@ class Preloader:
         now = time.monotonic()
         if self._stale_reason is not None or now - self._checked_at <= max_age_s:
             return self._stale_reason
-        for path, stamp in self._files.items():
-            if _stamp(path) != stamp:
-                self._stale_reason = (
-                    f"{path} changed since the preloader imported it "
-                    "(restart it: warmstart preload stop; warmstart preload start)"
-                )
-                break
+        changed = next((path for path, stamp in self._files.items() if _stamp(path) != stamp), None)
+        if changed is None:
+            changed = next(
+                (path for path, names in self._path_dirs.items() if _importable_entries(path) != names), None
+            )
+        if changed is not None:
+            self._stale_reason = (
+                f"{changed} changed since the preloader imported it "
+                "(restart it: warmstart preload stop; warmstart preload start)"
+            )
         self._checked_at = now
         return self._stale_reason
 
@@ -557,6 +564,33 @@ def _hash_torch_sources() -> dict[str, tuple[int, int]]:
     for extra in ("codegen/aoti_runtime/interface.cpp", "script.ld"):
         stamps[os.path.join(inductor, extra)] = _stamp(os.path.join(inductor, extra))
     return stamps
+
+
+_INSTALL_RECORDS = (".dist-info", ".egg-info", ".egg-link", ".egg", ".pth")
+
+
+def _importable_entries(directory: str) -> frozenset[str]:
+    """What in a ``sys.path`` directory can change what a new interpreter imports or finds
+    installed: modules and extension modules (``name.py``, ``name.cpython-311-x86_64-linux-gnu.so``),
+    packages (a directory named as a module, with or without ``__init__.py``: an optional import
+    that failed here would find one), and install records (``.dist-info``, ``.pth``...). A job's
+    logs, checkpoints and hidden folders in its project root (an editable install puts that on
+    ``sys.path``) are none of these, so they leave the preloader in service."""
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        return frozenset({f"<{exc.strerror}>"})
+    found = set()
+    for name in names:
+        stem, dot, _ = name.partition(".")
+        if name.endswith(_INSTALL_RECORDS):
+            found.add(name)
+        elif not dot:
+            if name.isidentifier() and os.path.isdir(os.path.join(directory, name)):
+                found.add(name)
+        elif stem.isidentifier() and name[len(stem) :] in _IMPORT_SUFFIXES:
+            found.add(name)
+    return frozenset(found)
 
 
 def _stamp(path: str) -> tuple[int, int]:
