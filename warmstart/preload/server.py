@@ -574,8 +574,9 @@ def _importable_entries(directory: str) -> frozenset[str]:
     installed: modules and extension modules (``name.py``, ``name.cpython-311-x86_64-linux-gnu.so``),
     packages (a directory named as a module, with or without ``__init__.py``: an optional import
     that failed here would find one), and install records (``.dist-info``, ``.pth``...). A job's
-    logs, checkpoints and hidden folders in its project root (an editable install puts that on
-    ``sys.path``) are none of these, so they leave the preloader in service."""
+    log files, hidden folders and directories whose names are no module's (``warmstart-runs``) in
+    its project root (an editable install puts that on ``sys.path``) are none of these, so they
+    leave the preloader in service; a folder named as a module (``checkpoints``) is one."""
     try:
         names = os.listdir(directory)
     except OSError as exc:
