@@ -277,6 +277,7 @@ def test_a_sys_path_directory_stales_the_preloader_only_when_what_can_be_importe
         (project / "warmstart-runs").mkdir()
         (project / ".hypothesis").mkdir()
         (project / "notes.v2.txt").write_text("")
+        (project / "__pycache__").mkdir()  # a module there imported for the first time
         assert not node.status()["stale"]
         out = node.run(["-c", code])
         assert (out.returncode, out.stdout) == (0, "True\n"), out.stderr

@@ -587,7 +587,9 @@ def _importable_entries(directory: str) -> frozenset[str]:
         if name.endswith(_INSTALL_RECORDS):
             found.add(name)
         elif not dot:
-            if name.isidentifier() and os.path.isdir(os.path.join(directory, name)):
+            # __pycache__ appears when a module there is first imported; it holds bytecode of sources
+            # already watched, and is no package of its own
+            if name != "__pycache__" and name.isidentifier() and os.path.isdir(os.path.join(directory, name)):
                 found.add(name)
         elif stem.isidentifier() and name[len(stem) :] in _IMPORT_SUFFIXES:
             found.add(name)
