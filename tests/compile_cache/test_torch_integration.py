@@ -112,6 +112,9 @@ def test_precompiled_header_is_never_fetched_on_a_full_hit(redis_node, tmp_path)
     assert result["losses"] == produced["losses"]
     assert remote(result, "cpp_object").get("misses", 0) == 0
     assert not list((tmp_path / "b" / "tmp").rglob("*.gch"))
+    # the header's name came from the producer's digest of its preprocessed source: no g++ -E here
+    assert remote(result, "header_digest").get("hits", 0) >= 1
+    assert remote(result, "header_digest").get("misses", 0) == 0
 
 
 def test_read_only_mode_reads_but_never_writes(shared_cache, tmp_path):

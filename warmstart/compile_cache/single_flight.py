@@ -55,7 +55,7 @@ log = logging.getLogger("warmstart.cache")
 
 #: Kinds worth waiting for: each is seconds of compiling. Not ``pgo`` (read before compiling, never
 #: produced by it) nor ``isa_probe`` (under a second, and every process needs its answer at once).
-LEASED_KINDS = frozenset({"fx_graph", "aot_autograd", "cpp_object", "triton_kernel", "autotune"})
+LEASED_KINDS = frozenset({"fx_graph", "aot_autograd", "cpp_object", "header_digest", "triton_kernel", "autotune"})
 
 #: Kinds torch may store after the compile that missed them has returned: AOTAutograd lowers the
 #: backward graph lazily, at the first backward pass, and saves its entry then (see

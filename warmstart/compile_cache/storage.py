@@ -30,6 +30,7 @@ KINDS: dict[str, str] = {
     "pgo": "pgo",
     "triton_kernel": "triton kernel",
     "cpp_object": "compiled C++ object",
+    "header_digest": "preprocessed header digest",
     "isa_probe": "vector ISA probe",
     "dynamo_frames": "dynamo frames",
     "sharding_plan": "sharding plan",

@@ -13,14 +13,15 @@ What it plugs in, all through the process-wide store (``get_store()``):
   (or fork from one that did);
 * Inductor's compiled C++ objects on CPU, by wrapping ``CppBuilder.build``: torch bundles Triton
   kernels into FX entries but never the ``.so`` files g++ builds, so without this a new machine
-  still pays every C++ compile; and the outcome of Inductor's vector-ISA load probe (a child
+  still pays every C++ compile; the digest that names a precompiled header, by wrapping
+  ``codecache._precompile_header``; and the outcome of Inductor's vector-ISA load probe (a child
   Python per process) by wrapping ``VecISA._probe_load``;
 * Triton kernels, through ``TRITON_CACHE_MANAGER`` (see ``triton_manager.py``);
 * Dynamo's output (each compiled frame's bytecode and guards), through ``dynamo_frames``, whose
   functions are installed here on ``torch._dynamo.eval_frame``, ``torch._dynamo.guards`` and
   ``torch._dynamo.precompile_context``, AOTAutograd's cache key and around each frame's compile;
-* a job identity for Dynamo's PGO state (``TORCH_COMPILE_JOB_ID``) when the user set none, and a
-  count of recompilations.
+* a job identity for Dynamo's PGO state (``TORCH_COMPILE_JOB_ID``) when the user set none, a
+  count of recompilations, and Dynamo's guard-latency figure timed without evicting the CPU caches.
 
 Patches are applied when the torch modules are first imported (see ``import_hooks.py``), so a process
 that never compiles never pays for importing Inductor. Every patch fails open: if warmstart's part of
@@ -496,6 +497,89 @@ def _write_atomic(path: str, data: bytes) -> bool:
         return False
 
 
+# -- precompiled headers' names ---------------------------------------------------------------
+
+_HEX_SHA512 = re.compile(r"[0-9a-f]{128}")
+
+
+@_patch("torch._inductor.codecache")
+def _hook_precompile_header(codecache: ModuleType) -> None:
+    """Name each precompiled header from a stored digest of its preprocessed source.
+
+    Before it builds or looks up a C++ kernel, every process names the precompiled header that the
+    kernel's command line includes (``_precompile_header``): torch runs the header through the
+    preprocessor (``g++ -E``: 5 MB of output, 1-2 s) and hashes the output (``openssl sha512``), so
+    that any change in a header it includes renames it. The digest depends only on the preprocessor's
+    command line and its inputs, so warmstart stores the digest (``header_digest``, under the key a
+    C++ object of that command has) rather than the preprocessed source; what torch then does with
+    the digest is torch's code, step for step.
+    """
+    original = codecache._precompile_header
+    uncached = getattr(original, "__wrapped__", original)
+
+    @functools.cache
+    def _precompile_header(header: str, hashable_cmd_line: str, **compile_command: Any) -> str:
+        command = dict(compile_command)
+        command.pop("extra_flags", None)  # as torch: preprocessing and precompiling do not link
+        with _lease_scope():
+            try:
+                digest = _preprocessed_digest(codecache, header, command)
+            except Exception as exc:
+                fail_open("precompiled header name", exc)
+                digest = None
+            if digest is None:
+                return uncached(header, hashable_cmd_line, **compile_command)
+        # torch's _precompile_header from here, with the digest it would have computed
+        options = codecache.CppTorchDeviceOptions(**command, precompiling=True)
+        header_hash, header_path = codecache.write(
+            content=f"#include <{header}>\n",
+            extension="h",
+            extra=hashable_cmd_line + digest + codecache.get_compiler_version_info(options.get_compiler()),
+            specified_dir=codecache._HEADER_DIR,
+        )
+        builder = codecache.CppBuilder(name=header_path, sources=header_path, BuildOption=options)
+        os.makedirs(codecache._HEADER_LOCK_DIR, exist_ok=True)
+        codecache._worker_compile_cpp(os.path.join(codecache._HEADER_LOCK_DIR, f"{header_hash}.lock"), (builder,))
+        return header_path
+
+    _precompile_header.__wrapped__ = original
+    vars(codecache)["_precompile_header"] = _precompile_header
+
+
+def _preprocessed_digest(codecache: ModuleType, header: str, command: dict[str, Any]) -> str | None:
+    """SHA-512 (hex) of ``header`` preprocessed with ``command``, from the store or from ``g++ -E``;
+    ``None`` where warmstart has no store or no key for it (torch then computes it)."""
+    import tempfile
+
+    from warmstart.compile_cache import get_store
+
+    store = get_store()
+    if store is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "header.hpp")
+        with open(source, "w") as f:
+            f.write(f"#include <{header}>\n")
+        options = codecache.CppTorchDeviceOptions(**command, preprocessing=True)
+        preprocessor = codecache.CppBuilder(name=source[: -len(".hpp")], sources=source, BuildOption=options)
+        target = preprocessor.get_target_file_path()
+        key = cpp_object_key(preprocessor.get_command_line(), target)
+        if key is None:
+            return None
+        stored = store.get("header_digest", key).value
+        if stored is not None:
+            digest = stored.decode("ascii", "replace")
+            if _HEX_SHA512.fullmatch(digest):
+                return digest
+        start = time.perf_counter()
+        build = type(preprocessor).build
+        getattr(build, "__wrapped__", build)(preprocessor)  # g++ -E itself: the output is not stored
+        with open(target, "rb") as f:
+            digest = hashlib.sha512(f.read()).hexdigest()
+        store.put("header_digest", key, digest.encode("ascii"), cost_s=time.perf_counter() - start)
+        return digest
+
+
 # -- the vector-ISA probe ----------------------------------------------------------------------
 
 
@@ -644,7 +728,6 @@ def _frames_scope(package):
 #: torch module -> the function of ``dynamo_frames`` that hooks it.
 _FRAME_HOOKS = {
     "torch._dynamo.eval_frame": "hook_eval_frame",
-    "torch._dynamo.guards": "hook_guards",
     "torch._dynamo.package": "hook_package",
     "torch._dynamo.variables.torch": "hook_constant_folds",
     "torch._dynamo.precompile_context": "hook_precompile_context",
@@ -661,6 +744,34 @@ def _frames_hook(hook: str) -> Callable[[ModuleType], None]:
 
 for _module_name, _hook in _FRAME_HOOKS.items():
     _PATCHES[_module_name] = _frames_hook(_hook)
+
+
+@_patch("torch._dynamo.guards")
+def _hook_guards(guards: ModuleType) -> None:
+    _hook_guard_latency(guards)
+    dynamo_frames.hook_guards(guards)
+
+
+def _hook_guard_latency(guards: ModuleType) -> None:
+    """Time a new frame's guards without evicting the CPU caches first.
+
+    For its compile metrics (``guard_latency_us``, and a debug line of the ``guards`` log), Dynamo
+    times one check of every frame's new guards right after evicting the CPU caches by writing a
+    large buffer: 20-30 ms a frame, the same again in misses for every thread of the process, and a
+    tenth of a warm start's work on a small model. The figure becomes the time of one check with
+    warm caches (microseconds, as torch's); the guards themselves are built and checked as before.
+    """
+    original = guards.profile_guard_manager
+
+    def profile_guard_manager(root, f_locals, n_iters) -> float:
+        n = max(int(n_iters), 1)
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            root.check(f_locals)
+        return (time.perf_counter_ns() - start) / n / 1000
+
+    profile_guard_manager.__wrapped__ = original  # type: ignore[attr-defined]
+    vars(guards)["profile_guard_manager"] = profile_guard_manager
 
 
 def _hook_recompiles(convert_frame: ModuleType) -> None:
