@@ -171,7 +171,9 @@ class CompileWarmup:
     Attributes:
         build: builds the module to compile on the given device.
         example_inputs: builds a synthetic batch (positional arguments) on the given device.
-        backward: also compile the backward pass (``sum`` of the outputs as the loss).
+        backward: also compile the backward pass (``sum`` of the outputs as the loss). Not run when
+            the forward loaded every graph from AOTAutograd's cache (a warm start): each entry
+            brings its backward, already compiled, and running it would only compute.
         compile_kwargs: keyword arguments of ``torch.compile``.
         compile_module: how the step compiles the module, when it is not ``torch.compile(module,
             **compile_kwargs)``: e.g. regional compilation, compiling some submodules on their own
@@ -192,8 +194,9 @@ class CompileWarmup:
             compiled = self.compile_module(module)
         else:
             compiled = torch.compile(module, **self.compile_kwargs)
+        before = _aot_autograd_counts()
         out = compiled(*self.example_inputs(device))
-        if self.backward:
+        if self.backward and not _all_loaded_from_cache(before):
             tensors = [
                 t
                 for t in (out if isinstance(out, (tuple, list)) else [out])
@@ -202,6 +205,24 @@ class CompileWarmup:
             if tensors:
                 torch.stack([t.float().sum() for t in tensors]).sum().backward()
         return time.perf_counter() - start
+
+
+def _aot_autograd_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["aot_autograd"])
+
+
+def _all_loaded_from_cache(before: dict[str, int]) -> bool:
+    """Whether every graph compiled since ``before`` (AOTAutograd's counters) came from its cache."""
+    after = _aot_autograd_counts()
+    delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    hits = delta.get("autograd_cache_hit", 0)
+    return hits > 0 and hits == delta.get("total", 0) and not any(delta.get(name, 0) for name in _NOT_LOADED)
+
+
+#: AOTAutograd's counters of graphs it compiled rather than loaded, or could not cache.
+_NOT_LOADED = ("autograd_cache_miss", "autograd_cache_bypass", "autograd_cache_guard_miss", "not_ok")
 
 
 @dataclasses.dataclass
