@@ -430,6 +430,22 @@ def test_a_forked_child_has_torchs_source_hash(preloader):
     assert (plain.returncode, plain.stderr.strip()) == (1, "torch's sources read again")
 
 
+def test_a_forked_child_has_dynamos_tables_for_torchs_layers(preloader):
+    """Dynamo's table of torch's overridable functions and its function names by line of torch.nn's
+    layer files (it tokenizes each file it inlines from) are the preloader's; a new interpreter builds
+    them at its first compile."""
+    code = FORKED + textwrap.dedent("""
+        import torch.nn.modules.linear as linear, torch.overrides
+        from torch._dynamo import funcname_cache
+        print(_forked, linear.__file__ in funcname_cache.cache,
+              torch.overrides._get_overridable_functions.cache_info().currsize)
+    """)
+    forked, plain = preloader.run(["-c", code]), preloader.run(["-c", code], preload=False)
+    assert forked.returncode == plain.returncode == 0, (forked.stderr, plain.stderr)
+    assert forked.stdout.split() == ["True", "True", "1"]
+    assert plain.stdout.split() == ["False", "False", "0"]
+
+
 def test_the_preloader_watches_every_file_torchs_source_hash_reads():
     """A torch file the preloader never imported still decides the hash its children inherit: a
     change to one (or a file added next to it) makes the preloader refuse, as for its own modules."""

@@ -159,7 +159,8 @@ STORE_MODULES = (
 )
 
 #: How old a check that nothing the preloader imported has changed may be when a request is
-#: served; the preloader checks again whenever it has been idle this long.
+#: served; the preloader checks again whenever it has been idle half this long (about 20 ms for
+#: torch's and TorchRec's 4,000 files, so that a request finds a fresh result).
 STALE_CHECK_S = 1.0
 
 #: A child that could not become the program (its setup failed) ends with this status before
@@ -218,6 +219,7 @@ class Preloader:
             for name in COMPILER_MODULES:
                 with contextlib.suppress(ImportError):
                     importlib.import_module(name)
+            _fill_dynamo_tables()
         if "warmstart.compile_cache" in self.imported:
             for name in STORE_MODULES:
                 with contextlib.suppress(ImportError):
@@ -602,6 +604,29 @@ def _stamp(path: str) -> tuple[int, int]:
     except OSError as exc:
         return (-1, exc.errno or errno.ENOENT)
     return (st.st_mtime_ns, st.st_size)
+
+
+#: Packages whose modules' ``forward`` methods Dynamo inlines in most models (``torch.nn``'s layers,
+#: TorchRec's MLP, cross and DeepFM modules).
+_INLINED_PACKAGES = ("torch.nn.modules.", "torchrec.modules.")
+
+
+def _fill_dynamo_tables() -> None:
+    """Build the tables that Dynamo builds at the first compile of every process: torch's overridable
+    functions, and the function names by line of each module file it inlines from (it tokenizes the
+    whole file). Both depend only on the modules' code, which the preloader already watches: a forked
+    child's first compile starts with them (20-40 ms of CPU less, on the reference job's model)."""
+    try:
+        import torch.overrides
+        from torch._dynamo import funcname_cache
+
+        torch.overrides._get_overridable_functions()
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None)
+            if name.startswith(_INLINED_PACKAGES) and isinstance(path, str) and path.endswith(".py"):
+                funcname_cache.get_funcname(path, 0)
+    except Exception as exc:  # a torch without them: each child builds its own, as before
+        log.info("warmstart preload: Dynamo's tables not built (%s)", exc)
 
 
 def _stop_blas_threads() -> None:
