@@ -95,3 +95,44 @@ def test_a_new_frames_guard_latency_is_timed_without_evicting_the_caches(tmp_pat
     assert result["replaced"], result
     assert result["calls"] == [1], result  # one new frame, timed once
     assert len(result["latency"]) == 1 and result["latency"][0] is not None, result
+
+
+def test_a_deferred_precompiled_header_is_built_under_torchs_lock(tmp_path):
+    """warmstart builds a precompiled header only when a build needs it, later than torch would, and
+    g++ writes it straight to its place: it must do so under torch's lock for that header, or another
+    process of the machine compiles against a half-written one (g++ then used 22 GB of memory)."""
+    import threading
+
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa
+    from torch.utils._filelock import FileLock
+
+    from warmstart.compile_cache import torch_hooks
+
+    header = tmp_path / "precompiled_headers" / "cwarmstarttest.h"
+    header.parent.mkdir()
+    header.write_text("#pragma once\ninline int answer() { return 42; }\n")
+    options = CppTorchDeviceOptions(vec_isa=invalid_vec_isa, device_type="cpu", precompiling=True)
+    builder = CppBuilder(name=str(header), sources=str(header), BuildOption=options)
+    build = getattr(CppBuilder.build, "__wrapped__", CppBuilder.build)
+    torch_hooks._deferred_pch[str(header)] = (builder, "a key no store holds")
+    lock_path = Path(torch_hooks.pch_lock_path(str(header)))
+    assert lock_path == header.parent / "locks" / "cwarmstarttest.lock"  # where torch's _precompile_header locks
+    lock_path.parent.mkdir()
+    done = threading.Event()
+
+    def materialize():
+        torch_hooks._materialize_pch(f"g++ -include {header} kernel.cpp", build)
+        done.set()
+
+    holder = FileLock(str(lock_path))  # another process building the header holds this
+    holder.acquire()
+    worker = threading.Thread(target=materialize)
+    worker.start()
+    try:
+        assert not done.wait(3.0)  # it waits for the holder...
+        assert not Path(f"{header}.gch").exists()
+    finally:
+        holder.release()
+    worker.join(timeout=120)
+    assert done.is_set() and Path(f"{header}.gch").stat().st_size > 0  # ...then builds it

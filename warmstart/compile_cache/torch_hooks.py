@@ -430,25 +430,41 @@ def _build_and_store(builder, key: str, original_build: Callable) -> None:
 
 def _materialize_pch(command_line: str, original_build: Callable) -> None:
     """Fetch or build the deferred precompiled headers that ``command_line`` includes."""
+    from torch._inductor.codecache import LOCK_TIMEOUT
+    from torch.utils._filelock import FileLock
+
     from warmstart.compile_cache import get_store
 
     with _pch_lock:
         needed = [(h, _deferred_pch.pop(h)) for h in list(_deferred_pch) if h in command_line]
         for header, (builder, key) in needed:
             target = header + ".gch"
-            if os.path.exists(target):
-                continue
-            try:
-                store = get_store()
-                # No waiting on a peer's lease: building it here costs seconds, a wait could cost a
-                # whole compile of the peer's (it uploads the header once that compile is over).
-                data = store.get("cpp_object", key, wait=False).value if store is not None else None
-                fetched = data is not None and _write_atomic(target, data)
-            except Exception as exc:
-                fail_open("C++ object cache", exc)
-                fetched = False
-            if not fetched:
-                _build_and_store(builder, key, original_build)
+            # g++ writes the header straight to its place: under torch's lock for it, as torch builds
+            # it, no process of this machine compiles against one half written (g++ reading a
+            # truncated header has used 22 GB of memory).
+            lock_path = pch_lock_path(header)
+            os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+            with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+                if os.path.exists(target):
+                    continue
+                try:
+                    store = get_store()
+                    # No waiting on a peer's lease: building it here costs seconds, a wait could cost
+                    # a whole compile of the peer's (it uploads the header once that compile is over).
+                    data = store.get("cpp_object", key, wait=False).value if store is not None else None
+                    fetched = data is not None and _write_atomic(target, data)
+                except Exception as exc:
+                    fail_open("C++ object cache", exc)
+                    fetched = False
+                if not fetched:
+                    _build_and_store(builder, key, original_build)
+
+
+def pch_lock_path(header: str) -> str:
+    """The lock torch's ``_precompile_header`` builds ``header``'s precompiled version under (its
+    ``locks`` folder next to the headers)."""
+    name = os.path.splitext(os.path.basename(header))[0]
+    return os.path.join(os.path.dirname(header), "locks", f"{name}.lock")
 
 
 def cpp_object_key(command_line: str, target: str) -> str | None:
@@ -509,10 +525,10 @@ def _hook_precompile_header(codecache: ModuleType) -> None:
     Before it builds or looks up a C++ kernel, every process names the precompiled header that the
     kernel's command line includes (``_precompile_header``): torch runs the header through the
     preprocessor (``g++ -E``: 5 MB of output, 1-2 s) and hashes the output (``openssl sha512``), so
-    that any change in a header it includes renames it. The digest depends only on the preprocessor's
-    command line and its inputs, so warmstart stores the digest (``header_digest``, under the key a
-    C++ object of that command has) rather than the preprocessed source; what torch then does with
-    the digest is torch's code, step for step.
+    that any change in a header it includes renames it. The digest depends only on the header and
+    the preprocessor's command line and inputs, so warmstart stores the digest (``header_digest``,
+    keyed by the header's name and the key a C++ object of that command has) rather than the
+    preprocessed source; what torch then does with the digest is torch's code, step for step.
     """
     original = codecache._precompile_header
     uncached = getattr(original, "__wrapped__", original)
@@ -562,10 +578,13 @@ def _preprocessed_digest(codecache: ModuleType, header: str, command: dict[str, 
             f.write(f"#include <{header}>\n")
         options = codecache.CppTorchDeviceOptions(**command, preprocessing=True)
         preprocessor = codecache.CppBuilder(name=source[: -len(".hpp")], sources=source, BuildOption=options)
-        target = preprocessor.get_target_file_path()
-        key = cpp_object_key(preprocessor.get_command_line(), target)
-        if key is None:
+        if getattr(preprocessor, "_use_relative_path", False):  # its inputs are not named by content
             return None
+        target = preprocessor.get_target_file_path()
+        command_key = cpp_object_key(preprocessor.get_command_line(), target)
+        if command_key is None:
+            return None
+        key = hashlib.sha256(f"{header}\0{command_key}".encode()).hexdigest()
         stored = store.get("header_digest", key).value
         if stored is not None:
             digest = stored.decode("ascii", "replace")
