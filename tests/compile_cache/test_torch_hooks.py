@@ -19,12 +19,15 @@ def machine_env(machine: Path, store: Path) -> dict[str, str]:
     return _machine.machine_env(machine, WARMSTART_CACHE_DIR=str(store), WARMSTART_PRELOAD="0")
 
 
-def run_result(code: str, env: dict[str, str]) -> dict:
+def run_result(code: str, env: dict[str, str], stderr_lines: bool = False) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    if stderr_lines:
+        result["stderr"] = proc.stderr.splitlines()
+    return result
 
 
 NAME_HEADER = """
@@ -136,3 +139,35 @@ def test_a_deferred_precompiled_header_is_built_under_torchs_lock(tmp_path):
         holder.release()
     worker.join(timeout=120)
     assert done.is_set() and Path(f"{header}.gch").stat().st_size > 0  # ...then builds it
+
+
+def test_a_store_that_raises_while_naming_a_header_costs_one_warning_and_torchs_own_name(tmp_path):
+    """Fault injection: the store raises at the digest's lookup. The header is named as torch names
+    it (torch preprocesses it itself), with one warning; the compile is never failed."""
+    result = run_result(
+        """
+        import json
+        from torch._inductor import codecache
+        from torch._inductor.cpu_vec_isa import invalid_vec_isa
+        from warmstart.compile_cache import set_store
+
+        class BrokenStore:
+            def get(self, kind, key, **kwargs):
+                raise RuntimeError("store down")
+
+            def put(self, kind, key, data, cost_s=0.0):
+                raise RuntimeError("store down")
+
+        set_store(BrokenStore())
+        command = dict(include_pytorch=True, shared=True, device_type="cpu", extra_flags=(),
+                       use_relative_path=False, vec_isa=invalid_vec_isa)
+        args = ("torch/csrc/inductor/cpp_prefix.h", "g++ kernel.cpp -O3 -o kernel.so")
+        hooked = codecache._precompile_header
+        ours = hooked(*args, **command)
+        print("RESULT " + json.dumps({"ours": ours, "torch": hooked.__wrapped__(*args, **command)}))
+        """,
+        machine_env(tmp_path, tmp_path / "store"),
+        stderr_lines=True,
+    )
+    assert result["ours"] == result["torch"], result
+    assert sum("precompiled header name" in line for line in result["stderr"]) == 1, result["stderr"]
