@@ -290,6 +290,30 @@ def test_a_sys_path_directory_stales_the_preloader_only_when_what_can_be_importe
         node.stop()
 
 
+def test_a_module_edited_just_before_a_launch_is_never_run_from_its_old_import(tmp_path):
+    # The preloader is told of every change on a local filesystem as it happens: no request is
+    # served from a check made before the edit, however recent, and an idle preloader checks nothing.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "trainer_mod.py").write_text("WIDTH = 8\n")
+    node = Preloader(tmp_path / "p", PYTHONPATH=str(project), WARMSTART_PRELOAD_MODULES="trainer_mod").start()
+    code = FORKED + "; import trainer_mod; print(_forked, trainer_mod.WIDTH)"
+    try:
+        assert "trainer_mod" in node.info["modules"]
+        out = node.run(["-c", code])
+        assert (out.returncode, out.stdout) == (0, "True 8\n"), out.stderr
+        files = node.status()["files"]  # a status checks every file, and counts it
+        assert files["polled_files"] == 0 and files["watched_directories"] > 0, files
+        time.sleep(1.5)  # three idle rounds of the serve loop
+        assert node.status()["files"]["full_checks"] == files["full_checks"] + 1
+        (project / "trainer_mod.py").write_text("WIDTH = 16\n")
+        out = node.run(["-c", code])  # at once, well within a second of the last full check
+        assert (out.returncode, out.stdout) == (0, "False 16\n"), out.stderr
+        assert any("trainer_mod.py changed" in reason for reason in node.status()["refused"])
+    finally:
+        node.stop()
+
+
 def test_a_stale_socket_or_no_preloader_is_an_ordinary_start(tmp_path):
     path = tmp_path / "stale.sock"
     listener = socket.socket(socket.AF_UNIX)

@@ -80,7 +80,7 @@ def status(socket_path, as_json) -> None:
         )
         rows.append(
             [
-                s["pid"],
+                str(s["pid"]),  # a process id, not a quantity: no thousands separator
                 s["socket"],
                 f"{time.time() - s['started_at']:.0f} s",
                 s["served"],
@@ -94,6 +94,12 @@ def status(socket_path, as_json) -> None:
     for s in found:
         for reason, count in sorted(s["refused"].items(), key=lambda kv: -kv[1]):
             click.echo(f"  refused {count}x: {reason}")
+        files = s.get("files") or {}
+        if files:
+            click.echo(
+                f"  imported files: {files['watched_directories']} directories watched (a change is known at once), "
+                f"{files['polled_files']} files polled (on filesystems that report no changes)"
+            )
         if s["stale"]:
             click.echo(f"  stale: {s['stale']}")
 

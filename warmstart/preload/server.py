@@ -18,10 +18,8 @@ with ``WARMSTART=1`` and ``WARMSTART_PRELOAD_SERVE=1`` in its environment.
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import importlib
-import importlib.machinery
 import logging
 import os
 import selectors
@@ -34,8 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warmstart.preload import environment, wire
-
-_IMPORT_SUFFIXES = frozenset(importlib.machinery.all_suffixes())
+from warmstart.preload.watch import ImportedFiles, importable_entries, stamp
 
 log = logging.getLogger("warmstart.preload")
 
@@ -158,9 +155,10 @@ STORE_MODULES = (
     "warmstart.metrics.live",
 )
 
-#: How old a check that nothing the preloader imported has changed may be when a request is
-#: served; the preloader checks again whenever it has been idle half this long (about 20 ms for
-#: torch's and TorchRec's 4,000 files, so that a request finds a fresh result).
+#: How old a check of the imported files that lie on a network filesystem (where the kernel does
+#: not report changes made on other machines) may be when a request is served; the preloader checks
+#: them again whenever it has been idle half this long. Files on local filesystems are watched
+#: (:mod:`warmstart.preload.watch`): a change there is known at once.
 STALE_CHECK_S = 1.0
 
 #: A child that could not become the program (its setup failed) ends with this status before
@@ -197,10 +195,7 @@ class Preloader:
     refused: Counter = field(default_factory=Counter)
     children: dict[int, _Child] = field(default_factory=dict)
     owner_pid: int = field(default_factory=os.getpid)
-    _checked_at: float = float("-inf")
-    _stale_reason: str | None = None
-    _files: dict[str, tuple[int, int]] = field(default_factory=dict)
-    _path_dirs: dict[str, frozenset[str]] = field(default_factory=dict)
+    _files: ImportedFiles | None = None
     _stopping: bool = False
     #: (device, inode) of the socket this preloader bound: what it unlinks, and what must still be
     #: at its path for anyone to reach it.
@@ -227,17 +222,17 @@ class Preloader:
         self.imports_s = time.perf_counter() - start
         _stop_blas_threads()
         _skip_library_teardown()
-        self._files = _module_files()
+        files = _module_files()
         if "torch._inductor.codecache" in sys.modules:
-            self._files.update(_hash_torch_sources())
+            files.update(_hash_torch_sources())
         # Python's advice for a process that forks without exec: what exists now is never touched by
         # a child's garbage collector (its pages stay shared), and a child's gc.get_objects() holds
         # only what its program made.
         gc.collect()
         gc.freeze()
-        for entry in sys.path:
-            if os.path.isdir(entry):
-                self._path_dirs[entry] = _importable_entries(entry)  # a package installed or removed there
+        # a package installed or removed in a sys.path directory
+        importable = {entry: importable_entries(entry) for entry in sys.path if os.path.isdir(entry)}
+        self._files = ImportedFiles(files, importable)
 
     def serve(self, listener: socket.socket) -> Request:
         """Serve requests on ``listener`` until stopped; returns only in a forked child, with its
@@ -252,6 +247,9 @@ class Preloader:
         selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ, "listener")
         selector.register(read_end, selectors.EVENT_READ, "signal")
+        watch = self._files.fileno() if self._files is not None else None
+        if watch is not None:
+            selector.register(watch, selectors.EVENT_READ, "files")
         try:
             while not (self._stopping and not self.children):
                 events = selector.select(timeout=STALE_CHECK_S / 2)
@@ -262,6 +260,8 @@ class Preloader:
                     try:
                         if key.data == "signal":
                             self._on_signals(read_end, selector)
+                        elif key.data == "files":  # a change notified: note it now (and empty the queue)
+                            self._stale(max_age_s=float("inf"))
                         elif key.data == "listener":
                             request = self._accept(listener, selector)
                             if request is not None:  # in the child
@@ -298,6 +298,7 @@ class Preloader:
             "cuda_initialized": cuda,
             "fork_safe": threads == 1 and not cuda,
             "stale": self._stale(),
+            "files": self._files.describe() if self._files is not None else {},
             "executable": sys.executable,
             "fingerprint": self.site_fingerprint,
         }
@@ -363,24 +364,19 @@ class Preloader:
             return "the preloader has a CUDA context, which a fork cannot carry"
         return None
 
-    def _stale(self, max_age_s: float = 0.0) -> str | None:
-        """Why what the preloader imported is out of date (a file changed since), or ``None``. A
-        result at most ``max_age_s`` old is reused: the serve loop checks whenever it is idle."""
-        now = time.monotonic()
-        if self._stale_reason is not None or now - self._checked_at <= max_age_s:
-            return self._stale_reason
-        changed = next((path for path, stamp in self._files.items() if _stamp(path) != stamp), None)
+    def _stale(self, max_age_s: float | None = None) -> str | None:
+        """Why what the preloader imported is out of date (a file changed since), or ``None``.
+        ``None`` checks every file now; otherwise changes notified so far count, and polled files
+        are checked again when their last check is older than ``max_age_s``."""
+        if self._files is None:
+            return None
+        changed = self._files.check_all() if max_age_s is None else self._files.changed(max_age_s)
         if changed is None:
-            changed = next(
-                (path for path, names in self._path_dirs.items() if _importable_entries(path) != names), None
-            )
-        if changed is not None:
-            self._stale_reason = (
-                f"{changed} changed since the preloader imported it "
-                "(restart it: warmstart preload stop; warmstart preload start)"
-            )
-        self._checked_at = now
-        return self._stale_reason
+            return None
+        return (
+            f"{changed} changed since the preloader imported it "
+            "(restart it: warmstart preload stop; warmstart preload start)"
+        )
 
     def _check_socket(self) -> None:
         # Removed (a cleaner of /tmp or /run, a test's directory) or replaced by another preloader's:
@@ -443,6 +439,8 @@ class Preloader:
             child.conn.close()
         self.children.clear()
         selector.close()
+        if self._files is not None:
+            self._files.close()
         listener.close()
         os.close(read_end)
         os.close(write_end)
@@ -525,8 +523,9 @@ def _module_files() -> dict[str, tuple[int, int]]:
     files = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
-        if isinstance(path, str) and path not in files:
-            files[path] = _stamp(path)
+        # a relative name is no file (torch.ops and torch.classes say "_ops.py" and "_classes.py")
+        if isinstance(path, str) and os.path.isabs(path) and path not in files:
+            files[path] = stamp(path)
     return files
 
 
@@ -552,58 +551,20 @@ def _hash_torch_sources() -> dict[str, tuple[int, int]]:
         # The walk of codecache.build_code_hash: every module file, and the directories whose
         # listing decides which files those are.
         for root in roots:
-            stamps[root] = _stamp(root)
+            stamps[root] = stamp(root)
         for info in pkgutil.iter_modules(roots, prefix):
             spec = info.module_finder.find_spec(info.name, None)
             if spec is None or spec.origin is None:
                 continue
-            stamps[spec.origin] = _stamp(spec.origin)
+            stamps[spec.origin] = stamp(spec.origin)
             if info.ispkg and spec.submodule_search_locations:
                 walk(list(spec.submodule_search_locations), f"{spec.name}.")
 
     walk([getattr(codecache, "_TORCH_PATH", os.path.dirname(torch.__file__))], "")
     inductor = os.path.dirname(codecache.__file__)
     for extra in ("codegen/aoti_runtime/interface.cpp", "script.ld"):
-        stamps[os.path.join(inductor, extra)] = _stamp(os.path.join(inductor, extra))
+        stamps[os.path.join(inductor, extra)] = stamp(os.path.join(inductor, extra))
     return stamps
-
-
-_INSTALL_RECORDS = (".dist-info", ".egg-info", ".egg-link", ".egg", ".pth")
-
-
-def _importable_entries(directory: str) -> frozenset[str]:
-    """What in a ``sys.path`` directory can change what a new interpreter imports or finds
-    installed: modules and extension modules (``name.py``, ``name.cpython-311-x86_64-linux-gnu.so``),
-    packages (a directory named as a module, with or without ``__init__.py``: an optional import
-    that failed here would find one), and install records (``.dist-info``, ``.pth``...). A job's
-    log files, hidden folders and directories whose names are no module's (``warmstart-runs``) in
-    its project root (an editable install puts that on ``sys.path``) are none of these, so they
-    leave the preloader in service; a folder named as a module (``checkpoints``) is one."""
-    try:
-        names = os.listdir(directory)
-    except OSError as exc:
-        return frozenset({f"<{exc.strerror}>"})
-    found = set()
-    for name in names:
-        stem, dot, _ = name.partition(".")
-        if name.endswith(_INSTALL_RECORDS):
-            found.add(name)
-        elif not dot:
-            # __pycache__ appears when a module there is first imported; it holds bytecode of sources
-            # already watched, and is no package of its own
-            if name != "__pycache__" and name.isidentifier() and os.path.isdir(os.path.join(directory, name)):
-                found.add(name)
-        elif stem.isidentifier() and name[len(stem) :] in _IMPORT_SUFFIXES:
-            found.add(name)
-    return frozenset(found)
-
-
-def _stamp(path: str) -> tuple[int, int]:
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return (-1, exc.errno or errno.ENOENT)
-    return (st.st_mtime_ns, st.st_size)
 
 
 #: Packages whose modules' ``forward`` methods Dynamo inlines in most models (``torch.nn``'s layers,
