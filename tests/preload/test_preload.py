@@ -37,6 +37,7 @@ class Preloader:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.socket = str(directory / "preload.sock")
         self.env = _clean_env(WARMSTART_PRELOAD_SOCKET=self.socket, **extra_env)
+        self.run_dir = directory / "runs"  # what the programs record, kept out of the working directory
 
     def start(self) -> Preloader:
         out = subprocess.run(
@@ -71,7 +72,7 @@ class Preloader:
         )
 
     def client_env(self, **extra: str) -> dict[str, str]:
-        return {**self.env, "WARMSTART": "1", **extra}
+        return {**self.env, "WARMSTART": "1", "WARMSTART_RUN_DIR": str(self.run_dir), **extra}
 
     def run(self, args: list[str], *, preload: bool = True, extra_env: dict | None = None, **kwargs):
         env = self.client_env(**(extra_env or {}))
