@@ -87,6 +87,22 @@ def test_a_file_reached_through_a_link_is_watched_where_it_lies(tmp_path, projec
         watch.close()
 
 
+def test_a_directory_reached_by_two_paths_is_one_watch_that_covers_both(tmp_path, project):
+    # sys.path holding a linked directory beside its target: the kernel gives both one watch
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "pkg").symlink_to(project / "pkg", target_is_directory=True)
+    layers, init = site / "pkg" / "layers.py", project / "pkg" / "__init__.py"
+    for edited in (layers, init):
+        watch = _watch([init, layers])  # the target first, then the path through the link
+        try:
+            assert watch.describe()["watched_directories"] == 1
+            edited.write_text("# edited\n")
+            assert watch.changed(NEVER) == str(edited)
+        finally:
+            watch.close()
+
+
 def test_a_stamped_directory_changes_with_its_entries(project):
     # torch's source hash reads directory listings: a new module under torch/ changes it
     pkg = project / "pkg"

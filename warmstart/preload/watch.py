@@ -125,11 +125,20 @@ class _Directory:
 
     path: str
     #: its entries whose stamps were taken (modules' files, directories torch's hash walked)
-    files: dict[str, str] = field(default_factory=dict)  # name -> the path as stamped
+    files: dict[str, list[str]] = field(default_factory=dict)  # name -> the paths stamped for it
     #: paths stamped that are this directory itself (its mtime changes with its entries)
     itself: list[str] = field(default_factory=list)
     #: a ``sys.path`` directory: what can be imported from it
     importable: bool = False
+
+
+def _merged(one: _Directory, other: _Directory) -> _Directory:
+    return _Directory(
+        one.path,
+        {name: one.files.get(name, []) + other.files.get(name, []) for name in {*one.files, *other.files}},
+        one.itself + other.itself,
+        one.importable or other.importable,
+    )
 
 
 # inotify's event bits (linux/inotify.h)
@@ -184,7 +193,9 @@ class ImportedFiles:
         for directory in directories.values():
             if self._inotify is not None and directory.path and is_local(directory.path):
                 try:
-                    self._watched[self._inotify.add_watch(directory.path, _MASK)] = directory
+                    wd = self._inotify.add_watch(directory.path, _MASK)
+                    # a directory reached by two paths (one through a link) is one watch
+                    self._watched[wd] = _merged(self._watched[wd], directory) if wd in self._watched else directory
                     continue
                 except OSError:  # gone, unreadable, or the watches limit reached: poll it
                     pass
@@ -239,7 +250,7 @@ class ImportedFiles:
 
         for path, (mtime, _) in self._stamps.items():
             parent, name = os.path.split(path)
-            at(parent).files[name] = path
+            at(parent).files.setdefault(name, []).append(path)
             if mtime >= 0 and os.path.isdir(path):
                 at(path).itself.append(path)
             # A change to a file reached through a link happens in the directory of what it points at.
@@ -248,13 +259,13 @@ class ImportedFiles:
             real = os.path.realpath(path) if os.path.islink(path) else os.path.join(resolved[parent], name)
             if real != path:
                 real_parent, real_name = os.path.split(real)
-                at(real_parent).files[real_name] = path
+                at(real_parent).files.setdefault(real_name, []).append(path)
         for path in self._entries:
             at(path).importable = True
         return directories
 
     def _poll(self, directory: _Directory) -> None:
-        self._polled_files.extend(directory.files.values())
+        self._polled_files.extend(path for paths in directory.files.values() for path in paths)
         self._polled_files.extend(directory.itself)
         if directory.importable:
             self._polled_dirs.append(directory.path)
@@ -280,13 +291,10 @@ class ImportedFiles:
             if event.mask & _GONE:  # the directory itself is gone or moved: poll what it held
                 del self._watched[event.wd]
                 self._poll(directory)
-                self._changed = self._changed or self._check(
-                    [*directory.files.values(), *directory.itself], [directory.path] if directory.importable else []
-                )
+                held = [path for paths in directory.files.values() for path in paths] + directory.itself
+                self._changed = self._changed or self._check(held, [directory.path] if directory.importable else [])
                 continue
-            paths = []
-            if event.name in directory.files:
-                paths.append(directory.files[event.name])
+            paths = list(directory.files.get(event.name, ()))
             if not event.name or event.mask & _ENTRIES:
                 paths.extend(directory.itself)
             importable = [directory.path] if directory.importable and event.mask & _ENTRIES else []
