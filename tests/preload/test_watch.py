@@ -101,6 +101,13 @@ def test_a_directory_reached_by_two_paths_is_one_watch_that_covers_both(tmp_path
             assert watch.changed(NEVER) == str(edited)
         finally:
             watch.close()
+    # the linked path is on sys.path, and a module appears in what it points at
+    watch = _watch([init], [site / "pkg"])
+    try:
+        (project / "pkg" / "extra_layers.py").write_text("")
+        assert watch.changed(NEVER) == str(site / "pkg")
+    finally:
+        watch.close()
 
 
 def test_a_stamped_directory_changes_with_its_entries(project):

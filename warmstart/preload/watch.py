@@ -128,8 +128,8 @@ class _Directory:
     files: dict[str, list[str]] = field(default_factory=dict)  # name -> the paths stamped for it
     #: paths stamped that are this directory itself (its mtime changes with its entries)
     itself: list[str] = field(default_factory=list)
-    #: a ``sys.path`` directory: what can be imported from it
-    importable: bool = False
+    #: the ``sys.path`` entries that are this directory (what can be imported from it)
+    importable: list[str] = field(default_factory=list)
 
 
 def _merged(one: _Directory, other: _Directory) -> _Directory:
@@ -137,7 +137,7 @@ def _merged(one: _Directory, other: _Directory) -> _Directory:
         one.path,
         {name: one.files.get(name, []) + other.files.get(name, []) for name in {*one.files, *other.files}},
         one.itself + other.itself,
-        one.importable or other.importable,
+        one.importable + other.importable,
     )
 
 
@@ -261,14 +261,13 @@ class ImportedFiles:
                 real_parent, real_name = os.path.split(real)
                 at(real_parent).files.setdefault(real_name, []).append(path)
         for path in self._entries:
-            at(path).importable = True
+            at(path).importable.append(path)
         return directories
 
     def _poll(self, directory: _Directory) -> None:
         self._polled_files.extend(path for paths in directory.files.values() for path in paths)
         self._polled_files.extend(directory.itself)
-        if directory.importable:
-            self._polled_dirs.append(directory.path)
+        self._polled_dirs.extend(directory.importable)
 
     def _read_notifications(self) -> None:
         if self._inotify is None:
@@ -292,12 +291,12 @@ class ImportedFiles:
                 del self._watched[event.wd]
                 self._poll(directory)
                 held = [path for paths in directory.files.values() for path in paths] + directory.itself
-                self._changed = self._changed or self._check(held, [directory.path] if directory.importable else [])
+                self._changed = self._changed or self._check(held, directory.importable)
                 continue
             paths = list(directory.files.get(event.name, ()))
             if not event.name or event.mask & _ENTRIES:
                 paths.extend(directory.itself)
-            importable = [directory.path] if directory.importable and event.mask & _ENTRIES else []
+            importable = directory.importable if event.mask & _ENTRIES else []
             if paths or importable:
                 self._changed = self._changed or self._check(paths, importable)
 
