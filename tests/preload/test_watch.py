@@ -8,12 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from warmstart.preload.watch import ImportedFiles, filesystem_of, filesystem_types, importable_entries, stamp
+from warmstart.preload.watch import (
+    LOCAL_FILESYSTEMS,
+    ImportedFiles,
+    filesystem_of,
+    filesystem_types,
+    importable_entries,
+    stamp,
+)
 
 NEVER = float("inf")  # a max_age_s that never polls: only notifications can tell
 
 
 def _watch(files: list[Path], path_dirs: list[Path] = (), **kwargs) -> ImportedFiles:
+    # notifications are what these tests are about, whatever filesystem holds the test directories
+    kwargs.setdefault("is_local", lambda directory: True)
     return ImportedFiles(
         {str(f): stamp(str(f)) for f in files},
         {str(d): importable_entries(str(d)) for d in path_dirs},
@@ -31,13 +40,17 @@ def project(tmp_path):
     return root
 
 
-def test_this_machines_test_directories_are_on_a_local_filesystem(tmp_path):
-    # The tests below rely on notifications; a checkout on NFS would poll instead.
-    watch = _watch([tmp_path])
+def test_a_local_filesystem_is_watched_and_a_network_one_polled(tmp_path):
+    kind = filesystem_of(str(tmp_path), filesystem_types())
+    if kind not in LOCAL_FILESYSTEMS:
+        pytest.skip(f"the test directory is on {kind}")
+    watch = ImportedFiles({str(tmp_path): stamp(str(tmp_path))}, {})
     assert watch.describe()["watched_directories"] >= 1
     assert watch.describe()["polled_files"] == 0
-    assert filesystem_of(str(tmp_path), filesystem_types()) is not None
     watch.close()
+    assert filesystem_of("/proc/self", filesystem_types()) == "proc"  # the longest mount point wins
+    nfs = {"/": "ext4", "/mnt/data": "nfs4"}
+    assert filesystem_of("/mnt/data/venv/lib", nfs) == "nfs4" and filesystem_of("/mnt/database", nfs) == "ext4"
 
 
 def test_an_edit_is_known_at_the_next_call_without_polling(project):
