@@ -247,21 +247,18 @@ class Preloader:
         selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ, "listener")
         selector.register(read_end, selectors.EVENT_READ, "signal")
-        watch = self._files.fileno() if self._files is not None else None
-        if watch is not None:
-            selector.register(watch, selectors.EVENT_READ, "files")
         try:
             while not (self._stopping and not self.children):
                 events = selector.select(timeout=STALE_CHECK_S / 2)
                 if not events:
-                    self._stale(max_age_s=STALE_CHECK_S / 2)  # idle: check now, not at the next request
+                    # idle: read the change notifications queued meanwhile (all at once, rather than
+                    # waking at each write a job makes in a watched directory), poll what is not watched
+                    self._stale(max_age_s=STALE_CHECK_S / 2)
                     self._check_socket()
                 for key, _ in events:
                     try:
                         if key.data == "signal":
                             self._on_signals(read_end, selector)
-                        elif key.data == "files":  # a change notified: note it now (and empty the queue)
-                            self._stale(max_age_s=float("inf"))
                         elif key.data == "listener":
                             request = self._accept(listener, selector)
                             if request is not None:  # in the child
