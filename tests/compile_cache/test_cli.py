@@ -77,7 +77,8 @@ def test_doctor_fails_naming_an_unreachable_server(tmp_path):
     assert "cannot connect" in result.output
 
 
-def test_stats_and_clear(redis_node, tmp_path):
+def test_stats_and_clear(redis_node, tmp_path, monkeypatch):
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "runs"))  # this process's miss log, not ./warmstart-runs
     env = _env(redis_node.url, tmp_path)
     writer = open_store(Settings.from_env(env))
     writer.put("fx_graph", "k", b"graph" * 1000, sync=True)

@@ -287,6 +287,7 @@ def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
         WARMSTART="1",
         WARMSTART_DYNAMO="1",
         WARMSTART_CACHE_DIR=str(tmp_path / "warmstart"),
+        WARMSTART_RUN_DIR=str(tmp_path / "runs"),
         TORCHINDUCTOR_COMPILE_THREADS="1",
         OMP_NUM_THREADS="1",
         TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",
