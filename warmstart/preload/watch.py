@@ -200,6 +200,8 @@ class ImportedFiles:
                 except OSError:  # gone, unreadable, or the watches limit reached: poll it
                     pass
             self._poll(directory)
+        # what changed between the stamps being taken and the watches existing raised no notification
+        self.check_all()
 
     def fileno(self) -> int | None:
         """The descriptor to wait on for change notifications (``None``: none, all files polled)."""
