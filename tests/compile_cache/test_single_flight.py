@@ -397,11 +397,12 @@ def test_leases_respect_the_writer_and_reader_acl(acl_server, tmp_path):
     writer.close(), reader.close()
 
 
-def test_leases_are_counted_in_cache_stats(redis_node, tmp_path):
+def test_leases_are_counted_in_cache_stats(redis_node, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from warmstart.cli import cli
 
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "runs"))  # this process's miss log, not ./warmstart-runs
     env = _env(tmp_path / "a", redis_node.url)
     store = open_store(Settings.from_env(env))
     assert not store.get(KIND, KEY)
