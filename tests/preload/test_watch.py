@@ -194,7 +194,7 @@ def test_a_change_is_kept_and_the_queue_still_emptied(project):
         assert watch.changed(NEVER) == str(layers)
         fd = watch.fileno()
         assert fd is not None
-        assert not _readable(fd)  # nothing left to read: a serve loop waiting on it does not spin
+        assert not _readable(fd)  # nothing left to read: the queue cannot fill up and overflow
     finally:
         watch.close()
 
@@ -210,3 +210,22 @@ def _readable(fd: int) -> bool:
     import select
 
     return bool(select.select([fd], [], [], 0)[0])
+
+
+def test_a_notification_descriptor_that_fails_means_polling_and_one_full_check(project):
+    # The descriptor stops being inotify's (here: /dev/null put in its place): reading it fails, the
+    # watch falls back to polling everything, and a change made meanwhile is found.
+    layers = project / "pkg" / "layers.py"
+    watch = _watch([layers], [project])
+    try:
+        fd = watch.fileno()
+        assert fd is not None
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, fd)
+        os.close(null)
+        layers.write_text("WIDTH = 3\n")
+        assert watch.changed(NEVER) == str(layers)
+        assert watch.fileno() is None
+        assert watch.describe()["watched_directories"] == 0 and watch.describe()["polled_files"] == 1
+    finally:
+        watch.close()

@@ -10,10 +10,12 @@ files are polled, as a preloader always did.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.machinery
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -236,9 +238,10 @@ class ImportedFiles:
 
     def close(self) -> None:
         """Stop watching (a forked child, which has no use for the preloader's notifications)."""
-        if self._inotify is not None:
-            self._inotify.close()
-            self._inotify = None
+        inotify, self._inotify = self._inotify, None
+        if inotify is not None:
+            with contextlib.suppress(OSError):  # a descriptor that failed may fail to close too
+                inotify.close()
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -250,15 +253,23 @@ class ImportedFiles:
         def at(path: str) -> _Directory:
             return directories.setdefault(path, _Directory(path))
 
-        for path, (mtime, _) in self._stamps.items():
+        for path in self._stamps:
             parent, name = os.path.split(path)
             at(parent).files.setdefault(name, []).append(path)
-            if mtime >= 0 and os.path.isdir(path):
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                mode = 0
+            if stat.S_ISLNK(mode):
+                # a change to what a link points at happens in the directory of its target
+                real = os.path.realpath(path)
+                is_dir = os.path.isdir(real)
+            else:
+                if parent not in resolved:
+                    resolved[parent] = os.path.realpath(parent) if parent else parent
+                real, is_dir = os.path.join(resolved[parent], name), stat.S_ISDIR(mode)
+            if is_dir:
                 at(path).itself.append(path)
-            # A change to a file reached through a link happens in the directory of what it points at.
-            if parent not in resolved:
-                resolved[parent] = os.path.realpath(parent) if parent else parent
-            real = os.path.realpath(path) if os.path.islink(path) else os.path.join(resolved[parent], name)
             if real != path:
                 real_parent, real_name = os.path.split(real)
                 at(real_parent).files.setdefault(real_name, []).append(path)
