@@ -302,7 +302,7 @@ def check_model(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(ALL_MODELS)}")
-    parser.add_argument("--json", default=None, help="write all figures here")
+    parser.add_argument("--json", default=None, help="write all figures here (again after each model)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="seconds one job may take")
     args = parser.parse_args(argv)
@@ -343,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
                     model, args.device, work, env, lambda msg: status.update(f"compiling {msg}"), args.timeout
                 )
                 out["models"][model] = {"results": results, "errors": errors}
+                if args.json:  # after each model: a run stopped part-way keeps what it measured
+                    Path(args.json).write_text(json.dumps(out, indent=1))
+                row = table_row(summarize(model, results, errors))
+                cells = zip(TABLE_COLUMNS[1:], row[1:], strict=True)
+                console.print(f"{model}: " + ", ".join(f"{column} {cell}" for column, cell in cells))
     finally:
         redis.stop()
         shutil.rmtree(work, ignore_errors=True)

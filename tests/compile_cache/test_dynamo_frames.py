@@ -42,12 +42,14 @@ def _model_dir(root: Path, name: str, edit: tuple[str, str] | None = None) -> Pa
     return directory
 
 
-def _job(machine: Path, model_dir: Path, model: str, variant: str = "base", **env_extra: str) -> dict:
+def _job(
+    machine: Path, model_dir: Path, model: str, variant: str = "base", script: Path = JOB, **env_extra: str
+) -> dict:
     env = machine_env(machine, **{"WARMSTART_DYNAMO": "1", **env_extra})  # a test may set it otherwise
     # Each machine works in a directory of its own (torch's configs hold paths such as the working
     # directory's: they must not be part of the key).
     proc = subprocess.run(
-        [sys.executable, str(JOB), str(model_dir), "--model", model, "--variant", variant],
+        [sys.executable, str(script), str(model_dir), "--model", model, "--variant", variant],
         env=env,
         capture_output=True,
         text=True,
@@ -174,6 +176,33 @@ def test_compiled_frames_are_off_unless_warmstart_dynamo_is_1(shared_cache, sett
     )
     assert result["same"]
     assert result["frames_hits"] == 0 and result["frames_misses"] == 0 and result["traced"] == 1
+
+
+_BROKEN_GUARDS_HOOK = """
+import runpy, sys
+from warmstart.compile_cache import dynamo_frames
+
+def hook_guards(guards):
+    raise AttributeError("torch moved what warmstart hooks in its guards")
+
+dynamo_frames.hook_guards = hook_guards  # before torch._dynamo is imported, so the patch raises
+sys.argv[0] = {job!r}
+runpy.run_path({job!r}, run_name="__main__")
+"""
+
+
+def test_stored_frames_are_not_run_where_one_of_their_checks_could_not_be_hooked(shared_cache, tmp_path):
+    """A torch whose guards warmstart cannot hook (as a new torch version might be): the frames in
+    the store are not installed, the model is traced, and the results are eager's."""
+    wrapper = tmp_path / "broken_guards_job.py"
+    wrapper.write_text(_BROKEN_GUARDS_HOOK.format(job=str(JOB)))
+    root = shared_cache["root"]
+    result = _job(root / "machine-broken-hook", shared_cache["models"], "net", script=wrapper, **shared_cache["reader"])
+    assert result["same"]
+    assert result["frames_hits"] == 0 and result["traced"] == 1, result
+    assert any("could not hook torch._dynamo.guards" in line for line in result["log"]), result["log"]
+    off = [line for line in result["log"] if "compiled frames are off" in line]
+    assert len(off) == 1 and "torch._dynamo.guards" in off[0], result["log"]
 
 
 def test_a_flipped_byte_is_rejected_and_the_frames_traced(shared_cache):

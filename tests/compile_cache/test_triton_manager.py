@@ -37,7 +37,7 @@ def test_kernel_files_and_groups_move_between_machines(machine):
     m = WarmstartCacheManager("KEYABC")
     cubin = os.urandom(5000)
     paths = {"k.cubin": m.put(cubin, "k.cubin"), "k.json": m.put('{"name": "k"}', "k.json", binary=False)}
-    m.put_group("__grp__k.json", paths)
+    m.put_group("k.json", paths)
     from warmstart.compile_cache import get_store
 
     get_store().flush(timeout=10)
@@ -50,7 +50,7 @@ def test_kernel_files_and_groups_move_between_machines(machine):
     assert m2.get_file("k.cubin") == local_cubin
     with open(local_cubin, "rb") as f:
         assert f.read() == cubin
-    group = m2.get_group("__grp__k.json")
+    group = m2.get_group("k.json")
     assert group is not None and set(group) == {"k.cubin", "k.json"}
     assert open(group["k.cubin"], "rb").read() == cubin
     assert all(p.startswith(m2.cache_dir) for p in group.values())  # relocated to this machine
@@ -74,12 +74,12 @@ def test_local_first_no_store_lookup_when_present(machine):
 def test_group_with_a_missing_child_is_a_miss(machine):
     machine("a")
     m = WarmstartCacheManager("K3")
-    m.put_group("__grp__x.json", {"x.cubin": "/elsewhere/x.cubin"})
+    m.put_group("x.json", {"x.cubin": "/elsewhere/x.cubin"})
     from warmstart.compile_cache import get_store
 
     get_store().flush(timeout=10)
     machine("b")
-    assert WarmstartCacheManager("K3").get_group("__grp__x.json") is None
+    assert WarmstartCacheManager("K3").get_group("x.json") is None
 
 
 def test_override_and_dump_managers_stay_local(machine, tmp_path, monkeypatch):
@@ -110,7 +110,7 @@ def test_group_entries_naming_files_outside_the_kernel_dir_are_misses(machine, t
     store.flush(timeout=10)
     machine("b")
     m = WarmstartCacheManager("K5")
-    assert m.get_group("__grp__k.json") is None
+    assert m.get_group("k.json") is None
     assert m.get_file(name) is None
     assert not (tmp_path / "b" / "evil").exists() and not (tmp_path / "evil").exists()
     assert os.listdir(m.cache_dir) == []  # not even the group file: the entry was refused whole
@@ -126,7 +126,7 @@ def test_malformed_group_entries_are_misses(machine):
     get_store().flush(timeout=10)
     machine("b")
     m = WarmstartCacheManager("K6")
-    assert all(m.get_group(f"__grp__{i}.json") is None for i in range(4))
+    assert all(m.get_group(f"{i}.json") is None for i in range(4))
 
 
 @pytest.mark.parametrize("name", ["../x", "/tmp/x", ""])
@@ -136,7 +136,7 @@ def test_unplain_names_from_triton_itself_are_refused(machine, name):
     with pytest.raises(ValueError):
         m.put(b"data", name)
     with pytest.raises(ValueError):
-        m.put_group("__grp__k.json", {name: "/x"})
+        m.put_group("k.json", {name: "/x"})
 
 
 def test_a_kernel_compile_that_ends_without_writing_releases_its_lease(redis_node, tmp_path, monkeypatch):
@@ -154,18 +154,107 @@ def test_a_kernel_compile_that_ends_without_writing_releases_its_lease(redis_nod
     set_store(TieredStore(LocalTier(tmp_path / "ws", 1 << 30), remote, stats=stats, single_flight=flight))
     try:
         m = WarmstartCacheManager("FAILS")
-        assert m.get_group("__grp__k.json") is None
+        assert m.get_group("k.json") is None
         assert flight.holds("triton_kernel", "FAILS/__grp__k.json")
         del m  # the compile raised: Triton drops its manager
         gc.collect()
         assert not flight.holds("triton_kernel", "FAILS/__grp__k.json")
 
         m = WarmstartCacheManager("WORKS")
-        assert m.get_group("__grp__k.json") is None and flight.held == 1
-        m.put_group("__grp__k.json", {"k.json": m.put(b"{}", "k.json")})
+        assert m.get_group("k.json") is None and flight.held == 1
+        m.put_group("k.json", {"k.json": m.put(b"{}", "k.json")})
         from warmstart.compile_cache import get_store
 
         get_store().flush(timeout=10)
         assert flight.held == 0 and stats.counters_dict()["leases"] == 2
     finally:
         set_store(None)
+
+
+# -- the calls Triton's compile() makes ----------------------------------------------------------
+
+
+class _IRText:
+    """What Triton hands ``put`` for its ``.ttir`` and ``.ttgir`` stages: an IR module object, not
+    bytes, whose ``str()`` is the module's text (``triton._C.libtriton.ir.module``)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _compile_as_triton_does(manager, cubin: bytes) -> dict[str, str]:
+    """The manager calls of ``triton.compiler.compile`` (Triton 3.6, ``triton/compiler/compiler.py``)
+    for one kernel ``k`` that missed: a group lookup under the metadata file's name, each stage
+    ``put`` (text, IR modules, the binary), the metadata as text, then the group under that name."""
+    assert manager.get_group("k.json") is None
+    group = {
+        "k.source": manager.put("@triton.jit\ndef k(): pass", "k.source"),
+        "k.ttir": manager.put(_IRText("module { tt.func @k() }"), "k.ttir"),
+        "k.ttgir": manager.put(_IRText("module attributes {ttg.num-warps = 4} {}"), "k.ttgir"),
+        "k.llir": manager.put("define void @k() { ret void }", "k.llir"),
+        "k.ptx": manager.put(".visible .entry k()", "k.ptx"),
+        "k.cubin": manager.put(cubin, "k.cubin"),
+    }
+    group["k.json"] = manager.put(json.dumps({"name": "k", "num_warps": 4}), "k.json", binary=False)
+    manager.put_group("k.json", group)
+    return group
+
+
+def test_a_kernel_compiled_the_way_triton_compiles_is_found_whole_on_a_new_machine(machine):
+    machine("a")
+    m = WarmstartCacheManager("KCOMPILE")
+    cubin = os.urandom(3000)
+    group = _compile_as_triton_does(m, cubin)
+    # The group lives in its own file: the metadata Triton reads back from the group is still the metadata.
+    assert json.loads(open(group["k.json"]).read()) == {"name": "k", "num_warps": 4}
+    assert m.get_group("k.json") == group  # the next compile in this process: a local hit
+    from warmstart.compile_cache import get_store
+
+    get_store().flush(timeout=10)
+
+    machine("b")
+    found = WarmstartCacheManager("KCOMPILE").get_group("k.json")
+    assert found is not None and set(found) == set(group)
+    assert open(found["k.ttir"]).read() == "module { tt.func @k() }"
+    assert open(found["k.cubin"], "rb").read() == cubin
+    assert json.loads(open(found["k.json"]).read()) == {"name": "k", "num_warps": 4}
+
+
+def test_the_calls_triton_makes_leave_the_files_its_own_manager_leaves(machine, tmp_path, monkeypatch):
+    """The same calls through Triton's ``FileCacheManager``: the same files with the same bytes, and a
+    group naming the same children (where Triton is installed: GPU machines)."""
+    cache = pytest.importorskip("triton.runtime.cache")
+    cubin = os.urandom(3000)
+    machine("ours")
+    ours = WarmstartCacheManager("KSAME")
+    _compile_as_triton_does(ours, cubin)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-own"))
+    theirs = cache.FileCacheManager("KSAME")
+    _compile_as_triton_does(theirs, cubin)
+    assert sorted(os.listdir(ours.cache_dir)) == sorted(os.listdir(theirs.cache_dir))
+    for name in os.listdir(ours.cache_dir):
+        with open(os.path.join(ours.cache_dir, name), "rb") as f, open(os.path.join(theirs.cache_dir, name), "rb") as g:
+            mine, own = f.read(), g.read()
+        if name.startswith("__grp__"):
+            assert set(json.loads(mine)["child_paths"]) == set(json.loads(own)["child_paths"])
+        else:
+            assert mine == own, name
+
+
+def test_a_store_that_raises_costs_sharing_never_the_compile(machine, monkeypatch, redis_node):
+    """A fault in warmstart's own store code (injected: every get and put raises) leaves Triton's
+    compile working from local files: the kernel is written, found again locally, and nothing raises."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected store fault")
+
+    machine("a")
+    monkeypatch.setattr(TieredStore, "get", broken)
+    monkeypatch.setattr(TieredStore, "put", broken)
+    m = WarmstartCacheManager("KBROKEN")
+    group = _compile_as_triton_does(m, b"\x7fELF")
+    assert WarmstartCacheManager("KBROKEN").get_group("k.json") == group  # the local files serve the next compile
+    assert m.get_file("absent.cubin") is None

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import logging
 import os
 import re
@@ -41,7 +42,7 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -185,6 +186,10 @@ def _entry_from_command_line(args: list[str]) -> str | None:
 
 #: torch module -> its patch, handed to ``import_hooks`` by :func:`install`.
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {}
+#: torch module -> what warmstart does without its patch, said when the patch cannot go in.
+_WITHOUT: dict[str, str] = {}
+#: torch module -> whether its patch went in (False: it raised); absent until the module is imported.
+_hooked: dict[str, bool] = {}
 
 
 def install() -> None:
@@ -201,13 +206,32 @@ def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -
     try:
         patch(module)
     except Exception:  # a torch change must cost caching, never the job
+        _hooked[name] = False
         log.warning(
-            "warmstart: could not hook %s (torch %s; checked against %s); compiling uncached",
+            "warmstart: could not hook %s (torch %s; checked against %s): %s",
             name,
             getattr(sys.modules.get("torch"), "__version__", "?"),
             ", ".join(TORCH_VERSIONS_CHECKED),
+            _WITHOUT.get(name, "compiling uncached"),
             exc_info=log.isEnabledFor(logging.DEBUG),
         )
+    else:
+        _hooked[name] = True
+
+
+def unhooked(module_names: Iterable[str]) -> list[str]:
+    """Those of ``module_names`` whose patch is not in place. A module not imported yet is imported
+    first, so that its patch has run; one that cannot be imported counts as not hooked."""
+    missing = []
+    for name in module_names:
+        if name not in _hooked:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+        if not _hooked.get(name, False):
+            missing.append(name)
+    return missing
 
 
 # -- torch's switches, in this process's config ------------------------------------------------
@@ -282,15 +306,19 @@ def _set_job_id(module: ModuleType) -> None:
         compiler_config.job_id = os.environ["TORCH_COMPILE_JOB_ID"]
 
 
-def _patch(module_name: str) -> Callable[[Callable[[ModuleType], None]], Callable[[ModuleType], None]]:
+def _patch(module_name: str, without: str) -> Callable[[Callable[[ModuleType], None]], Callable[[ModuleType], None]]:
+    """Register the decorated function as ``module_name``'s patch; ``without`` says what warmstart
+    does where it cannot be installed."""
+
     def register(fn: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
         _PATCHES[module_name] = fn
+        _WITHOUT[module_name] = without
         return fn
 
     return register
 
 
-@_patch("torch")
+@_patch("torch", "WARMSTART_COMPILE=background is off: torch.compile compiles inline")
 def _hook_torch_compile(torch_module: ModuleType) -> None:
     from warmstart.compile_cache import background
 
@@ -300,7 +328,7 @@ def _hook_torch_compile(torch_module: ModuleType) -> None:
 # -- FX graph, AOTAutograd, autotune, PGO ----------------------------------------------------
 
 
-@_patch("torch._inductor.remote_cache")
+@_patch("torch._inductor.remote_cache", "compiling uncached: nothing is fetched from or written to the store")
 def _hook_remote_caches(remote_cache: ModuleType) -> None:
     try:
         _install_store_backend(remote_cache)
@@ -352,7 +380,7 @@ def _install_store_backend(remote_cache: ModuleType) -> None:
 # -- compiled C++ objects ----------------------------------------------------------------------
 
 
-@_patch("torch._inductor.cpp_builder")
+@_patch("torch._inductor.cpp_builder", "C++ kernels are built with g++ on every machine, not shared")
 def _hook_cpp_builder(cpp_builder: ModuleType) -> None:
     original_build = cpp_builder.CppBuilder.build
 
@@ -518,7 +546,7 @@ def _write_atomic(path: str, data: bytes) -> bool:
 _HEX_SHA512 = re.compile(r"[0-9a-f]{128}")
 
 
-@_patch("torch._inductor.codecache")
+@_patch("torch._inductor.codecache", "every process preprocesses the precompiled header itself (1-2 s)")
 def _hook_precompile_header(codecache: ModuleType) -> None:
     """Name each precompiled header from a stored digest of its preprocessed source.
 
@@ -602,7 +630,7 @@ def _preprocessed_digest(codecache: ModuleType, header: str, command: dict[str, 
 # -- the vector-ISA probe ----------------------------------------------------------------------
 
 
-@_patch("torch._inductor.cpu_vec_isa")
+@_patch("torch._inductor.cpu_vec_isa", "every process probes the CPU's vector instructions itself (0.5-0.8 s)")
 def _hook_vec_isa_probe(cpu_vec_isa: ModuleType) -> None:
     """Remember that a vector-ISA test library loads.
 
@@ -674,7 +702,10 @@ def _single_flight():
     return getattr(get_store(), "single_flight", None)  # a store need not have leases
 
 
-@_patch("torch._functorch._aot_autograd.runtime_wrappers")
+@_patch(
+    "torch._functorch._aot_autograd.runtime_wrappers",
+    "a missed backward's lease may lapse before the backward is lowered: ranks waiting for it may lower it themselves",
+)
 def _hook_lazy_backward(runtime_wrappers: ModuleType) -> None:
     """AOTAutograd's backward, lowered at the first backward pass, is the end of the compile that
     missed its entry: that entry's lease lasts until torch saves it then (see
@@ -712,7 +743,10 @@ def _deferred_compile_scope(aot_config):
 # -- a frame's compile, and recompilations -----------------------------------------------------
 
 
-@_patch("torch._dynamo.convert_frame")
+@_patch(
+    "torch._dynamo.convert_frame",
+    "frame compiles take no single-flight lease, and compiled frames (WARMSTART_DYNAMO) are off",
+)
 def _hook_convert_frame(convert_frame: ModuleType) -> None:
     _hook_frame_compile(convert_frame)
     _hook_recompiles(convert_frame)
@@ -744,6 +778,8 @@ def _frames_scope(package):
 
 # -- Dynamo's output (see dynamo_frames) ------------------------------------------------------------
 
+FRAMES_OFF = "compiled frames (WARMSTART_DYNAMO) are off"
+
 #: torch module -> the function of ``dynamo_frames`` that hooks it.
 _FRAME_HOOKS = {
     "torch._dynamo.eval_frame": "hook_eval_frame",
@@ -762,10 +798,13 @@ def _frames_hook(hook: str) -> Callable[[ModuleType], None]:
 
 
 for _module_name, _hook in _FRAME_HOOKS.items():
-    _PATCHES[_module_name] = _frames_hook(_hook)
+    _patch(_module_name, FRAMES_OFF)(_frames_hook(_hook))
+
+#: Every module whose patch compiled frames rely on: with one of them unhooked, they are off.
+FRAMES_MODULES = (*_FRAME_HOOKS, "torch._dynamo.guards", "torch._dynamo.convert_frame")
 
 
-@_patch("torch._dynamo.guards")
+@_patch("torch._dynamo.guards", "compiled frames (WARMSTART_DYNAMO) are off")
 def _hook_guards(guards: ModuleType) -> None:
     _hook_guard_latency(guards)
     dynamo_frames.hook_guards(guards)

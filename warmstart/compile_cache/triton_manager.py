@@ -8,6 +8,11 @@ lookup is a file stat. Group files are stored with child *names* (Triton's own s
 paths), so an entry is valid on any machine whatever its cache directory. Every name is confined to
 the kernel's directory: a cache entry naming ``../x`` or ``/etc/passwd`` is a miss, never a write
 elsewhere.
+
+The protocol is Triton's ``FileCacheManager``'s (``triton/runtime/cache.py``), as its ``compile()``
+uses it: ``get_group("k.json")`` and ``put_group("k.json", files)`` address the group file
+``__grp__k.json``, and ``put`` takes bytes or any object it stores as ``str(data)`` (an IR module
+for the ``.ttir`` and ``.ttgir`` stages).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from warmstart._fileio import write_file
+from warmstart.compile_cache.storage import fail_open
 
 try:  # Triton checks that the manager class has a base named ``CacheManager``.
     from triton.runtime.cache import CacheManager
@@ -62,6 +68,11 @@ def _require_plain(name: str) -> None:
     # Names from Triton itself: a bad one is a caller bug, not a cache fault.
     if not plain_name(name):
         raise ValueError(f"not a plain file name: {name!r}")
+
+
+def _group_name(filename: str) -> str:
+    """The file that lists a kernel's files: ``__grp__<metadata file>``, as Triton names it."""
+    return f"__grp__{filename}"
 
 
 def triton_cache_dir() -> Path:
@@ -108,11 +119,15 @@ class WarmstartCacheManager(CacheManager):
         path = self._local(filename)
         if os.path.exists(path):
             return path
-        store = self._store()
-        data = store.get(KIND, f"{self.key}/{filename}").value if store is not None else None
-        if data is None:
-            if store is not None and filename.startswith("__grp__"):
-                self._lease_ends_with_me(store, f"{self.key}/{filename}")
+        try:
+            store = self._store()
+            data = store.get(KIND, f"{self.key}/{filename}").value if store is not None else None
+            if data is None:
+                if store is not None and filename.startswith("__grp__"):
+                    self._lease_ends_with_me(store, f"{self.key}/{filename}")
+                return None
+        except Exception as exc:  # the shared tier's fault costs this lookup, never Triton's compile
+            fail_open("Triton kernel cache read", exc)
             return None
         if filename.startswith("__grp__"):
             data = self._localize_group(data)
@@ -122,16 +137,16 @@ class WarmstartCacheManager(CacheManager):
 
     def put(self, data, filename: str, binary: bool = True) -> str:
         _require_plain(filename)
-        if isinstance(data, str):
-            data = data.encode()
-        path = self._write(filename, bytes(data))
-        store = self._store()
-        if store is not None:
-            store.put(KIND, f"{self.key}/{filename}", bytes(data))
+        # As Triton's own managers: bytes as they are, anything else (text, an IR module) as its str().
+        data = bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else str(data).encode()
+        path = self._write(filename, data)
+        self._share(filename, data)
         return path
 
     def get_group(self, filename: str) -> dict[str, str] | None:
-        grp_path = self.get_file(filename)
+        if not plain_name(filename):
+            return None
+        grp_path = self.get_file(_group_name(filename))
         if grp_path is None:
             return None
         try:
@@ -149,15 +164,23 @@ class WarmstartCacheManager(CacheManager):
             result[name] = path
         return result
 
-    def put_group(self, filename: str, group: dict[str, str]) -> None:
+    def put_group(self, filename: str, group: dict[str, str]) -> str:
         for name in (filename, *group):
             _require_plain(name)
+        grp_name = _group_name(filename)
         local = {"child_paths": {name: self._local(name) for name in group}}
-        self._write(filename, json.dumps(local).encode())
-        store = self._store()
-        if store is not None:
-            portable = {"child_paths": {name: os.path.basename(path) for name, path in group.items()}}
-            store.put(KIND, f"{self.key}/{filename}", json.dumps(portable).encode())
+        path = self._write(grp_name, json.dumps(local).encode())
+        portable = {"child_paths": {name: os.path.basename(child) for name, child in group.items()}}
+        self._share(grp_name, json.dumps(portable).encode())
+        return path
+
+    def _share(self, filename: str, data: bytes) -> None:
+        try:
+            store = self._store()
+            if store is not None:
+                store.put(KIND, f"{self.key}/{filename}", data)
+        except Exception as exc:  # the file is written locally; only sharing it is lost
+            fail_open("Triton kernel cache write", exc)
 
     def _lease_ends_with_me(self, store, key: str) -> None:
         # Triton creates one manager per compile and calls nothing on it when the compile raises:

@@ -4,12 +4,15 @@ refused, and how its ``torch.compile`` calls compile. One :data:`STATE`, reset a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import weakref
 from typing import Any
 
 from warmstart.compile_cache import frame_reads
+
+log = logging.getLogger("warmstart.cache")
 
 
 @dataclasses.dataclass
@@ -98,7 +101,23 @@ def enabled() -> bool:
             STATE.enabled = dynamo_frames_setting(os.environ)
         except Exception:  # get_store() already warned about the setting
             STATE.enabled = False
+        if STATE.enabled:
+            STATE.enabled = _all_hooked()
     return STATE.enabled
+
+
+def _all_hooked() -> bool:
+    # A frame runs from the store only where every check warmstart adds is in place: with one of its
+    # patches missing (torch changed), none runs, rather than some with fewer checks.
+    from warmstart.compile_cache.torch_hooks import FRAMES_MODULES, unhooked
+
+    missing = unhooked(FRAMES_MODULES)
+    if missing:
+        log.warning(
+            "warmstart: compiled frames are off: %s could not be hooked; torch compiles every frame itself",
+            ", ".join(missing),
+        )
+    return not missing
 
 
 def reset() -> None:
