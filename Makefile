@@ -4,16 +4,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.warmstart-stamp
 TORCHREC := torchrec==1.9.2
+# Triton's own cache manager, which the tests compare warmstart's with. Installed beside the venv's
+# packages, not among them: the CPU torch must not find a Triton.
+TRITON_REFERENCE := triton==3.6.0
 
 .PHONY: demo test lint format setup system-deps clean-venv
 
 setup: $(STAMP) system-deps
 
-$(STAMP): requirements-cpu.txt pyproject.toml
+$(STAMP): requirements-cpu.txt pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(TORCHREC)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/triton-reference $(TRITON_REFERENCE)
 	touch $(STAMP)
 
 # redis-server (and chromium, for the HTML report test, and prometheus, for the live-metrics tests) from

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from _redis import in_ci
+from _triton_protocol import METADATA, compile_as_triton_does
 
 from warmstart.compile_cache import LocalTier, RemoteTier, TieredStore, set_store
 from warmstart.compile_cache.triton_manager import CacheManager, WarmstartCacheManager
+
+PROTOCOL = Path(__file__).resolve().parent / "_triton_protocol.py"
 
 
 @pytest.fixture
@@ -174,42 +182,13 @@ def test_a_kernel_compile_that_ends_without_writing_releases_its_lease(redis_nod
 # -- the calls Triton's compile() makes ----------------------------------------------------------
 
 
-class _IRText:
-    """What Triton hands ``put`` for its ``.ttir`` and ``.ttgir`` stages: an IR module object, not
-    bytes, whose ``str()`` is the module's text (``triton._C.libtriton.ir.module``)."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def _compile_as_triton_does(manager, cubin: bytes) -> dict[str, str]:
-    """The manager calls of ``triton.compiler.compile`` (Triton 3.6, ``triton/compiler/compiler.py``)
-    for one kernel ``k`` that missed: a group lookup under the metadata file's name, each stage
-    ``put`` (text, IR modules, the binary), the metadata as text, then the group under that name."""
-    assert manager.get_group("k.json") is None
-    group = {
-        "k.source": manager.put("@triton.jit\ndef k(): pass", "k.source"),
-        "k.ttir": manager.put(_IRText("module { tt.func @k() }"), "k.ttir"),
-        "k.ttgir": manager.put(_IRText("module attributes {ttg.num-warps = 4} {}"), "k.ttgir"),
-        "k.llir": manager.put("define void @k() { ret void }", "k.llir"),
-        "k.ptx": manager.put(".visible .entry k()", "k.ptx"),
-        "k.cubin": manager.put(cubin, "k.cubin"),
-    }
-    group["k.json"] = manager.put(json.dumps({"name": "k", "num_warps": 4}), "k.json", binary=False)
-    manager.put_group("k.json", group)
-    return group
-
-
 def test_a_kernel_compiled_the_way_triton_compiles_is_found_whole_on_a_new_machine(machine):
     machine("a")
     m = WarmstartCacheManager("KCOMPILE")
     cubin = os.urandom(3000)
-    group = _compile_as_triton_does(m, cubin)
+    group = compile_as_triton_does(m, cubin)
     # The group lives in its own file: the metadata Triton reads back from the group is still the metadata.
-    assert json.loads(open(group["k.json"]).read()) == {"name": "k", "num_warps": 4}
+    assert json.loads(open(group["k.json"]).read()) == METADATA
     assert m.get_group("k.json") == group  # the next compile in this process: a local hit
     from warmstart.compile_cache import get_store
 
@@ -220,28 +199,29 @@ def test_a_kernel_compiled_the_way_triton_compiles_is_found_whole_on_a_new_machi
     assert found is not None and set(found) == set(group)
     assert open(found["k.ttir"]).read() == "module { tt.func @k() }"
     assert open(found["k.cubin"], "rb").read() == cubin
-    assert json.loads(open(found["k.json"]).read()) == {"name": "k", "num_warps": 4}
+    assert json.loads(open(found["k.json"]).read()) == METADATA
 
 
-def test_the_calls_triton_makes_leave_the_files_its_own_manager_leaves(machine, tmp_path, monkeypatch):
-    """The same calls through Triton's ``FileCacheManager``: the same files with the same bytes, and a
-    group naming the same children (where Triton is installed: GPU machines)."""
-    cache = pytest.importorskip("triton.runtime.cache")
-    cubin = os.urandom(3000)
-    machine("ours")
-    ours = WarmstartCacheManager("KSAME")
-    _compile_as_triton_does(ours, cubin)
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-own"))
-    theirs = cache.FileCacheManager("KSAME")
-    _compile_as_triton_does(theirs, cubin)
-    assert sorted(os.listdir(ours.cache_dir)) == sorted(os.listdir(theirs.cache_dir))
-    for name in os.listdir(ours.cache_dir):
-        with open(os.path.join(ours.cache_dir, name), "rb") as f, open(os.path.join(theirs.cache_dir, name), "rb") as g:
-            mine, own = f.read(), g.read()
-        if name.startswith("__grp__"):
-            assert set(json.loads(mine)["child_paths"]) == set(json.loads(own)["child_paths"])
-        else:
-            assert mine == own, name
+#: The Triton ``make setup`` installs beside the venv (``pip install --target``), outside the venv's
+#: own packages: torch must not find it, and only this check's child imports it.
+TRITON_REFERENCE = Path(sys.prefix) / "triton-reference"
+
+
+def test_the_calls_triton_makes_leave_the_files_its_own_manager_leaves(tmp_path):
+    """The same calls through Triton's own ``FileCacheManager``: the same files with the same bytes, a
+    group naming the same children, and the same group for the next compile. Run in a child that
+    imports the Triton installed here (GPU machines), else the reference Triton."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TRITON"))}
+    if importlib.util.find_spec("triton") is None:
+        if not TRITON_REFERENCE.is_dir():
+            message = f"no Triton to compare with: not installed, and no {TRITON_REFERENCE} (make setup installs it)"
+            pytest.fail(message) if in_ci() else pytest.skip(message)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TRITON_REFERENCE), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(PROTOCOL), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == []
 
 
 def test_a_store_that_raises_costs_sharing_never_the_compile(machine, monkeypatch, redis_node):
@@ -255,6 +235,6 @@ def test_a_store_that_raises_costs_sharing_never_the_compile(machine, monkeypatc
     monkeypatch.setattr(TieredStore, "get", broken)
     monkeypatch.setattr(TieredStore, "put", broken)
     m = WarmstartCacheManager("KBROKEN")
-    group = _compile_as_triton_does(m, b"\x7fELF")
+    group = compile_as_triton_does(m, b"\x7fELF")
     assert WarmstartCacheManager("KBROKEN").get_group("k.json") == group  # the local files serve the next compile
     assert m.get_file("absent.cubin") is None
