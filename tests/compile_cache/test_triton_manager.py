@@ -17,6 +17,7 @@ from warmstart.compile_cache import LocalTier, RemoteTier, TieredStore, set_stor
 from warmstart.compile_cache.triton_manager import CacheManager, WarmstartCacheManager
 
 PROTOCOL = Path(__file__).resolve().parent / "_triton_protocol.py"
+COMPILE_JOB = Path(__file__).resolve().parent / "_triton_compile_job.py"
 
 
 @pytest.fixture
@@ -203,25 +204,57 @@ def test_a_kernel_compiled_the_way_triton_compiles_is_found_whole_on_a_new_machi
 
 
 #: The Triton ``make setup`` installs beside the venv (``pip install --target``), outside the venv's
-#: own packages: torch must not find it, and only this check's child imports it.
+#: own packages: torch must not find it, and only the children of the tests below import it.
 TRITON_REFERENCE = Path(sys.prefix) / "triton-reference"
 
 
-def test_the_calls_triton_makes_leave_the_files_its_own_manager_leaves(tmp_path):
-    """The same calls through Triton's own ``FileCacheManager``: the same files with the same bytes, a
-    group naming the same children, and the same group for the next compile. Run in a child that
-    imports the Triton installed here (GPU machines), else the reference Triton."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TRITON"))}
+def _with_triton(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a child that imports Triton: the Triton installed here (GPU machines), else the
+    reference Triton. Skips the test where there is neither (fails it under CI)."""
+    env = {k: v for k, v in env.items() if not k.startswith("TRITON")}
     if importlib.util.find_spec("triton") is None:
         if not TRITON_REFERENCE.is_dir():
             message = f"no Triton to compare with: not installed, and no {TRITON_REFERENCE} (make setup installs it)"
             pytest.fail(message) if in_ci() else pytest.skip(message)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TRITON_REFERENCE), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(PROTOCOL), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
-    )
+    return env
+
+
+def _run(script: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_the_calls_triton_makes_leave_the_files_its_own_manager_leaves(tmp_path):
+    """The same calls through Triton's own ``FileCacheManager``: the same files with the same bytes, a
+    group naming the same children, and the same group for the next compile."""
+    env = _with_triton({k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")})
+    proc = _run(PROTOCOL, str(tmp_path), env=env)
     assert json.loads(proc.stdout.splitlines()[-1]) == []
+
+
+def test_a_kernel_triton_compiled_on_one_machine_is_not_compiled_again_on_another(tmp_path, redis_node):
+    """Triton's own ``compile()`` (sm_90, assembled by its ptxas: no GPU needed) on a new machine with
+    ``WARMSTART=1``: warmstart hands Triton its manager, and the kernel goes to the shared cache. A
+    second new machine gets Triton's cache hit from it, with the same cubin."""
+    from _machine import machine_env
+
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    generate_key_pair(tmp_path / "signing.key", tmp_path / "verify.pub")
+    results = {}
+    for name, key in (("producer", "signing.key"), ("new machine", "verify.pub")):
+        env = machine_env(tmp_path / name, WARMSTART_CACHE_URL=redis_node.url, WARMSTART_KEY_FILE=str(tmp_path / key))
+        proc = _run(COMPILE_JOB, env=_with_triton(env))
+        results[name] = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    producer, new = results["producer"], results["new machine"]
+    assert producer["manager"] == "warmstart.compile_cache.triton_manager:WarmstartCacheManager"
+    assert producer["cache_hit"] == [False] and producer["ptx_has_kernel"]
+    assert producer["remote"]["writes"] >= 7, producer  # each stage's file, the metadata and the group
+    assert new["cache_hit"] == [True], new  # Triton compiled nothing
+    assert new["cubin"] == producer["cubin"]
+    assert new["remote"]["hits"] >= 7 and new["remote"]["writes"] == 0 and new["remote"]["rejected"] == 0, new
 
 
 def test_a_store_that_raises_costs_sharing_never_the_compile(machine, monkeypatch, redis_node):
