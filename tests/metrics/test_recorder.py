@@ -219,7 +219,8 @@ def test_sigterm_writes_failure_flushes_and_dies_by_the_signal(tmp_path):
         for n in range(3):
             rec.step(n)
         print("ready", flush=True)
-        time.sleep(60)
+        for _ in range(600):  # short sleeps: a signal just before one long sleep waits for its end
+            time.sleep(0.1)
     """),
         ],
         env={
@@ -258,7 +259,8 @@ def test_sigterm_chains_a_previous_python_handler(tmp_path):
         from warmstart.metrics import get_recorder
         get_recorder().step(0)
         print("ready", flush=True)
-        time.sleep(60)
+        for _ in range(600):  # short sleeps: a signal just before one long sleep waits for its end
+            time.sleep(0.1)
     """),
         ],
         env={**os.environ, "WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j", "RANK": "0"},

@@ -22,6 +22,10 @@ from _wait import until
 
 PY = sys.executable
 FORKED = "import warmstart._launch as _l; _forked = _l.forked_start_ts is not None"
+#: What a program that waits for a signal runs once it said it is ready. Not one ``time.sleep(60)``: a
+#: signal that arrives after the interpreter's last check for pending signals and before the sleep
+#: starts is handled only when the sleep ends. Short sleeps bound that to 0.1 s.
+SLEEP_A_MINUTE = "\nfor _ in range(600): time.sleep(0.1)"
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -184,7 +188,8 @@ def test_sigterm_is_forwarded_and_a_signal_death_is_the_same(preloader):
             sys.exit(42)
         signal.signal(signal.SIGTERM, on_term)
         os.write(1, b'ready\\n')  # not print(): the handler prints, and must not interrupt a print
-        time.sleep(60)
+        for _ in range(600):  # short sleeps: see SLEEP_A_MINUTE
+            time.sleep(0.1)
     """)
     proc = subprocess.Popen([PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
@@ -197,7 +202,7 @@ def test_sigterm_is_forwarded_and_a_signal_death_is_the_same(preloader):
 
 
 def test_sigint_ends_the_program_as_keyboardinterrupt_does(preloader):
-    code = FORKED + "; import os, time; os.write(1, f'ready {_forked}\\n'.encode()); time.sleep(60)"
+    code = FORKED + "; import os, time; os.write(1, f'ready {_forked}\\n'.encode())" + SLEEP_A_MINUTE
     results = []
     for preload in (True, False):
         env = preloader.client_env(**({} if preload else {"WARMSTART_PRELOAD": "0"}))
@@ -216,6 +221,39 @@ def test_sigint_ends_the_program_as_keyboardinterrupt_does(preloader):
         proc.send_signal(signal.SIGINT)
         results.append((proc.wait(timeout=30), proc.stderr.read().splitlines()[-1]))
     assert results[0] == results[1] == (-signal.SIGINT, "KeyboardInterrupt")
+
+
+_WAIT_WITH_A_SIGNAL = """
+import json, signal, socket, threading, time
+import _signal
+from warmstart.preload import client
+
+handled = []
+signal.signal(signal.SIGUSR1, lambda *_: handled.append(True))
+program_end, waiting = socket.socketpair()
+wakeup = client._signal_wakeup(_signal)
+
+def end_program():
+    report["handled before the program ended"] = bool(handled)
+    program_end.send(b"x")
+
+report = {}
+# Raised in another thread, the signal interrupts none of the main thread's system calls: what the
+# main thread sees of a signal that arrives just before its wait starts.
+threading.Timer(0.2, signal.raise_signal, [signal.SIGUSR1]).start()
+threading.Timer(5.0, end_program).start()
+client._until_readable(waiting, wakeup)  # then the message, as the process's wait reads it
+waiting.recv(1)
+print(json.dumps(report))
+"""
+
+
+def test_a_signal_that_interrupts_no_system_call_is_still_forwarded_at_once():
+    """The handed-over process waits for the program's end: a signal that arrives while its wait
+    starts is forwarded then, not once the program has ended."""
+    out = subprocess.run([PY, "-c", _WAIT_WITH_A_SIGNAL], env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"handled before the program ended": True}
 
 
 def test_sigkill_of_the_original_ends_the_child(preloader):

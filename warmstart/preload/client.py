@@ -179,7 +179,9 @@ def _wait(_signal, sock, pidfd: int) -> None:
     from warmstart.preload import wire
 
     try:
+        wakeup = _signal_wakeup(_signal)
         while True:
+            _until_readable(sock, wakeup)
             message, extra = wire.receive(sock)
             for fd in extra:
                 os.close(fd)
@@ -191,6 +193,41 @@ def _wait(_signal, sock, pidfd: int) -> None:
         pass
     _try(os.write, 2, b"warmstart: the preloader that ran this program ended while it ran; the program ended with it\n")
     _exit_now(1)
+
+
+def _signal_wakeup(_signal) -> int | None:
+    """A descriptor that becomes readable when a signal arrives (``set_wakeup_fd``), or ``None``.
+
+    Waiting on the socket alone can hold a signal back: one that arrives after the interpreter last
+    ran its signal handlers and before the wait's system call starts interrupts nothing, and its
+    handler (which forwards it to the program) would run only once the program has ended. A wait on
+    this descriptor too returns for it at once.
+    """
+    try:
+        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        _signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        return read_end
+    except (OSError, ValueError):
+        return None
+
+
+def _until_readable(sock, wakeup: int | None) -> None:
+    """Return when ``sock`` has data (or was closed). Signals that arrive meanwhile are forwarded as
+    they arrive: their handlers run when the wait returns for them, or are interrupted by them."""
+    if wakeup is None:
+        return  # the receive blocks, as before
+    import select
+
+    while True:
+        ready, _, _ = select.select([sock, wakeup], [], [])
+        if wakeup in ready:
+            try:
+                while os.read(wakeup, 512):
+                    pass
+            except OSError:  # drained
+                pass
+        if sock in ready:
+            return
 
 
 def _die_by(_signal, signum: int) -> None:
