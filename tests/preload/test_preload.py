@@ -224,13 +224,18 @@ def test_sigint_ends_the_program_as_keyboardinterrupt_does(preloader):
 
 
 _WAIT_WITH_A_SIGNAL = """
-import json, signal, socket, threading, time
+import json, os, resource, signal, socket, threading, time
 import _signal
 from warmstart.preload import client
 
 handled = []
 signal.signal(signal.SIGUSR1, lambda *_: handled.append(True))
 program_end, waiting = socket.socketpair()
+# A process may hold many descriptors: the wait's are numbered past select()'s 1024 here.
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if hard == resource.RLIM_INFINITY or hard >= 2048:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    waiting = socket.socket(fileno=os.dup2(waiting.detach(), 1500))
 wakeup = client._signal_wakeup(_signal)
 
 def end_program():

@@ -218,16 +218,22 @@ def _until_readable(sock, wakeup: int | None) -> None:
         return  # the receive blocks, as before
     import select
 
-    while True:
-        ready, _, _ = select.select([sock, wakeup], [], [])
-        if wakeup in ready:
-            try:
-                while os.read(wakeup, 512):
+    try:
+        poller = select.poll()  # not select(): descriptors may be numbered past its 1024
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(wakeup, select.POLLIN)
+        while True:
+            ready = {fd for fd, _ in poller.poll()}
+            if wakeup in ready:
+                try:
+                    while os.read(wakeup, 512):
+                        pass
+                except OSError:  # drained
                     pass
-            except OSError:  # drained
-                pass
-        if sock in ready:
-            return
+            if sock.fileno() in ready:  # data, the end of the stream, or an error: the receive says which
+                return
+    except (OSError, ValueError):
+        return  # the receive blocks, as before
 
 
 def _die_by(_signal, signum: int) -> None:
