@@ -133,6 +133,10 @@ class _Directory:
     #: the ``sys.path`` entries that are this directory (what can be imported from it)
     importable: list[str] = field(default_factory=list)
 
+    def stamped(self) -> list[str]:
+        """Every path stamped for this directory: its entries', and its own."""
+        return [path for paths in self.files.values() for path in paths] + self.itself
+
 
 def _merged(one: _Directory, other: _Directory) -> _Directory:
     return _Directory(
@@ -278,8 +282,7 @@ class ImportedFiles:
         return directories
 
     def _poll(self, directory: _Directory) -> None:
-        self._polled_files.extend(path for paths in directory.files.values() for path in paths)
-        self._polled_files.extend(directory.itself)
+        self._polled_files.extend(directory.stamped())
         self._polled_dirs.extend(directory.importable)
 
     def _read_notifications(self) -> None:
@@ -303,8 +306,7 @@ class ImportedFiles:
             if event.mask & _GONE:  # the directory itself is gone or moved: poll what it held
                 del self._watched[event.wd]
                 self._poll(directory)
-                held = [path for paths in directory.files.values() for path in paths] + directory.itself
-                self._changed = self._changed or self._check(held, directory.importable)
+                self._changed = self._changed or self._check(directory.stamped(), directory.importable)
                 continue
             paths = list(directory.files.get(event.name, ()))
             if not event.name or event.mask & _ENTRIES:
