@@ -1,4 +1,5 @@
-"""Runs at interpreter start-up (from ``warmstart.pth``) in every Python process where ``WARMSTART=1``.
+"""Runs at interpreter start-up (from ``warmstart.pth``) in every Python process where ``WARMSTART`` is
+set to anything but ``0`` (``1``: on; any other value: one line saying it is not valid).
 
 It must stay cheap and must never break the interpreter: it installs import hooks, reads settings
 and notes when the interpreter was ready (the end of the process's ``process_launch`` span, see
@@ -16,7 +17,7 @@ def start(hand_over: bool = True) -> None:
     hooks."""
     if os.environ.get("WARMSTART_PRELOAD_SERVE"):
         _note_site_fingerprint()
-    elif hand_over:
+    elif hand_over and os.environ.get("WARMSTART") == "1":
         _hand_over()
     try:
         from warmstart import _activate

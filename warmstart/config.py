@@ -458,6 +458,10 @@ class Settings:
         enabled_raw = env.get("WARMSTART", "")
         if enabled_raw not in ("", "0", "1"):
             raise ConfigError("WARMSTART", enabled_raw, "1 (on), 0 or unset (off)")
+        preload_raw = env.get("WARMSTART_PRELOAD", "")
+        if preload_raw not in ("", "0", "1"):
+            expected = "0 (never hand a process over to a preloader), 1 or unset (do when one serves)"
+            raise ConfigError("WARMSTART_PRELOAD", preload_raw, expected)
         mode = env.get("WARMSTART_CACHE_MODE", _defaults.CACHE_MODE).strip().lower() or _defaults.CACHE_MODE
         if mode not in MODES:
             raise ConfigError("WARMSTART_CACHE_MODE", env["WARMSTART_CACHE_MODE"], "one of rw, ro, off")

@@ -20,6 +20,22 @@ def test_hook_does_nothing_when_unset():
     assert proc.stdout.strip() == "False" and proc.stderr == ""
 
 
+def test_hook_does_nothing_when_zero_or_empty():
+    for value in ("0", ""):
+        proc = _python("import sys; print('warmstart' in sys.modules)", WARMSTART=value)
+        assert proc.stdout.strip() == "False" and proc.stderr == "", value
+
+
+def test_a_value_other_than_one_or_zero_is_said_and_leaves_warmstart_off():
+    # "true" or "yes" read as "on" to a person: silence would leave the job uncached without a word.
+    for value in ("true", "yes", "2"):
+        proc = _python("import os; print('ran', os.environ.get('TORCH_COMPILE_JOB_ID'))", WARMSTART=value)
+        assert proc.stdout.split() == ["ran", "None"], proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        said = f"WARMSTART={value!r} is not valid: expected 1 (on), 0 or unset (off)"
+        assert lines == [f"warmstart: disabled in this process: {said}"]
+
+
 def test_hook_activates_without_importing_torch():
     # torch's remote-cache switches are never exported (children without warmstart would inherit them):
     # they are set in torch's config when it is imported.

@@ -309,6 +309,18 @@ def test_an_import_time_variable_that_differs_is_not_handed_over(preloader):
     assert out.stdout == "True v1\n"
 
 
+def test_preload_turned_off_or_set_to_a_value_not_valid_is_never_handed_over(preloader):
+    out = preloader.run(["-c", FORKED + "; print(_forked)"], extra_env={"WARMSTART_PRELOAD": "0"})
+    assert (out.returncode, out.stdout, out.stderr) == (0, "False\n", "")
+    # "false" reads as "off" to a person: it must not hand the process over, and it is said.
+    out = preloader.run(["-c", FORKED + "; print(_forked)"], extra_env={"WARMSTART_PRELOAD": "false"})
+    assert (out.returncode, out.stdout) == (0, "False\n"), out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "warmstart: disabled in this process: WARMSTART_PRELOAD='false' is not valid: expected 0 (never hand a "
+        "process over to a preloader), 1 or unset (do when one serves)"
+    ]
+
+
 def test_a_sys_path_directory_stales_the_preloader_only_when_what_can_be_imported_there_changes(tmp_path):
     # A project root on sys.path (an editable install, PYTHONPATH=.), where a job writes its logs,
     # run directories and caches: none of that changes what a new interpreter imports.
@@ -360,6 +372,51 @@ def test_a_module_edited_just_before_a_launch_is_never_run_from_its_old_import(t
         assert any("trainer_mod.py changed" in reason for reason in node.status()["refused"])
     finally:
         node.stop()
+
+
+def test_a_module_that_cannot_be_imported_is_named_with_its_reason(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "raises_mod.py").write_text("raise RuntimeError('no data directory')\n")
+    node = Preloader(
+        tmp_path / "p", PYTHONPATH=str(project), WARMSTART_PRELOAD_MODULES="no_such_module_here,raises_mod"
+    ).start()
+    try:
+        assert node.info["skipped"] == {
+            "no_such_module_here": "ModuleNotFoundError: No module named 'no_such_module_here'",
+            "raises_mod": "RuntimeError: no data directory",
+        }
+        assert "torch" in node.info["modules"]
+        out = subprocess.run(
+            [PY, "-m", "warmstart", "preload", "status", "--socket", node.socket],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert "not imported: raises_mod (RuntimeError: no data directory)" in out.stdout, out
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("foreground", [False, True])
+def test_a_socket_path_that_cannot_be_used_is_refused_before_anything_is_imported(tmp_path, foreground):
+    too_long = tmp_path / ("d" * 120) / "preload.sock"
+    cases = {
+        str(too_long): "a UNIX socket's path holds at most 107",
+        "/proc/no-such-dir/preload.sock": "cannot create the preloader's directory /proc/no-such-dir",
+    }
+    for path, reason in cases.items():
+        out = subprocess.run(
+            [PY, "-m", "warmstart", "preload", "start", "--socket", path, *(["--foreground"] if foreground else [])],
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode != 0 and len(lines) == 1 and reason in lines[0], out.stderr
+        assert not too_long.parent.exists()  # refused before the preloader made its directory or log
 
 
 def test_a_stale_socket_or_no_preloader_is_an_ordinary_start(tmp_path):

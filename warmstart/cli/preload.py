@@ -57,6 +57,12 @@ def start(modules, socket_path, foreground, as_json) -> None:
         f"preloader {state}: pid {result['pid']}, {result['socket']}; imported "
         f"{', '.join(result['modules'])} in {result['imports_s']:.1f} s"
     )
+    _echo_skipped(result)
+
+
+def _echo_skipped(status: dict) -> None:
+    for name, reason in status.get("skipped", {}).items():
+        click.echo(f"  not imported: {name} ({reason})")
 
 
 @group.command()
@@ -92,6 +98,7 @@ def status(socket_path, as_json) -> None:
         )
     print_table("preloaders", ["pid", "socket", "up", "served", "refused", "running", "fork-safe", "stale"], rows)
     for s in found:
+        _echo_skipped(s)
         for reason, count in sorted(s["refused"].items(), key=lambda kv: -kv[1]):
             click.echo(f"  refused {count}x: {reason}")
         files = s.get("files") or {}

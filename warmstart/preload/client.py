@@ -28,8 +28,8 @@ _NOT_FORWARDED = ("SIGCHLD", "SIGTTIN", "SIGTTOU")  # about this process itself,
 def handover() -> None:
     """Run this program in a child of the preloader and exit as it does; return (and start as usual)
     when no preloader takes it."""
-    if os.environ.get("WARMSTART_PRELOAD", "1") == "0" or os.environ.get("WARMSTART_PRELOAD_SERVE"):
-        return
+    if os.environ.get("WARMSTART_PRELOAD", "") not in ("", "1") or os.environ.get("WARMSTART_PRELOAD_SERVE"):
+        return  # 0, or a value that is not valid (the settings then say so, in one line)
     from warmstart.preload.environment import default_socket
 
     path = default_socket()

@@ -37,15 +37,16 @@ def start(
 
     base = dict(os.environ if environ is None else environ)
     path = socket_path or this_environment_socket(base)
+    _check_socket_path(path)
     running = status(path)
     if running is not None:
         return {**running, "already_running": True}
     wanted = [*DEFAULT_MODULES, *_split(base.get("WARMSTART_PRELOAD_MODULES", "")), *(modules or [])]
     env = {**base, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     command = [sys.executable, "-c", _SERVER, path, ",".join(dict.fromkeys(wanted))]
+    _private_dir(os.path.dirname(os.path.abspath(path)))
     if foreground:
         os.execve(sys.executable, command, env)
-    _private_dir(os.path.dirname(os.path.abspath(path)))
     log_path = os.path.splitext(path)[0] + ".log"
     read_end, write_end = os.pipe()
     env["WARMSTART_PRELOAD_READY_FD"] = str(write_end)
@@ -147,9 +148,9 @@ def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
     (not)."""
     environ = dict(os.environ if environ is None else environ)
     if environ.get("WARMSTART") != "1":
-        return False, "WARMSTART is not 1: the start-up hook does not run"
-    if environ.get("WARMSTART_PRELOAD", "1") == "0":
-        return False, "WARMSTART_PRELOAD=0"
+        return False, "WARMSTART is not 1: warmstart is off in the process"
+    if environ.get("WARMSTART_PRELOAD", "") not in ("", "1"):
+        return False, f"WARMSTART_PRELOAD={environ['WARMSTART_PRELOAD']}"
     # Asked from a new interpreter, whose start-up hook sees what the process's would.
     probe = "from warmstart.preload.control import _print_verdict; _print_verdict()"
     env = {**environ, "WARMSTART_PRELOAD_SERVE": "1"}
@@ -220,8 +221,27 @@ def _read_ready(fd: int, process: subprocess.Popen, timeout_s: float) -> dict | 
     return None
 
 
+#: The longest path a UNIX socket can be bound to on Linux (``sun_path`` holds 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+
+
+def _check_socket_path(path: str) -> None:
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size > MAX_SOCKET_PATH:
+        raise WarmstartError(
+            f"the preloader's socket path {path} is {size} bytes long; a UNIX socket's path holds at most "
+            f"{MAX_SOCKET_PATH}: choose a shorter --socket or WARMSTART_PRELOAD_SOCKET"
+        )
+
+
 def _private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise WarmstartError(
+            f"cannot create the preloader's directory {path} ({exc.strerror}): choose a --socket or "
+            "WARMSTART_PRELOAD_SOCKET in a directory you can write"
+        ) from None
     st = os.lstat(path)
     if st.st_uid != os.getuid() or st.st_mode & 0o077 or not os.path.isdir(path) or os.path.islink(path):
         raise WarmstartError(

@@ -37,7 +37,7 @@ from warmstart.preload.watch import ImportedFiles, importable_entries, stamp
 log = logging.getLogger("warmstart.preload")
 
 #: What every preloader imports (``WARMSTART_PRELOAD_MODULES`` and ``--modules`` add to it). What is
-#: not installed is skipped.
+#: not installed is skipped, and named in its status.
 DEFAULT_MODULES = (
     "torch",
     "torch._dynamo",
@@ -189,6 +189,8 @@ class Preloader:
     modules: list[str]
     site_fingerprint: dict
     imported: list[str] = field(default_factory=list)
+    #: module -> why it was not imported (not installed, or its import failed)
+    skipped: dict[str, str] = field(default_factory=dict)
     imports_s: float = 0.0
     started_at: float = field(default_factory=time.time)
     served: int = 0
@@ -208,8 +210,9 @@ class Preloader:
             try:
                 importlib.import_module(name)
                 self.imported.append(name)
-            except ImportError as exc:
-                log.info("warmstart preload: %s not imported (%s)", name, exc)
+            except Exception as exc:  # a job's own module may raise anything: it is the job's to see
+                log.info("warmstart preload: %s not imported (%s: %s)", name, type(exc).__name__, exc)
+                self.skipped[name] = f"{type(exc).__name__}: {exc}"
         if "torch._dynamo" in self.imported:
             for name in COMPILER_MODULES:
                 with contextlib.suppress(ImportError):
@@ -288,6 +291,7 @@ class Preloader:
             "started_at": self.started_at,
             "imports_s": self.imports_s,
             "modules": self.imported,
+            "skipped": self.skipped,
             "served": self.served,
             "refused": dict(self.refused),
             "running": len(self.children),
