@@ -25,6 +25,7 @@ from warmstart.checkpoint import (
     RankLocal,
     committed_checkpoints,
     latest_committed,
+    optimal_interval_s,
 )
 from warmstart.errors import ConfigError
 from warmstart.metrics import NullRecorder, Recorder, read_events
@@ -228,8 +229,15 @@ def test_adaptive_interval_follows_young_formula(tmp_path: Path) -> None:
     # 10 steps in 20 s (2 s/step), 0.5 s blocking: sqrt(2 * 3600 * 0.5) = 60 s = 30 steps.
     assert policy.next_step(10, now_s=120.0, blocking_s=0.5) == 40
     assert AdaptiveInterval.from_failures_per_day(24.0).mtbf_s == 3600.0
-    with pytest.raises(ConfigError):
-        AdaptiveInterval(mtbf_s=0)
+    for mtbf_s in (0.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError):
+            AdaptiveInterval(mtbf_s=mtbf_s)
+    # sqrt(2 * 3600 * 0.5) = 60 s; nothing blocks: no interval to trade against
+    assert optimal_interval_s(0.5, mtbf_s=3600.0) == pytest.approx(60.0)
+    assert optimal_interval_s(0.0, mtbf_s=3600.0) == 0.0
+    for mtbf_s in (0.0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"mtbf_s=.* is not valid: expected a positive number of seconds"):
+            optimal_interval_s(0.5, mtbf_s=mtbf_s)
 
     ckpt = Checkpointer(
         tmp_path,

@@ -374,7 +374,7 @@ def test_a_module_edited_just_before_a_launch_is_never_run_from_its_old_import(t
         node.stop()
 
 
-def test_a_module_that_cannot_be_imported_is_named_with_its_reason(tmp_path):
+def test_modules_a_preloader_could_not_import_or_was_not_started_with_are_named(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "raises_mod.py").write_text("raise RuntimeError('no data directory')\n")
@@ -395,6 +395,17 @@ def test_a_module_that_cannot_be_imported_is_named_with_its_reason(tmp_path):
             timeout=60,
         )
         assert "not imported: raises_mod (RuntimeError: no data directory)" in out.stdout, out
+        # Asked again with one more module: the running preloader serves, and says what it lacks.
+        (project / "later_mod.py").write_text("")
+        out = subprocess.run(
+            [PY, "-m", "warmstart", "preload", "start", "--modules", "later_mod,raises_mod"],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and "preloader already running" in out.stdout, out
+        assert "not among the running preloader's modules: later_mod (it was started without them" in out.stdout
     finally:
         node.stop()
 

@@ -23,7 +23,12 @@ def optimal_interval_s(blocking_s: float, mtbf_s: float) -> float:
     Args:
         blocking_s: training time blocked per checkpoint, seconds.
         mtbf_s: mean time between failures of the job, seconds.
+
+    Raises:
+        ConfigError: ``mtbf_s`` is not a positive, finite number.
     """
+    if not (mtbf_s > 0 and math.isfinite(mtbf_s)):
+        raise ConfigError("mtbf_s", mtbf_s, "a positive number of seconds")
     if not (blocking_s > 0 and math.isfinite(blocking_s)):
         return 0.0
     return advise_interval(blocking_s, failures_per_day=SECONDS_PER_DAY / mtbf_s).interval_s
@@ -53,7 +58,7 @@ class AdaptiveInterval:
     max_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.mtbf_s > 0:
+        if not (self.mtbf_s > 0 and math.isfinite(self.mtbf_s)):
             raise ConfigError("mtbf_s", self.mtbf_s, "a positive number of seconds")
         if self.min_steps < 1 or self.first_steps < 1:
             raise ConfigError("min_steps/first_steps", (self.min_steps, self.first_steps), "integers >= 1")

@@ -58,6 +58,11 @@ def start(modules, socket_path, foreground, as_json) -> None:
         f"{', '.join(result['modules'])} in {result['imports_s']:.1f} s"
     )
     _echo_skipped(result)
+    if result.get("missing_modules"):
+        click.echo(
+            f"  not among the running preloader's modules: {', '.join(result['missing_modules'])} "
+            "(it was started without them: stop it and start it again to add them)"
+        )
 
 
 def _echo_skipped(status: dict) -> None:

@@ -27,7 +27,8 @@ def start(
 ) -> dict:
     """Start a preloader for this user, interpreter and environment (``environ``, default this
     process's), and return its status once it serves (``socket``, ``pid``, ``modules``,
-    ``imports_s``...). When one already serves there, its status (``already_running`` true).
+    ``imports_s``...). When one already serves there, its status (``already_running`` true), with
+    the modules asked for now that it was not started with (``missing_modules``).
     ``foreground`` replaces this process with the preloader.
 
     Raises:
@@ -38,10 +39,15 @@ def start(
     base = dict(os.environ if environ is None else environ)
     path = socket_path or this_environment_socket(base)
     _check_socket_path(path)
+    wanted = [*DEFAULT_MODULES, *_split(base.get("WARMSTART_PRELOAD_MODULES", "")), *(modules or [])]
     running = status(path)
     if running is not None:
-        return {**running, "already_running": True}
-    wanted = [*DEFAULT_MODULES, *_split(base.get("WARMSTART_PRELOAD_MODULES", "")), *(modules or [])]
+        tried = {*running.get("modules", []), *running.get("skipped", {})}
+        return {
+            **running,
+            "already_running": True,
+            "missing_modules": [m for m in dict.fromkeys(wanted) if m not in tried],
+        }
     env = {**base, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     command = [sys.executable, "-c", _SERVER, path, ",".join(dict.fromkeys(wanted))]
     _private_dir(os.path.dirname(os.path.abspath(path)))
