@@ -232,6 +232,9 @@ def test_adaptive_interval_follows_young_formula(tmp_path: Path) -> None:
     for mtbf_s in (0.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError):
             AdaptiveInterval(mtbf_s=mtbf_s)
+    for failures_per_day in (0.0, float("inf")):
+        with pytest.raises(ConfigError, match=r"failures_per_day=.* is not valid: expected a positive, finite number"):
+            AdaptiveInterval.from_failures_per_day(failures_per_day)
     # sqrt(2 * 3600 * 0.5) = 60 s; nothing blocks: no interval to trade against
     assert optimal_interval_s(0.5, mtbf_s=3600.0) == pytest.approx(60.0)
     assert optimal_interval_s(0.0, mtbf_s=3600.0) == 0.0

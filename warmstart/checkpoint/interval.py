@@ -69,8 +69,8 @@ class AdaptiveInterval:
     @classmethod
     def from_failures_per_day(cls, failures_per_day: float, **kwargs: int | None) -> AdaptiveInterval:
         """The policy for a job that fails ``failures_per_day`` times a day."""
-        if not failures_per_day > 0:
-            raise ConfigError("failures_per_day", failures_per_day, "a positive number")
+        if not (failures_per_day > 0 and math.isfinite(failures_per_day)):
+            raise ConfigError("failures_per_day", failures_per_day, "a positive, finite number")
         return cls(mtbf_s=SECONDS_PER_DAY / failures_per_day, **kwargs)  # type: ignore[arg-type]
 
     def next_step(self, step: int, now_s: float, blocking_s: float | None) -> int:
