@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from warmstart.errors import ConfigError
-from warmstart.metrics.advisor import SECONDS_PER_DAY, advise_interval
+from warmstart.metrics.advisor import SECONDS_PER_DAY, advise_interval, require_positive
 
 
 def optimal_interval_s(blocking_s: float, mtbf_s: float) -> float:
@@ -27,8 +27,7 @@ def optimal_interval_s(blocking_s: float, mtbf_s: float) -> float:
     Raises:
         ConfigError: ``mtbf_s`` is not a positive, finite number.
     """
-    if not (mtbf_s > 0 and math.isfinite(mtbf_s)):
-        raise ConfigError("mtbf_s", mtbf_s, "a positive number of seconds")
+    require_positive("mtbf_s", mtbf_s, "a positive number of seconds")
     if not (blocking_s > 0 and math.isfinite(blocking_s)):
         return 0.0
     return advise_interval(blocking_s, failures_per_day=SECONDS_PER_DAY / mtbf_s).interval_s
@@ -58,8 +57,7 @@ class AdaptiveInterval:
     max_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.mtbf_s > 0 and math.isfinite(self.mtbf_s)):
-            raise ConfigError("mtbf_s", self.mtbf_s, "a positive number of seconds")
+        require_positive("mtbf_s", self.mtbf_s, "a positive number of seconds")
         if self.min_steps < 1 or self.first_steps < 1:
             raise ConfigError("min_steps/first_steps", (self.min_steps, self.first_steps), "integers >= 1")
         if self.max_steps is not None and self.max_steps < self.min_steps:
@@ -69,8 +67,7 @@ class AdaptiveInterval:
     @classmethod
     def from_failures_per_day(cls, failures_per_day: float, **kwargs: int | None) -> AdaptiveInterval:
         """The policy for a job that fails ``failures_per_day`` times a day."""
-        if not (failures_per_day > 0 and math.isfinite(failures_per_day)):
-            raise ConfigError("failures_per_day", failures_per_day, "a positive, finite number")
+        require_positive("failures_per_day", failures_per_day, "a positive, finite number")
         return cls(mtbf_s=SECONDS_PER_DAY / failures_per_day, **kwargs)  # type: ignore[arg-type]
 
     def next_step(self, step: int, now_s: float, blocking_s: float | None) -> int:

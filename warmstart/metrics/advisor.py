@@ -55,10 +55,10 @@ def advise_interval(
     Raises:
         ConfigError: a value is not a positive, finite number.
     """
-    _positive("--blocking", blocking_s, "a positive number of seconds")
-    _positive("--failures-per-day", failures_per_day, "a positive number of failures per day")
+    require_positive("--blocking", blocking_s, "a positive number of seconds")
+    require_positive("--failures-per-day", failures_per_day, "a positive number of failures per day")
     if current_interval_s is not None:
-        _positive("--current", current_interval_s, "a positive number of seconds")
+        require_positive("--current", current_interval_s, "a positive number of seconds")
     mtbf = SECONDS_PER_DAY / failures_per_day
     interval = math.sqrt(2.0 * mtbf * blocking_s)
     blocked, lost = blocking_s / interval, interval / (2.0 * mtbf)
@@ -79,6 +79,7 @@ def advise_interval(
     )
 
 
-def _positive(option: str, value: float, accepted: str) -> None:
+def require_positive(option: str, value: float, accepted: str) -> None:
+    """Raise :class:`ConfigError` naming ``option`` unless ``value`` is a positive, finite number."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ConfigError(option, value, accepted)

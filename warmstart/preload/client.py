@@ -17,6 +17,10 @@ from __future__ import annotations
 import os
 import sys
 
+TYPE_CHECKING = False  # not typing's: this runs at every interpreter start, before anything is imported
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 #: How long a preloader may take to answer a request (fork and set up the child) before this
 #: process gives up on it and starts as usual.
 HANDOVER_TIMEOUT_S = 2.0
@@ -25,11 +29,17 @@ _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 _NOT_FORWARDED = ("SIGCHLD", "SIGTTIN", "SIGTTOU")  # about this process itself, not the program
 
 
+def handover_allowed(environ: Mapping[str, str]) -> bool:
+    """Whether ``WARMSTART_PRELOAD`` lets a process be handed over: unset or ``1``. Not for ``0``, nor
+    for a value that is not valid (the settings say so, in one line)."""
+    return environ.get("WARMSTART_PRELOAD", "") in ("", "1")
+
+
 def handover() -> None:
     """Run this program in a child of the preloader and exit as it does; return (and start as usual)
     when no preloader takes it."""
-    if os.environ.get("WARMSTART_PRELOAD", "") not in ("", "1") or os.environ.get("WARMSTART_PRELOAD_SERVE"):
-        return  # 0, or a value that is not valid (the settings then say so, in one line)
+    if not handover_allowed(os.environ) or os.environ.get("WARMSTART_PRELOAD_SERVE"):
+        return
     from warmstart.preload.environment import default_socket
 
     path = default_socket()

@@ -10,6 +10,7 @@ import sys
 import time
 
 from warmstart.errors import WarmstartError
+from warmstart.preload.client import handover_allowed
 
 #: How long ``start`` waits for a new preloader to have imported everything and listen.
 START_TIMEOUT_S = 300.0
@@ -155,7 +156,7 @@ def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
     environ = dict(os.environ if environ is None else environ)
     if environ.get("WARMSTART") != "1":
         return False, "WARMSTART is not 1: warmstart is off in the process"
-    if environ.get("WARMSTART_PRELOAD", "") not in ("", "1"):
+    if not handover_allowed(environ):
         return False, f"WARMSTART_PRELOAD={environ['WARMSTART_PRELOAD']}"
     # Asked from a new interpreter, whose start-up hook sees what the process's would.
     probe = "from warmstart.preload.control import _print_verdict; _print_verdict()"
