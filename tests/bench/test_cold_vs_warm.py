@@ -113,6 +113,17 @@ def test_every_configuration_failed_once_and_resumed_from_its_last_commit(bench)
 
 
 @pytest.mark.slow
+def test_every_configuration_trained_the_same_model(bench):
+    data, _, _, stdout = bench
+    for name in ("cold", "warm"):
+        difference = data["loss_vs_baseline"][name]
+        # every step of every rank, the restarted attempt's where a step ran twice
+        assert difference["compared"] == difference["baseline"] == 2 * STEPS, name
+        assert difference["max_abs_diff"] <= 1e-4, name
+    assert "loss, largest difference from baseline" in stdout
+
+
+@pytest.mark.slow
 def test_fresh_machines_miss_and_the_shared_cache_hits(bench):
     data, _, work, _ = bench
     # baseline: both attempts compile from nothing (fresh local dirs, no shared cache). The two ranks of

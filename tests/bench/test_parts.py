@@ -139,3 +139,31 @@ def test_bench_page_shows_the_figures_then_the_report_of_each_run(tmp_path):
     report = page[page.index("</table>") :]
     assert "Plotly" in page and report.count('<section class="run">') == 3
     assert [report.index(f"{name}-job") for name in CONFIGS] == sorted(report.index(f"{name}-job") for name in CONFIGS)
+
+
+def test_losses_take_the_restarted_attempts_and_compare_step_by_step(tmp_path):
+    from warmstart.bench.cold_vs_warm import ConfigResult, loss_differences, losses
+
+    def run(name: str, files: dict[str, str]) -> ConfigResult:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        for file, text in files.items():
+            (run_dir / file).write_text(text)
+        return ConfigResult(
+            name=name, run_dir=run_dir, log_path=run_dir / "job.log", wall_s=0, result=None, startup=[], cache={}
+        )
+
+    # attempt 0 ran steps 0-2 and died writing step 3; attempt 1 resumed after step 1 and ran 2-3 again
+    baseline = run(
+        "baseline", {"losses-r0-a0.txt": "0 0.7\n1 0.6\n2 0.55\n3 0.5", "losses-r0-a1.txt": "2 0.5\n3 0.4\n"}
+    )
+    assert losses(baseline.run_dir) == {(0, 0): 0.7, (0, 1): 0.6, (0, 2): 0.5, (0, 3): 0.4}
+    torn = run("cold", {"losses-r0-a0.txt": "0 0.7\n1 0.6\n2 0.5\n3 0.4", "losses-r0-a1.txt": "2 0.5\n3 0.4000001\n4"})
+    assert losses(torn.run_dir) == {(0, 0): 0.7, (0, 1): 0.6, (0, 2): 0.5, (0, 3): 0.4000001}
+    warm = run("warm", {"losses-r0-a0.txt": "0 0.7\n1 0.6\n", "notes.txt": "not a loss file\n"})
+    differences = loss_differences({"baseline": baseline, "cold": torn, "warm": warm})
+    assert differences["cold"]["compared"] == 4 and differences["cold"]["baseline"] == 4
+    assert differences["cold"]["max_abs_diff"] == pytest.approx(1e-7)
+    assert differences["warm"] == {"max_abs_diff": 0.0, "compared": 2, "baseline": 4}
+    nothing = run("nothing", {})
+    assert loss_differences({"baseline": nothing, "cold": nothing, "warm": nothing})["cold"]["max_abs_diff"] is None

@@ -193,6 +193,7 @@ def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str
     ``warm_vs_baseline`` ratios, and the settings the figures were measured with."""
     out: dict[str, Any] = {name: res.figures() for name, res in results.items()}
     out["warm_vs_baseline"] = ratios(results)
+    out["loss_vs_baseline"] = loss_differences(results)
     out["preload_start_s"] = results["warm"].preload_start_s
     job = options.job
     out["settings"] = {
@@ -206,6 +207,43 @@ def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str
         "preload": options.preload,
         "compile": options.compile_mode,
     }
+    return out
+
+
+def losses(run_dir: Path) -> dict[tuple[int, int], float]:
+    """Each step's loss on each rank, from the ``losses-r<rank>-a<attempt>.txt`` files the reference job
+    writes next to its events: ``(rank, step) -> loss``. Where a restart ran a step again (the steps a
+    failed attempt ran after its last checkpoint are lost), the later attempt's loss counts."""
+    found: list[tuple[int, int, Path]] = []
+    for path in run_dir.glob("losses-r*-a*.txt"):
+        rank_text, _, attempt_text = path.stem.removeprefix("losses-r").partition("-a")
+        if rank_text.isdigit() and attempt_text.isdigit():
+            found.append((int(attempt_text), int(rank_text), path))
+    out: dict[tuple[int, int], float] = {}
+    for _, rank, path in sorted(found):
+        for line in path.read_text().splitlines():
+            step_text, _, loss = line.partition(" ")
+            try:
+                out[(rank, int(step_text))] = float(loss)
+            except ValueError:  # a line torn by the injected failure
+                continue
+    return out
+
+
+def loss_differences(results: dict[str, ConfigResult]) -> dict[str, dict[str, Any]]:
+    """How far ``cold``'s and ``warm``'s losses are from the baseline's, step by step on every rank: the
+    largest absolute difference (``None`` when no step could be compared), the (rank, step) pairs
+    compared and the baseline's count of them."""
+    base = losses(results["baseline"].run_dir)
+    out: dict[str, dict[str, Any]] = {}
+    for name in CONFIGS[1:]:
+        mine = losses(results[name].run_dir)
+        common = base.keys() & mine.keys()
+        out[name] = {
+            "max_abs_diff": max((abs(mine[k] - base[k]) for k in common), default=None),
+            "compared": len(common),
+            "baseline": len(base),
+        }
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmstart.bench.cold_vs_warm import CONFIGS, FIGURES, ConfigResult, ratios
+from warmstart.bench.cold_vs_warm import CONFIGS, FIGURES, ConfigResult, loss_differences, ratios
 
 _TITLE = "warmstart bench cold-vs-warm"
 _LABELS = {
@@ -28,7 +28,21 @@ def table_rows(results: dict[str, ConfigResult]) -> list[list[Any]]:
     for key in FIGURES:
         r = ratio[key]
         rows.append([_LABELS[key], *(figures[name][key] for name in CONFIGS), "-" if r is None else f"{r:.2f}x"])
+    differences = loss_differences(results)
+    rows.append(
+        ["loss, largest difference from baseline", "-", *(_loss_cell(differences[n]) for n in CONFIGS[1:]), "-"]
+    )
     return rows
+
+
+def _loss_cell(difference: dict[str, Any]) -> str:
+    """``0``, or the difference as ``1.2e-07``; the steps compared when not all of the baseline's were."""
+    if difference["max_abs_diff"] is None:
+        return "no step compared"
+    cell = "0" if difference["max_abs_diff"] == 0 else f"{difference['max_abs_diff']:.1e}"
+    if difference["compared"] < difference["baseline"]:
+        cell += f" ({difference['compared']} of {difference['baseline']} steps)"
+    return cell
 
 
 def render_page(results: dict[str, ConfigResult]) -> str:

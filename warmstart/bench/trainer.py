@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -194,7 +195,7 @@ class Trainer:
             # warmstart: compile on a synthetic batch in a thread while the rest starts up; with
             # WARMSTART=1 Inductor's artifacts come from the shared cache
             compile_warmup=CompileWarmup(
-                build=lambda device: self._build_dense_over(seeded=False),
+                build=lambda device: self._warmup_dense_over(),
                 example_inputs=lambda device: self._synthetic_dense_batch(),
                 compile_module=_compile_regions,
             ),
@@ -226,6 +227,20 @@ class Trainer:
         if seeded:  # same dense weights on every rank and attempt (DDP also syncs them from rank 0)
             torch.manual_seed(cfg.seed)
         return DenseOverArch(cfg.tables, cfg.dim, list(cfg.dense_layers), list(cfg.over_layers))
+
+    def _warmup_dense_over(self) -> DenseOverArch:
+        """The compile warm-up's copy of the dense part: the model's shapes, zero weights. Built on the
+        meta device and then given memory, so that it draws nothing from torch's global random
+        generator: it is built in a thread beside the model's own build and the tables' initialization,
+        which draw from that generator, and a draw of its own between theirs would change their
+        weights."""
+        with torch.device("meta"):
+            module = self._build_dense_over(seeded=False)
+        module = module.to_empty(device="cpu")
+        with torch.no_grad():
+            for tensor in (*module.parameters(), *module.buffers()):
+                tensor.zero_()
+        return module
 
     def _build_module(self, device: torch.device) -> DLRMTrain:
         """The unsharded model: tables on ``device`` (``meta``: DMP materializes only its shards),
@@ -339,6 +354,7 @@ class Trainer:
         cfg, rec = self.cfg, self.rec
         samples = cfg.batch_size * self.world_size
         self.model.train()
+        self._losses = self._open_losses()
         t_log = time.perf_counter()
         while self.step < cfg.steps:
             step = self.step
@@ -350,6 +366,8 @@ class Trainer:
             loss.backward()  # the embedding tables are updated here (fused optimizer)
             self.optimizer.step()
             self.optimizer.zero_grad()
+            if self._losses is not None:
+                self._losses.write(f"{step} {loss.item()!r}\n")
             if (step + 1) % cfg.checkpoint_every == 0:
                 self._save_checkpoint(step)
             if self.rank == 0 and (step + 1) % cfg.log_every == 0:
@@ -361,7 +379,20 @@ class Trainer:
                 )
                 t_log = now
             self.step += 1
+        if self._losses is not None:
+            self._losses.close()
         rec.train_end()
+
+    def _open_losses(self) -> IO[str] | None:
+        """``losses-r<rank>-a<attempt>.txt`` next to the events: each step's loss on this rank, one
+        ``<step> <loss>`` line per step (``repr``: every digit), so that runs can be compared step by step
+        (``warmstart.bench.cold_vs_warm.losses``)."""
+        run_dir = getattr(self.rec, "run_dir", None)
+        if run_dir is None:
+            return None
+        path = Path(run_dir) / f"losses-r{self.rank}-a{self.attempt}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w", buffering=1)  # noqa: SIM115 (open for the loop; closed at its end or exit)
 
     def _die(self, step: int) -> None:
         """The injected failure: the machine is gone, as if its power were cut."""

@@ -168,6 +168,11 @@ class CompileWarmup:
     separate instance, so its forward and backward never touch the model's weights, buffers or
     gradients.
 
+    ``build`` and ``example_inputs`` run in a thread beside the model's build and the tables'
+    initialization, which draw from torch's global random generator: they must not draw from it
+    (default module initialization, ``torch.randn``), or the model's weights change from run to
+    run. Build on the meta device and materialize with ``to_empty``; make inputs with zeros.
+
     Attributes:
         build: builds the module to compile on the given device.
         example_inputs: builds a synthetic batch (positional arguments) on the given device.
