@@ -171,7 +171,8 @@ class CompileWarmup:
     ``build`` and ``example_inputs`` run in a thread beside the model's build and the tables'
     initialization, which draw from torch's global random generator: they must not draw from it
     (default module initialization, ``torch.randn``), or the model's weights change from run to
-    run. Build on the meta device and materialize with ``to_empty``; make inputs with zeros.
+    run. Build on the meta device, materialize with ``to_empty`` and zero the parameters and buffers
+    (``to_empty`` leaves garbage, and index buffers need valid values); make inputs with zeros.
 
     Attributes:
         build: builds the module to compile on the given device.
