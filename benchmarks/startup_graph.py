@@ -61,7 +61,7 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 
-    from warmstart.init_pipeline import CompileWarmup, TorchRecStartup, torchrec_startup_graph
+    from warmstart.init_pipeline import CompileWarmup, TorchRecStartup, torchrec_startup_graph, zero_initialized
 
     rank = int(os.environ["RANK"])
     keys = [f"f{i}" for i in range(num_tables)]
@@ -116,17 +116,10 @@ def _rank_main(role: str, out_dir: Path, ckpt: Path, num_tables: int, rows: int)
 
     # Same shapes, dtypes and requires_grad as the real inputs (the pooled embeddings carry grad),
     # or TorchDynamo's guards would send the first real step to compile again.
-    def _zeroed(module: nn.Module) -> nn.Module:
-        with torch.no_grad():
-            for tensor in (*module.parameters(), *module.buffers()):
-                tensor.zero_()
-        return module
-
     warmup = CompileWarmup(
         # nothing drawn from torch's global random generator beside the model's build (see
-        # CompileWarmup): the module is built on meta, given memory and zeroed (its index buffers
-        # too: zeros are valid indices), the inputs are zeros
-        build=lambda device: _zeroed(DenseOver(torch.device("meta")).to_empty(device=device)),
+        # CompileWarmup): zero-initialized module, zeros as inputs
+        build=zero_initialized(DenseOver),
         example_inputs=lambda device: (
             torch.zeros(BATCH, NUM_DENSE, device=device),
             torch.zeros(BATCH, num_tables * DIM, device=device, requires_grad=True),

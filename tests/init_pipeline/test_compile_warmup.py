@@ -62,3 +62,27 @@ def test_a_warm_warmup_skips_the_backward_it_loaded_and_the_step_runs_compiled(t
     warm = run_machine(tmp_path / "b", store)
     # the step's compile is the warm-up's (same guards): no second AOTAutograd lookup or compile
     assert warm == {"warmup_backward": False, "hits": 1, "same_grads": True, "recompiled": 0}, warm
+
+
+def test_zero_initialized_draws_nothing_from_the_global_generator_and_leaves_no_garbage():
+    import torch
+    from torch import nn
+
+    from warmstart.init_pipeline import zero_initialized
+
+    class WithIndices(nn.Module):
+        def __init__(self, device: torch.device | None = None) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 4, device=device)  # default init draws from the generator
+            self.register_buffer("index", torch.triu_indices(5, 5, offset=1, device=device)[0])
+
+    for build in (WithIndices, lambda device: WithIndices()):  # a constructor that ignores the device
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+        module = zero_initialized(build)(torch.device("cpu"))
+        assert torch.equal(torch.get_rng_state(), before)
+        assert all(t.device.type == "cpu" and not t.any() for t in (*module.parameters(), *module.buffers()))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    WithIndices(torch.device("cpu"))
+    assert not torch.equal(torch.get_rng_state(), before)  # what the wrapper keeps from happening

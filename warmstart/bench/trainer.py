@@ -49,7 +49,7 @@ from warmstart.bench.data import NUM_DENSE, ClickLogDataset, make_loader, make_t
 from warmstart.bench.model import DenseOverArch, DLRMTrain, embedding_configs
 from warmstart.checkpoint import Checkpointer, latest_committed
 from warmstart.checkpoint.state import prepare_for_load
-from warmstart.init_pipeline import CompileWarmup, TorchRecStartup, torchrec_startup_graph
+from warmstart.init_pipeline import CompileWarmup, TorchRecStartup, torchrec_startup_graph, zero_initialized
 from warmstart.metrics import NullRecorder, Recorder
 
 _COMPILE_KWARGS = {"dynamic": False}  # every batch has the same shapes: one static graph, no recompiles
@@ -195,7 +195,8 @@ class Trainer:
             # warmstart: compile on a synthetic batch in a thread while the rest starts up; with
             # WARMSTART=1 Inductor's artifacts come from the shared cache
             compile_warmup=CompileWarmup(
-                build=lambda device: self._warmup_dense_over(),
+                # warmstart: built beside the model's own build: no draw from torch's global generator
+                build=zero_initialized(lambda device: self._build_dense_over(seeded=False)),
                 example_inputs=lambda device: self._synthetic_dense_batch(),
                 compile_module=_compile_regions,
             ),
@@ -227,20 +228,6 @@ class Trainer:
         if seeded:  # same dense weights on every rank and attempt (DDP also syncs them from rank 0)
             torch.manual_seed(cfg.seed)
         return DenseOverArch(cfg.tables, cfg.dim, list(cfg.dense_layers), list(cfg.over_layers))
-
-    def _warmup_dense_over(self) -> DenseOverArch:
-        """The compile warm-up's copy of the dense part: the model's shapes, zero weights. Built on the
-        meta device and then given memory, so that it draws nothing from torch's global random
-        generator: it is built in a thread beside the model's own build and the tables' initialization,
-        which draw from that generator, and a draw of its own between theirs would change their
-        weights."""
-        with torch.device("meta"):
-            module = self._build_dense_over(seeded=False)
-        module = module.to_empty(device="cpu")
-        with torch.no_grad():
-            for tensor in (*module.parameters(), *module.buffers()):
-                tensor.zero_()
-        return module
 
     def _build_module(self, device: torch.device) -> DLRMTrain:
         """The unsharded model: tables on ``device`` (``meta``: DMP materializes only its shards),

@@ -39,6 +39,7 @@ _LAZY = {
     "PlanMismatch": "plan_verify",
     "TorchRecStartup": "stages",
     "CompileWarmup": "stages",
+    "zero_initialized": "stages",
     "PrefetchedLoader": "stages",
     "StoreFailureChannel": "stages",
     "torchrec_startup_graph": "stages",

@@ -171,8 +171,7 @@ class CompileWarmup:
     ``build`` and ``example_inputs`` run in a thread beside the model's build and the tables'
     initialization, which draw from torch's global random generator: they must not draw from it
     (default module initialization, ``torch.randn``), or the model's weights change from run to
-    run. Build on the meta device, materialize with ``to_empty`` and zero the parameters and buffers
-    (``to_empty`` leaves garbage, and index buffers need valid values); make inputs with zeros.
+    run. Wrap ``build`` in :func:`zero_initialized`, and make inputs with zeros.
 
     Attributes:
         build: builds the module to compile on the given device.
@@ -211,6 +210,29 @@ class CompileWarmup:
             if tensors:
                 torch.stack([t.float().sum() for t in tensors]).sum().backward()
         return time.perf_counter() - start
+
+
+def zero_initialized(build: Callable[[torch.device], nn.Module]) -> Callable[[torch.device], nn.Module]:
+    """``build`` for :class:`CompileWarmup` that draws nothing from torch's global random generator.
+
+    The returned callable runs ``build(meta)`` with the meta device as default (modules whose
+    constructor ignores the argument are built there too, without initialization), gives the
+    module memory on the requested device with ``to_empty`` and fills every parameter and buffer
+    with zeros: the compile does not depend on values, and ``to_empty`` leaves garbage that an
+    index buffer (TorchRec's ``InteractionArch``) must not hold.
+    """
+
+    def build_zeroed(device: torch.device) -> nn.Module:
+        meta = torch.device("meta")
+        with meta:
+            module = build(meta)
+        module = module.to_empty(device=device)
+        with torch.no_grad():
+            for tensor in (*module.parameters(), *module.buffers()):
+                tensor.zero_()
+        return module
+
+    return build_zeroed
 
 
 def _aot_autograd_counts() -> dict[str, int]:
