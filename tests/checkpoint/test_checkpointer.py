@@ -147,6 +147,24 @@ def test_events_blocking_span_and_commit_only_when_durable(tmp_path: Path) -> No
     assert committed == [0, 1]
 
 
+def test_load_latest_records_the_loaded_checkpoint_as_committed(tmp_path: Path) -> None:
+    model, optimizer, loader, state = _setup()
+    with Checkpointer(tmp_path / "ckpt", recorder=NullRecorder()) as ckpt:
+        _step(model, optimizer, loader)
+        ckpt.save(3, state, block=True)
+    rec = Recorder(tmp_path / "run", job="j", rank=0, attempt=1, flush_interval_s=0)
+    with Checkpointer(tmp_path / "ckpt", recorder=rec) as ckpt:
+        assert ckpt.load_latest(_setup()[3]) == 3
+    rec.close()
+    events = [e for path in sorted((tmp_path / "run").glob("*.jsonl")) for e in read_events(path)]
+    # the restart vouches for a commit whose own event a failure may have cut off
+    assert [(e.event, getattr(e, "span", None) or getattr(e, "step", None)) for e in events] == [
+        ("begin", "checkpoint_load"),
+        ("end", "checkpoint_load"),
+        ("checkpoint_committed", 3),
+    ]
+
+
 def test_plain_optimizer_is_refused(tmp_path: Path) -> None:
     model, optimizer, _, _ = _setup()
     with pytest.raises(TypeError, match="OptimizerState"):

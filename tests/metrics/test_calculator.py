@@ -247,6 +247,59 @@ def test_an_attempt_that_vanished_counts_as_an_unknown_failure(tmp_path):
     _sums_to_e2e(res)
 
 
+def test_a_commit_whose_event_the_failure_cut_off_counts_by_the_checkpoint_the_restart_loaded(tmp_path):
+    def job(loaded_step):
+        return [
+            ev(0, "attempt_start"),
+            ev(1, "step", step=0),
+            ev(2, "step", step=1),
+            ev(3, "checkpoint_committed", step=1),
+            ev(4, "step", step=2),
+            ev(5, "step", step=3),  # step 3's checkpoint became durable here; its event never came
+            ev(6, "step", step=4),
+            ev(8, "failure", reason="power cut", category="infra"),
+            ev(10, "attempt_start", attempt=1),
+            ev(11, "checkpoint_committed", attempt=1, step=loaded_step),  # what the restart loaded
+            ev(12, "step", attempt=1, step=loaded_step + 1),
+            ev(13, "checkpoint_committed", attempt=1, step=loaded_step + 1),
+            ev(14, "step", attempt=1, step=loaded_step + 2),
+            ev(15, "train_end", attempt=1),
+        ]
+
+    cut = run_of(tmp_path / "cut", job(loaded_step=3))
+    first, second = cut.attempts
+    assert first.last_committed_step == 3
+    # only step 4 (6 to 8) ran after the checkpoint the restart loaded
+    assert nonzero(cut.buckets) == {
+        "init_other": 3,
+        "effective_training": 5 + 3,
+        "lost_progress": 2,
+        "recovery_wait": 2,
+    }
+    # the loaded checkpoint is not one of attempt 1's saves
+    assert [step for _, step in cut.timeline[1].checkpoints] == [4]
+    _sums_to_e2e(cut)
+    # a restart from an older checkpoint never lowers what the failed attempt committed
+    older = run_of(tmp_path / "older", job(loaded_step=0))
+    assert older.attempts[0].last_committed_step == 1
+    assert older.buckets["lost_progress"] == pytest.approx(8 - 4)
+
+
+def test_a_commit_recorded_by_another_rank_counts(tmp_path):
+    res = run_of(
+        tmp_path,
+        [
+            ev(0, "attempt_start"),
+            ev(1, "step", step=0),
+            ev(2, "step", step=1),
+            ev(3, "checkpoint_committed", rank=1, step=0),  # rank 0 died before recording it
+            ev(4, "failure", reason="power cut", category="infra"),
+        ],
+    )
+    assert res.attempts[0].last_committed_step == 0
+    assert nonzero(res.buckets) == {"init_other": 1, "effective_training": 1, "lost_progress": 2}
+
+
 def test_extra_ranks_refine_per_rank_breakdowns(tmp_path):
     rank0 = [
         ev(0, "attempt_start"),

@@ -17,6 +17,7 @@ This module owns the training recipe; the model, the data and the configuration 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -155,6 +156,8 @@ class Trainer:
                 dcp.load(state, checkpoint_id=str(resume[1]))
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optim"])
+            # what we resume from is durable: this vouches for the commit if the failure cut off its event
+            rec.checkpoint_committed(resume[0])
 
     # -- start-up, warmstart: the same stages as a graph -------------------------------------------
 
@@ -382,10 +385,17 @@ class Trainer:
         return open(path, "w", buffering=1)  # noqa: SIM115 (open for the loop; closed at its end or exit)
 
     def _die(self, step: int) -> None:
-        """The injected failure: the machine is gone, as if its power were cut."""
+        """The injected failure: the machine is gone, as if its power were cut.
+
+        Its ranks die together: without the barrier, the first rank's exit lets torchrun stop the
+        others wherever they are, some still finishing the step before (their record of this step
+        then never written)."""
         print(f"rank {self.rank}: injected failure at step {step} (attempt {self.attempt})", flush=True)
         self.rec.failure(f"injected failure at step {step}", "infra")
         self.rec.flush()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a peer already gone: die anyway
+                dist.barrier()
         os._exit(17)
 
     def close(self) -> None:

@@ -330,7 +330,9 @@ class Checkpointer:
 
         Stateful entries are loaded through their ``load_state_dict``; other top-level entries are
         replaced in ``state``. Rank-local entries and RNG states are restored only when the world size
-        is the one that saved them (otherwise they are skipped with a warning).
+        is the one that saved them (otherwise they are skipped with a warning). Records
+        ``checkpoint_committed`` for the loaded step: it vouches for a commit whose own event a failure
+        cut off.
 
         Returns:
             The step the checkpoint was saved at (training resumes at the step after it), or None
@@ -378,6 +380,9 @@ class Checkpointer:
                 # Last, so that nothing in the load itself draws from the restored generators.
                 RNGState().load_state_dict(targets[rng_key])
         self.last_committed_step = found.step
+        # Durable, and the failure that brought us here may have cut off its commit's event: the
+        # calculator counts this one for the attempt before (docs/metrics.md#how-wall-time-is-split).
+        self._recorder.checkpoint_committed(found.step)
         return found.step
 
     # -- lifecycle -----------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ in exactly one bucket, so the buckets always sum to end-to-end time:
 * From a ``step`` to the next ``step`` (or the window's end, or ``train_end``): that step's training
   time minus the spans inside it (shared the same way; ``checkpoint_save`` is ``checkpoint_blocking``).
   The training time of a step numbered above the attempt's last ``checkpoint_committed`` step in an
-  attempt that failed is ``lost_progress``; any other is ``effective_training``.
+  attempt that failed is ``lost_progress``; any other is ``effective_training``. Any rank's commits
+  count, and so do those the next attempt recorded before its first step (what it loaded was durable,
+  even when the failure cut off the commit's own event).
 * From ``train_end`` to the window's end: ``shutdown``.
 
 An attempt that is followed by another one but has neither a ``failure`` nor a ``train_end`` died
@@ -416,6 +418,7 @@ def _frames(
         if ev.attempt not in by_attempt:
             notes.append(f"attempt {ev.attempt}: no rank -1/0 events; its window comes from rank {ev.rank}")
             by_attempt[ev.attempt] = [e for e in events if e.attempt == ev.attempt]
+    commits, loaded = _commits(events)
     raw: list[_RawAttempt] = []
     for attempt, evs in by_attempt.items():
         starts = [e.ts for e in evs if type(e) is AttemptStart]
@@ -425,7 +428,6 @@ def _frames(
         failures = [e for e in evs if type(e) is Failure]
         first_failure = failures[0] if failures else None
         train_ends = [e.ts for e in evs if type(e) is TrainEnd]
-        commits = [e.step for e in evs if type(e) is CheckpointCommitted]
         raw.append(
             _RawAttempt(
                 attempt=attempt,
@@ -436,7 +438,7 @@ def _frames(
                 if first_failure is None
                 else {"ts": first_failure.ts, "reason": first_failure.reason, "category": first_failure.category},
                 train_end=train_ends[0] if train_ends else None,
-                committed=max(commits) if commits else None,
+                committed=commits.get(attempt),
                 devices=max(
                     max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1),
                     len(ranks_of.get(attempt, ())),
@@ -444,6 +446,12 @@ def _frames(
             )
         )
     raw.sort(key=lambda r: (r.start, r.attempt))
+    # A failure can cut off the event of a commit that was already durable (a power cut between the
+    # rename and the record): the checkpoint the next attempt loaded says so for it.
+    for i, r in enumerate(raw[:-1]):
+        vouched = loaded.get(raw[i + 1].attempt)
+        if vouched is not None and (r.committed is None or vouched > r.committed):
+            r.committed = vouched
     if now is not None and raw and not raw[-1].ended and raw[-1].failure is None:
         raw[-1].end = max(raw[-1].end, now)  # still running: its clock runs to the present
     frames: list[_Frame] = []
@@ -475,6 +483,23 @@ def _frames(
         )
         cursor = max(stop, min(r.end, next_start))
     return frames
+
+
+def _commits(events: list[Event]) -> tuple[dict[int, int], dict[int, int]]:
+    """Per attempt, the highest ``checkpoint_committed`` step any rank recorded, and the highest one
+    recorded before the attempt's first ``step`` (the checkpoint a restart loaded)."""
+    first_step: dict[int, float] = {}
+    for ev in events:
+        if type(ev) is Step and ev.attempt not in first_step:
+            first_step[ev.attempt] = ev.ts
+    commits: dict[int, int] = {}
+    loaded: dict[int, int] = {}
+    for ev in events:
+        if type(ev) is CheckpointCommitted:
+            commits[ev.attempt] = max(commits.get(ev.attempt, ev.step), ev.step)
+            if ev.ts < first_step.get(ev.attempt, math.inf):
+                loaded[ev.attempt] = max(loaded.get(ev.attempt, ev.step), ev.step)
+    return commits, loaded
 
 
 @dataclasses.dataclass
@@ -642,7 +667,12 @@ def _fill_window(
             failure=frame.failure,
             spans=[SpanMark(name, bucket, b, en, rank) for b, en, bucket, name, rank in spans],
             steps=[(ev.ts, ev.step) for ev in steps[::stride]],
-            checkpoints=[(ev.ts, ev.step) for ev in evs if type(ev) is CheckpointCommitted],
+            # the attempt's own saves: a commit before its first step is the checkpoint it loaded
+            checkpoints=[
+                (ev.ts, ev.step)
+                for ev in evs
+                if type(ev) is CheckpointCommitted and first_step is not None and ev.ts >= first_step
+            ],
             recovery_before=None,
             recovery_after=None,
         )
