@@ -198,7 +198,7 @@ class Trainer:
             # warmstart: compile on a synthetic batch in a thread while the rest starts up; with
             # WARMSTART=1 Inductor's artifacts come from the shared cache
             compile_warmup=CompileWarmup(
-                # warmstart: built beside the model's own build: no draw from torch's global generator
+                # warmstart: zero-initialized: no time spent initializing weights the compile does not read
                 build=zero_initialized(lambda device: self._build_dense_over(seeded=False)),
                 example_inputs=lambda device: self._synthetic_dense_batch(),
                 compile_module=_compile_regions,

@@ -2,7 +2,8 @@
 
 ``graph.py`` schedules start-up stages (no torch) and ``child_process.py`` runs one of them in a
 forked child; ``plan_cache.py`` serves TorchRec sharding plans from warmstart's store, keyed by
-``cache_key.py`` and checked by ``plan_verify.py``; ``stages.py`` has the ready-made TorchRec stages.
+``cache_key.py`` and checked by ``plan_verify.py``; ``stages.py`` has the ready-made TorchRec stages,
+and ``generators.py`` keeps the compile warm-up's random draws out of theirs.
 The names below are imported lazily so that ``import warmstart.init_pipeline`` does not import torch.
 
 Example:
@@ -40,6 +41,7 @@ _LAZY = {
     "TorchRecStartup": "stages",
     "CompileWarmup": "stages",
     "zero_initialized": "stages",
+    "GeneratorGuard": "generators",
     "PrefetchedLoader": "stages",
     "StoreFailureChannel": "stages",
     "torchrec_startup_graph": "stages",

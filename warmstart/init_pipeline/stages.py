@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from warmstart.init_pipeline.generators import GeneratorGuard, compiled_graphs_undone
 from warmstart.init_pipeline.graph import StartupGraph
 from warmstart.init_pipeline.plan_cache import PlanOutcome, broadcast_plan, resolve_plan
 
@@ -168,10 +170,14 @@ class CompileWarmup:
     separate instance, so its forward and backward never touch the model's weights, buffers or
     gradients.
 
-    ``build`` and ``example_inputs`` run in a thread beside the model's build and the tables'
-    initialization, which draw from torch's global random generator: they must not draw from it
-    (default module initialization, ``torch.randn``), or the model's weights change from run to
-    run. Wrap ``build`` in :func:`zero_initialized`, and make inputs with zeros.
+    The warm-up runs in a thread beside the model's build, the tables' initialization and the
+    checkpoint's load, which draw from (or restore) torch's global random generators. In the
+    start-up graph, whatever the warm-up draws (``build``'s default initialization, random
+    ``example_inputs``, a dropout in the compiled forward) is undone and never interleaved with those
+    stages (:class:`~warmstart.init_pipeline.generators.GeneratorGuard`), so the model's weights and
+    the random stream training starts or resumes with are those of a start without it. Eager code
+    between compiled graphs (after a graph break) is not covered: a module whose eager part draws
+    changes them. :func:`zero_initialized` saves the time of initializing weights nobody reads.
 
     Attributes:
         build: builds the module to compile on the given device.
@@ -191,24 +197,32 @@ class CompileWarmup:
     compile_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     compile_module: Callable[[nn.Module], Callable[..., Any]] | None = None
 
-    def run(self, device: torch.device) -> float:
-        """Compile and run once; return the seconds it took."""
+    def run(self, device: torch.device, *, generators: GeneratorGuard | None = None) -> float:
+        """Compile and run once; return the seconds it took.
+
+        With ``generators`` (the start-up graph passes its own), what ``build`` and ``example_inputs``
+        draw from torch's random generators, and what the compiled graphs draw when they run, is
+        undone, and never interleaved with the draws of the stages that hold the guard.
+        """
         start = time.perf_counter()
-        module = self.build(device)
+        with generators.undone() if generators is not None else contextlib.nullcontext():
+            module = self.build(device)
+            inputs = self.example_inputs(device)
         if self.compile_module is not None:
             compiled = self.compile_module(module)
         else:
             compiled = torch.compile(module, **self.compile_kwargs)
         before = _aot_autograd_counts()
-        out = compiled(*self.example_inputs(device))
-        if self.backward and not _all_loaded_from_cache(before):
-            tensors = [
-                t
-                for t in (out if isinstance(out, (tuple, list)) else [out])
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if tensors:
-                torch.stack([t.float().sum() for t in tensors]).sum().backward()
+        with compiled_graphs_undone(generators) if generators is not None else contextlib.nullcontext():
+            out = compiled(*inputs)
+            if self.backward and not _all_loaded_from_cache(before):
+                tensors = [
+                    t
+                    for t in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if tensors:
+                    torch.stack([t.float().sum() for t in tensors]).sum().backward()
         return time.perf_counter() - start
 
 
@@ -385,8 +399,13 @@ def torchrec_startup_graph(
             raise RuntimeError("torch.distributed is initialized but has no default process group")
         return world
 
+    # The stages that draw from torch's random generators (initialization) or set them (a checkpoint's
+    # load) hold this while the compile warm-up's draws wait and are undone.
+    generators = GeneratorGuard(device)
+
     def model_meta() -> nn.Module:
-        return spec.build_model(torch.device("meta"))
+        with generators.exclusive():
+            return spec.build_model(torch.device("meta"))
 
     def sharding_plan(model_meta: nn.Module) -> PlanOutcome | None:
         if rank != 0:
@@ -414,14 +433,15 @@ def torchrec_startup_graph(
 
         pg = process_group_init
         sharding_env = ShardingEnv(dist.get_world_size(pg), dist.get_rank(pg), pg, output_dtensor=spec.output_dtensor)
-        return DistributedModelParallel(
-            module=model_meta,
-            env=sharding_env,
-            device=device,
-            plan=sharding_plan_broadcast,
-            sharders=sharders,
-            **spec.dmp_kwargs,
-        )
+        with generators.exclusive():  # the tables are initialized here
+            return DistributedModelParallel(
+                module=model_meta,
+                env=sharding_env,
+                device=device,
+                plan=sharding_plan_broadcast,
+                sharders=sharders,
+                **spec.dmp_kwargs,
+            )
 
     graph.add("process_group_init", process_group_init, collective=True)
     graph.add("model_meta", model_meta, bucket="model_transform")
@@ -444,7 +464,7 @@ def torchrec_startup_graph(
         )
     if spec.compile_warmup is not None:
         warmup = spec.compile_warmup
-        graph.add("compile_warmup", lambda: warmup.run(device), bucket="compile")
+        graph.add("compile_warmup", lambda: warmup.run(device, generators=generators), bucket="compile")
     graph.add(
         "sharding_plan_broadcast",
         sharding_plan_broadcast,
@@ -463,7 +483,7 @@ def torchrec_startup_graph(
         # On the main thread: it reads the parameters DistributedModelParallel just built.
         graph.add(
             "optimizer_init",
-            lambda model_transform: build_optimizer(model_transform),
+            lambda model_transform: _exclusive(generators, build_optimizer, model_transform),
             deps=["model_transform"],
             runs_on="main",
             bucket="model_transform",
@@ -473,18 +493,23 @@ def torchrec_startup_graph(
         if spec.build_optimizer is not None:
             graph.add(
                 "checkpoint_load",
-                lambda model_transform, optimizer_init: hook(model_transform, optimizer_init),
+                lambda model_transform, optimizer_init: _exclusive(generators, hook, model_transform, optimizer_init),
                 deps=["model_transform", "optimizer_init"],
                 collective=True,
             )
         else:
             graph.add(
                 "checkpoint_load",
-                lambda model_transform: hook(model_transform, None),
+                lambda model_transform: _exclusive(generators, hook, model_transform, None),
                 deps=["model_transform"],
                 collective=True,
             )
     return graph
+
+
+def _exclusive(generators: GeneratorGuard, fn: Callable[..., Any], *args: Any) -> Any:
+    with generators.exclusive():
+        return fn(*args)
 
 
 def release_process_groups() -> int | None:
