@@ -74,7 +74,10 @@ def compiled_graphs_undone(guard: GeneratorGuard) -> Iterator[None]:
     Eager code between graphs (after a graph break) is not covered; neither is a backward that
     autograd runs on a device thread of its own (GPUs), which rarely draws.
     """
-    _wrap_compiled_graphs()
+    if not _wrap_compiled_graphs():  # a torch without it: the whole block waits and is undone
+        with guard.undone():
+            yield
+        return
     previous = getattr(_thread, "guard", None)
     _thread.guard = guard
     try:
@@ -83,10 +86,23 @@ def compiled_graphs_undone(guard: GeneratorGuard) -> Iterator[None]:
         _thread.guard = previous
 
 
-@functools.cache
-def _wrap_compiled_graphs() -> None:
-    from torch._inductor.output_code import CompiledFxGraph
+_wrap_lock = threading.Lock()
+_wrapped: bool | None = None
 
+
+def _wrap_compiled_graphs() -> bool:
+    global _wrapped
+    with _wrap_lock:
+        if _wrapped is None:
+            _wrapped = _wrap()
+        return _wrapped
+
+
+def _wrap() -> bool:
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+    except ImportError:
+        return False
     original = CompiledFxGraph.__call__
 
     @functools.wraps(original)
@@ -98,3 +114,4 @@ def _wrap_compiled_graphs() -> None:
             return original(self, inputs)
 
     CompiledFxGraph.__call__ = __call__  # type: ignore[method-assign]
+    return True
