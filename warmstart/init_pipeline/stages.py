@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from warmstart.init_pipeline.generators import GeneratorGuard, compiled_graphs_undone
+from warmstart.init_pipeline.generators import GeneratorGuard, undone_except_compiles
 from warmstart.init_pipeline.graph import StartupGraph
 from warmstart.init_pipeline.plan_cache import PlanOutcome, broadcast_plan, resolve_plan
 
@@ -173,11 +173,12 @@ class CompileWarmup:
     The warm-up runs in a thread beside the model's build, the tables' initialization and the
     checkpoint's load, which draw from (or restore) torch's global random generators. In the
     start-up graph, whatever the warm-up draws (``build``'s default initialization, random
-    ``example_inputs``, a dropout in the compiled forward) is undone and never interleaved with those
-    stages (:class:`~warmstart.init_pipeline.generators.GeneratorGuard`), so the model's weights and
-    the random stream training starts or resumes with are those of a start without it. Eager code
-    between compiled graphs (after a graph break) is not covered: a module whose eager part draws
-    changes them. :func:`zero_initialized` saves the time of initializing weights nobody reads.
+    ``example_inputs``, a dropout in the compiled forward, eager code between compiled graphs) is
+    undone and never interleaved with those stages
+    (:class:`~warmstart.init_pipeline.generators.GeneratorGuard`), so the model's weights and the
+    random stream training starts or resumes with are those of a start without it; only the compiles
+    run beside them. :func:`zero_initialized` saves the time of initializing weights nobody
+    reads.
 
     Attributes:
         build: builds the module to compile on the given device.
@@ -200,20 +201,20 @@ class CompileWarmup:
     def run(self, device: torch.device, *, generators: GeneratorGuard | None = None) -> float:
         """Compile and run once; return the seconds it took.
 
-        With ``generators`` (the start-up graph passes its own), what ``build`` and ``example_inputs``
-        draw from torch's random generators, and what the compiled graphs draw when they run, is
-        undone, and never interleaved with the draws of the stages that hold the guard.
+        With ``generators`` (the start-up graph passes its own), what ``build``, ``example_inputs``,
+        the forward and the backward draw from torch's random generators is undone, and never
+        interleaved with the draws of the stages that hold the guard; only the compiles run beside
+        those stages.
         """
         start = time.perf_counter()
-        with generators.undone() if generators is not None else contextlib.nullcontext():
+        with undone_except_compiles(generators) if generators is not None else contextlib.nullcontext():
             module = self.build(device)
             inputs = self.example_inputs(device)
-        if self.compile_module is not None:
-            compiled = self.compile_module(module)
-        else:
-            compiled = torch.compile(module, **self.compile_kwargs)
-        before = _aot_autograd_counts()
-        with compiled_graphs_undone(generators) if generators is not None else contextlib.nullcontext():
+            if self.compile_module is not None:
+                compiled = self.compile_module(module)
+            else:
+                compiled = torch.compile(module, **self.compile_kwargs)
+            before = _aot_autograd_counts()
             out = compiled(*inputs)
             if self.backward and not _all_loaded_from_cache(before):
                 tensors = [
