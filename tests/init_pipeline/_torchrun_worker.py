@@ -137,6 +137,18 @@ class Batches(torch.utils.data.IterableDataset):
         return (batch(i) for i in range(100))
 
 
+FIRST_DRAWS: list[float] = []
+
+
+class DrawingBatches(torch.utils.data.IterableDataset):
+    """Batches made in this process with a random transform (one draw from torch's global generator)."""
+
+    def __iter__(self):
+        for i in range(100):
+            FIRST_DRAWS.append(torch.rand(1).item())
+            yield batch(i)
+
+
 class FailingBatches(torch.utils.data.IterableDataset):
     def __iter__(self):
         return self
@@ -148,12 +160,15 @@ class FailingBatches(torch.utils.data.IterableDataset):
 
 def mode_graph(out: dict, fail: bool = False) -> None:
     def build_loader(rank: int, world_size: int):
-        if fail and rank == 1:  # no workers, so the error reaches the stage as it is
-            return torch.utils.data.DataLoader(FailingBatches(), batch_size=None, num_workers=0)
+        if fail and rank == 1:  # its worker's error reaches the stage, which fetches the first batch
+            return torch.utils.data.DataLoader(FailingBatches(), batch_size=None, num_workers=1)
+        if rank == 1:  # batches made in this process, drawing from the generator the checkpoint restores
+            return torch.utils.data.DataLoader(DrawingBatches(), batch_size=None, num_workers=0)
         return torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=1)
 
     def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         assert isinstance(optimizer, torch.optim.SGD)
+        torch.manual_seed(7)  # as a checkpoint's load restores the generators' states
         total = torch.tensor([sum(p.numel() for p in model.parameters())])
         dist.all_reduce(total)
         return int(total)
@@ -201,6 +216,9 @@ def mode_graph(out: dict, fail: bool = False) -> None:
     out["prefetched"] = result["data_loader_init"].prefetched
     out["compile_s"] = result["compile_warmup"]
     out.update(train(result["model_transform"], result["data_loader_init"], 2))
+    # the in-process loader's first batch was made after the checkpoint's load, as in plain code
+    after_the_load = torch.rand(1, generator=torch.Generator().manual_seed(7)).item()
+    out["first_draw_after_the_load"] = FIRST_DRAWS[:1] == [after_the_load]
 
 
 def _write(out: dict) -> None:

@@ -585,8 +585,14 @@ class _Run:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 2 and lines[1].startswith("Original Traceback"):
+        # Re-raised from a DataLoader worker ("Caught OSError in DataLoader worker process 0."): the
+        # worker's own error is the traceback's last line.
+        return f"{lines[-1].strip()} (in {lines[0].split(' in ', 1)[-1].rstrip('.')})"
+    return f"{type(exc).__name__}: {lines[0]}"
 
 
 def _parse_message(message: str) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.data
 from torch import nn
 
 from warmstart.init_pipeline.generators import GeneratorGuard, undone_except_compiles
@@ -280,7 +281,9 @@ class TorchRecStartup:
             ``EmbeddingShardingPlanner`` over ``Topology(world_size, compute_device,
             local_world_size=...)`` with ``batch_size``.
         build_loader: ``(rank, world_size) -> iterable of batches``; ``None``: no loader stage.
-        prefetch_batches: batches fetched during start-up (TorchRec's pipeline needs 3 to start).
+        prefetch_batches: batches fetched during start-up (TorchRec's pipeline needs 3 to start), by
+            a ``DataLoader`` with worker processes; a loader that makes its batches in this process
+            fetches none ahead (its random transforms would draw beside the model's initialization).
         build_optimizer: ``(model) -> optimizer`` for the parameters the sharders do not fuse, built
             after sharding; ``None``: no stage.
         load_checkpoint: ``(model, optimizer) -> anything``, called after sharding with the
@@ -457,12 +460,17 @@ def torchrec_startup_graph(
             loader = build_loader(rank, world_size)
             return loader, iter(loader)
 
+        # Only a loader whose worker processes make the batches fetches ahead: one that makes them in
+        # this process may draw from torch's global generators (random transforms), which beside the
+        # stages that initialize the model and restore the checkpoint's generators would interleave
+        # with them from run to run. Its first batch comes in the training loop, after them, as in
+        # plain code.
+        def data_loader_init(data_loader_start: tuple[Iterable[Any], Iterator[Any]]) -> PrefetchedLoader:
+            loader, iterator = data_loader_start
+            return PrefetchedLoader(loader, prefetch if _fetches_in_workers(loader) else 0, iterator=iterator)
+
         graph.add("data_loader_start", data_loader_start, runs_on="first", bucket="data_loader_init")
-        graph.add(
-            "data_loader_init",
-            lambda data_loader_start: PrefetchedLoader(data_loader_start[0], prefetch, iterator=data_loader_start[1]),
-            deps=["data_loader_start"],
-        )
+        graph.add("data_loader_init", data_loader_init, deps=["data_loader_start"])
     if spec.compile_warmup is not None:
         warmup = spec.compile_warmup
         graph.add("compile_warmup", lambda: warmup.run(device, generators=generators), bucket="compile")
@@ -506,6 +514,10 @@ def torchrec_startup_graph(
                 collective=True,
             )
     return graph
+
+
+def _fetches_in_workers(loader: Iterable[Any]) -> bool:
+    return isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
 
 
 def _exclusive(generators: GeneratorGuard, fn: Callable[..., Any], *args: Any) -> Any:
