@@ -141,6 +141,19 @@ def test_bench_page_shows_the_figures_then_the_report_of_each_run(tmp_path):
     assert [report.index(f"{name}-job") for name in CONFIGS] == sorted(report.index(f"{name}-job") for name in CONFIGS)
 
 
+def test_small_ratios_keep_their_third_decimal():
+    from warmstart.bench.page import ratio_cell
+
+    assert [ratio_cell(r) for r in (0.0464, 0.0251, 0.1, 0.604, 3.75, None)] == [
+        "0.046x",
+        "0.025x",
+        "0.10x",
+        "0.60x",
+        "3.75x",
+        "-",
+    ]
+
+
 def test_losses_take_the_restarted_attempts_and_compare_step_by_step(tmp_path):
     from warmstart.bench.cold_vs_warm import ConfigResult, loss_differences, losses
 
