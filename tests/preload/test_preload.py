@@ -374,6 +374,41 @@ def test_a_module_edited_just_before_a_launch_is_never_run_from_its_old_import(t
         node.stop()
 
 
+_DRAWS = ("torch.rand(3).tolist()", "torch.initial_seed()", "random.random()", "numpy.random.rand()")
+_DRAW = "import random, numpy, torch; " + _report(*_DRAWS)
+
+
+def test_every_forked_program_gets_fresh_random_seeds_as_a_new_interpreter_does(preloader):
+    # torch seeds its CPU generator from the OS's entropy in every new interpreter; a child that
+    # kept the preloader's would draw what every other rank and restart draws.
+    runs = [preloader.run(["-c", _DRAW]) for _ in range(2)] + [preloader.run(["-c", _DRAW], preload=False)]
+    assert all(out.returncode == 0 for out in runs), [out.stderr for out in runs]
+    first, second, usual = (json.loads(out.stdout) for out in runs)
+    assert (first["forked"], second["forked"], usual["forked"]) == (True, True, False)
+    for key in _DRAWS:
+        assert len({json.dumps(first[key]), json.dumps(second[key]), json.dumps(usual[key])}) == 3, key
+
+
+def test_a_preloaded_module_that_seeds_torch_gives_each_child_the_stream_it_left(tmp_path):
+    # As a new interpreter that imports the module first: seeded, then two numbers drawn at import.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "seeds_at_import.py").write_text("import torch\ntorch.manual_seed(7)\nPROJECTION = torch.rand(2)\n")
+    node = Preloader(tmp_path / "p", PYTHONPATH=str(project), WARMSTART_PRELOAD_MODULES="seeds_at_import").start()
+    code = "import seeds_at_import; " + _DRAW
+    try:
+        assert "seeds_at_import" in node.info["modules"]
+        runs = [node.run(["-c", code]), node.run(["-c", code]), node.run(["-c", code], preload=False)]
+        assert all(out.returncode == 0 for out in runs), [out.stderr for out in runs]
+        first, second, usual = (json.loads(out.stdout) for out in runs)
+        assert (first["forked"], second["forked"], usual["forked"]) == (True, True, False)
+        for key in ("torch.rand(3).tolist()", "torch.initial_seed()"):
+            assert first[key] == second[key] == usual[key], key
+        assert first["random.random()"] != second["random.random()"]
+    finally:
+        node.stop()
+
+
 def test_modules_a_preloader_could_not_import_or_was_not_started_with_are_named(tmp_path):
     project = tmp_path / "project"
     project.mkdir()

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import types
+from typing import Any
 
 from warmstart.preload import wire
 from warmstart.preload.client import _read, program_mode
@@ -267,9 +268,28 @@ def _thread_count(preloader_environ: dict[str, str]) -> None:
             return
 
 
+#: torch's default CPU generator as the preloader's imports left it, when one of them seeded it
+#: (:func:`note_generators`); ``None`` when it still has the seed torch drew for the preloader.
+_TORCH_GENERATOR_AFTER_IMPORTS: Any = None
+
+
+def note_generators(seed_at_torch_import: int | None) -> None:
+    """Note whether the preloader's imports seeded torch's CPU generator (``torch.manual_seed`` at a
+    module's top level) and, if so, its state after them: what a new interpreter importing the same
+    modules would draw from next. The preloader calls it once, after its imports, with the seed the
+    generator had right after ``import torch``."""
+    global _TORCH_GENERATOR_AFTER_IMPORTS
+    torch = sys.modules.get("torch")
+    if torch is not None and seed_at_torch_import is not None and torch.initial_seed() != seed_at_torch_import:
+        _TORCH_GENERATOR_AFTER_IMPORTS = torch.default_generator.get_state()
+
+
 def _reseed() -> None:
-    # random re-seeds itself after a fork; numpy's global generator does not. torch's default
-    # generator starts from a fixed seed in every interpreter: back to it.
+    # As in a new interpreter: random re-seeds itself after a fork; numpy's global generator does
+    # not. torch seeds its CPU generator from the OS's entropy when it is created, so every child
+    # gets a new seed, unless the imports seeded it: then the state they left. Set on the generator
+    # itself: torch.manual_seed() and torch.seed() also seed the CUDA and XPU generators, which in a
+    # new interpreter start from torch's fixed default seed.
     numpy = sys.modules.get("numpy")
     with contextlib.suppress(Exception):
         if numpy is not None:
@@ -277,7 +297,10 @@ def _reseed() -> None:
     torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
         if torch is not None:
-            torch.manual_seed(torch.initial_seed())
+            if _TORCH_GENERATOR_AFTER_IMPORTS is not None:
+                torch.default_generator.set_state(_TORCH_GENERATOR_AFTER_IMPORTS)
+            else:
+                torch.default_generator.seed()
 
 
 def _run(mode: _Program) -> None:

@@ -206,13 +206,20 @@ class Preloader:
     def load(self) -> None:
         """Import the modules, then note every file they came from (to refuse once one changes)."""
         start = time.perf_counter()
+        seed_at_torch_import = None
         for name in self.modules:
             try:
                 importlib.import_module(name)
                 self.imported.append(name)
+                if seed_at_torch_import is None and "torch" in sys.modules:
+                    seed_at_torch_import = sys.modules["torch"].initial_seed()
             except Exception as exc:  # a job's own module may raise anything: it is the job's to see
                 log.info("warmstart preload: %s not imported (%s: %s)", name, type(exc).__name__, exc)
                 self.skipped[name] = f"{type(exc).__name__}: {exc}"
+        # What every child runs first, to become the program: imported once here, not in each child.
+        from warmstart.preload import child
+
+        child.note_generators(seed_at_torch_import)
         if "torch._dynamo" in self.imported:
             for name in COMPILER_MODULES:
                 with contextlib.suppress(ImportError):
