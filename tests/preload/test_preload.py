@@ -178,6 +178,14 @@ def test_standard_streams_and_a_pipe_through_the_child(preloader):
     producer.stdout.close()
     assert producer.wait(timeout=60) == 0
     assert consumer.stdout.strip() == str(sum(range(1000)))
+    # The streams themselves as the interpreter makes them: encodings, error handlers, buffering.
+    report = _report(
+        "[(s.name, s.mode, s.encoding, s.errors, s.line_buffering, s.write_through)"
+        " for s in (sys.stdin, sys.stdout, sys.stderr)]"
+    )
+    forked, usual = (json.loads(preloader.run(["-c", report], preload=p).stdout) for p in (True, False))
+    assert (forked.pop("forked"), usual.pop("forked")) == (True, False)
+    assert forked == usual
 
 
 def test_sigterm_is_forwarded_and_a_signal_death_is_the_same(preloader):
@@ -389,17 +397,34 @@ def test_every_forked_program_gets_fresh_random_seeds_as_a_new_interpreter_does(
         assert len({json.dumps(first[key]), json.dumps(second[key]), json.dumps(usual[key])}) == 3, key
 
 
-def test_a_preloaded_module_that_seeds_torch_gives_each_child_the_stream_it_left(tmp_path):
-    # As a new interpreter that imports the module first: seeded, then two numbers drawn at import.
+def test_a_forked_programs_logging_starts_unconfigured_as_in_a_new_interpreter(preloader):
+    # fbgemm_gpu, under TorchRec, logs when the preloader imports it, which configures the root
+    # logger; a program's own basicConfig() must still take effect.
+    code = FORKED + (
+        "; import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); logging.info(_forked)"
+    )
+    forked, usual = (preloader.run(["-c", code], preload=p) for p in (True, False))
+    assert (forked.returncode, forked.stderr, usual.returncode, usual.stderr) == (0, "True\n", 0, "False\n")
+
+
+def test_a_preloaded_modules_effects_at_import_reach_each_child_as_if_it_imported_it_first(tmp_path):
+    # As a new interpreter that imports the modules first: seeded, then two numbers drawn; the root
+    # logger configured.
     project = tmp_path / "project"
     project.mkdir()
     (project / "seeds_at_import.py").write_text("import torch\ntorch.manual_seed(7)\nPROJECTION = torch.rand(2)\n")
-    node = Preloader(tmp_path / "p", PYTHONPATH=str(project), WARMSTART_PRELOAD_MODULES="seeds_at_import").start()
-    code = "import seeds_at_import; " + _DRAW
+    (project / "logs_at_import.py").write_text(
+        "import logging\nlogging.basicConfig(level=logging.INFO, format='configured: %(message)s')\n"
+    )
+    node = Preloader(
+        tmp_path / "p", PYTHONPATH=str(project), WARMSTART_PRELOAD_MODULES="seeds_at_import,logs_at_import"
+    ).start()
+    code = "import seeds_at_import, logs_at_import, logging; logging.info('x'); " + _DRAW
     try:
-        assert "seeds_at_import" in node.info["modules"]
+        assert {"seeds_at_import", "logs_at_import"} <= set(node.info["modules"])
         runs = [node.run(["-c", code]), node.run(["-c", code]), node.run(["-c", code], preload=False)]
         assert all(out.returncode == 0 for out in runs), [out.stderr for out in runs]
+        assert [out.stderr for out in runs] == ["configured: x\n"] * 3
         first, second, usual = (json.loads(out.stdout) for out in runs)
         assert (first["forked"], second["forked"], usual["forked"]) == (True, True, False)
         for key in ("torch.rand(3).tolist()", "torch.initial_seed()"):

@@ -212,12 +212,13 @@ def _standard_streams(unbuffered: bool) -> None:
         if not _is_open(fd):
             return None
         raw = io.FileIO(fd, mode, closefd=False)
+        raw.name = ("<stdin>", "<stdout>", "<stderr>")[fd]  # as the interpreter names them
         tty = raw.isatty()
         buffered = (io.BufferedWriter if "w" in mode else io.BufferedReader)(raw)
         text = io.TextIOWrapper(
             buffered,
             encoding=encoding or (sys.stdout or sys.__stdout__ or io.StringIO()).encoding,
-            errors=("backslashreplace" if fd == 2 else errors or "strict"),
+            errors=("backslashreplace" if fd == 2 else errors or _stdio_errors()),
             line_buffering=(tty or fd == 2) and not unbuffered,
             write_through=unbuffered or fd == 2,
         )
@@ -228,6 +229,16 @@ def _standard_streams(unbuffered: bool) -> None:
     sys.stdin = sys.__stdin__ = stream(0, "r")  # type: ignore[misc]  # typeshed makes them Final
     sys.stdout = sys.__stdout__ = stream(1, "w")  # type: ignore[misc]
     sys.stderr = sys.__stderr__ = stream(2, "w")  # type: ignore[misc]
+
+
+def _stdio_errors() -> str:
+    # What the interpreter gives stdin and stdout when PYTHONIOENCODING names none: surrogateescape
+    # in UTF-8 mode and in the C and POSIX locales (and the UTF-8 ones it coerces those to).
+    import locale
+
+    if sys.flags.utf8_mode or locale.setlocale(locale.LC_CTYPE) in ("C", "POSIX", "C.UTF-8", "C.utf8", "UTF-8"):
+        return "surrogateescape"
+    return "strict"
 
 
 def _unbuffered(argv: list[str]) -> bool:

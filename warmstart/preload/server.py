@@ -209,7 +209,8 @@ class Preloader:
         seed_at_torch_import = None
         for name in self.modules:
             try:
-                importlib.import_module(name)
+                with _root_logger_left_alone() if name in DEFAULT_MODULES else contextlib.nullcontext():
+                    importlib.import_module(name)
                 self.imported.append(name)
                 if seed_at_torch_import is None and "torch" in sys.modules:
                     seed_at_torch_import = sys.modules["torch"].initial_seed()
@@ -220,15 +221,16 @@ class Preloader:
         from warmstart.preload import child
 
         child.note_generators(seed_at_torch_import)
-        if "torch._dynamo" in self.imported:
-            for name in COMPILER_MODULES:
-                with contextlib.suppress(ImportError):
-                    importlib.import_module(name)
-            _fill_dynamo_tables()
-        if "warmstart.compile_cache" in self.imported:
-            for name in STORE_MODULES:
-                with contextlib.suppress(ImportError):
-                    importlib.import_module(name)
+        with _root_logger_left_alone():
+            if "torch._dynamo" in self.imported:
+                for name in COMPILER_MODULES:
+                    with contextlib.suppress(ImportError):
+                        importlib.import_module(name)
+                _fill_dynamo_tables()
+            if "warmstart.compile_cache" in self.imported:
+                for name in STORE_MODULES:
+                    with contextlib.suppress(ImportError):
+                        importlib.import_module(name)
         self.imports_s = time.perf_counter() - start
         _stop_blas_threads()
         _skip_library_teardown()
@@ -535,6 +537,27 @@ def _module_files() -> dict[str, tuple[int, int]]:
         if isinstance(path, str) and os.path.isabs(path) and path not in files:
             files[path] = stamp(path)
     return files
+
+
+@contextlib.contextmanager
+def _root_logger_left_alone():
+    """Keep the preloader's own imports from configuring the root logger. fbgemm_gpu (under
+    TorchRec) logs with ``logging.info()`` when it is imported, which gives the root logger a
+    handler when it has none (``basicConfig()``): every program forked from here would find it
+    configured, and its own ``logging.basicConfig(...)`` would do nothing. Meanwhile a stand-in
+    handler shows their warnings as Python's last-resort handler would."""
+    root = logging.getLogger()
+    if root.handlers:
+        yield
+        return
+    stand_in = logging.StreamHandler()
+    stand_in.setLevel(logging.WARNING)
+    stand_in.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(stand_in)
+    try:
+        yield
+    finally:
+        root.removeHandler(stand_in)
 
 
 def _hash_torch_sources() -> dict[str, tuple[int, int]]:
