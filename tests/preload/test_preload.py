@@ -386,15 +386,19 @@ _DRAWS = ("torch.rand(3).tolist()", "torch.initial_seed()", "random.random()", "
 _DRAW = "import random, numpy, torch; " + _report(*_DRAWS)
 
 
-def test_every_forked_program_gets_fresh_random_seeds_as_a_new_interpreter_does(preloader):
+def test_every_forked_program_gets_fresh_random_seeds_and_keys_as_a_new_interpreter_does(preloader):
     # torch seeds its CPU generator from the OS's entropy in every new interpreter; a child that
-    # kept the preloader's would draw what every other rank and restart draws.
-    runs = [preloader.run(["-c", _DRAW]) for _ in range(2)] + [preloader.run(["-c", _DRAW], preload=False)]
+    # kept the preloader's would draw what every other rank and restart draws. multiprocessing makes
+    # its authentication key at import: one per program, not one per preloader.
+    own = ("multiprocessing.current_process().authkey.hex()", "threading.main_thread().native_id == os.getpid()")
+    code = "import multiprocessing, threading, random, numpy, torch; " + _report(*_DRAWS, *own)
+    runs = [preloader.run(["-c", code]) for _ in range(2)] + [preloader.run(["-c", code], preload=False)]
     assert all(out.returncode == 0 for out in runs), [out.stderr for out in runs]
     first, second, usual = (json.loads(out.stdout) for out in runs)
     assert (first["forked"], second["forked"], usual["forked"]) == (True, True, False)
-    for key in _DRAWS:
+    for key in (*_DRAWS, own[0]):
         assert len({json.dumps(first[key]), json.dumps(second[key]), json.dumps(usual[key])}) == 3, key
+    assert first[own[1]] is second[own[1]] is usual[own[1]] is True
 
 
 def test_a_forked_programs_logging_starts_unconfigured_as_in_a_new_interpreter(preloader):

@@ -195,6 +195,7 @@ def _interpreter_state(message: dict, program: _Program) -> None:
         first = {"script": _script_path_entry(target), "module": os.getcwd(), "command": ""}[mode]
         sys.path.insert(0, first)
     _reseed()
+    _own_identity()
     _launch.forked_at(message.get("start_ts"))
     from warmstart.compile_cache import torch_hooks
 
@@ -312,6 +313,19 @@ def _reseed() -> None:
                 torch.default_generator.set_state(_TORCH_GENERATOR_AFTER_IMPORTS)
             else:
                 torch.default_generator.seed()
+
+
+def _own_identity() -> None:
+    # What a new interpreter has of its own and the fork copied from the preloader: multiprocessing's
+    # authentication key (one program's Manager or Listener must not take another's connections)
+    # and the main thread's native id (threading updates its ident after a fork, not this).
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process.current_process().authkey = os.urandom(32)
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        with contextlib.suppress(AttributeError):
+            threading.main_thread()._set_native_id()
 
 
 def _run(mode: _Program) -> None:
