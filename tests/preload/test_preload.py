@@ -188,6 +188,40 @@ def test_standard_streams_and_a_pipe_through_the_child(preloader):
     assert forked == usual
 
 
+def test_a_program_started_at_a_terminal_starts_as_usual(preloader):
+    # A forked child runs in a session of its own, with no controlling terminal: /dev/tty would not
+    # open (getpass would echo a password). Run at a pseudo-terminal, as at a shell's prompt.
+    import pty
+    import select
+
+    code = FORKED + "\nimport os\nos.close(os.open('/dev/tty', os.O_RDWR))\nprint(_forked, os.isatty(0))"
+    pid, fd = pty.fork()
+    if pid == 0:
+        try:
+            os.execve(PY, [PY, "-c", code], preloader.client_env())
+        finally:
+            os._exit(127)
+    output, deadline = b"", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([fd], [], [], 1.0)[0]:
+                continue
+            try:
+                chunk = os.read(fd, 1024)
+            except OSError:  # EIO: the program ended and its terminal closed
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(fd)
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, output
+    assert output.decode().split() == ["False", "True"]
+
+
 def test_sigterm_is_forwarded_and_a_signal_death_is_the_same(preloader):
     code = FORKED + textwrap.dedent("""
         import os, signal, sys, time

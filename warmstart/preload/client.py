@@ -92,6 +92,18 @@ def program_mode(argv: list[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
+def has_controlling_terminal() -> bool:
+    """Whether this process has a controlling terminal (a command typed at a shell). A forked child
+    runs in a session of its own and could not open ``/dev/tty``: ``getpass`` would read a password
+    from stdin and echo it. torchrun, Slurm and Kubernetes start ranks without one."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
 def _handover(path: str) -> str | None:
     import _signal
     import _socket
@@ -99,6 +111,8 @@ def _handover(path: str) -> str | None:
     argv = list(getattr(sys, "orig_argv", ()) or ())
     if program_mode(argv) is None:
         return "the program is interactive or read from stdin"
+    if has_controlling_terminal():
+        return "it has a controlling terminal, which a forked program could not open (/dev/tty)"
     try:
         cwd = os.getcwd()
     except OSError:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from warmstart.errors import WarmstartError
-from warmstart.preload.client import handover_allowed
+from warmstart.preload.client import handover_allowed, has_controlling_terminal
 
 #: How long ``start`` waits for a new preloader to have imported everything and listen.
 START_TIMEOUT_S = 300.0
@@ -187,6 +187,13 @@ def _print_verdict() -> None:
             False,
             f"the preloader at {path} is not fork-safe: {answer.get('threads')} threads, "
             f"CUDA {'on' if answer.get('cuda_initialized') else 'off'}",
+        ]
+    elif has_controlling_terminal():
+        verdict = [
+            False,
+            f"started at this terminal, a program is not (it could not open /dev/tty); one started without "
+            f"a terminal (torchrun's ranks) is: the preloader at {path} (pid {answer.get('pid')}) serves "
+            f"this environment",
         ]
     else:
         verdict = [True, f"the preloader at {path} (pid {answer.get('pid')}) serves this environment"]
