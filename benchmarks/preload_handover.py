@@ -41,7 +41,11 @@ CONFIGS = ("python", "warmstart", "preloaded")
 def run(code: str, env: dict[str, str]) -> dict:
     launched = time.time()
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    # start_new_session: started as a launcher starts ranks, without a controlling terminal (a process
+    # started at one is not handed over)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, start_new_session=True
+    )
     wall = time.perf_counter() - start
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])

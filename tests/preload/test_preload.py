@@ -85,6 +85,9 @@ class Preloader:
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
         kwargs.setdefault("timeout", 120)
+        # As torchrun, Slurm and Kubernetes start ranks: without a controlling terminal, which a process
+        # started at one (pytest run at a shell) would have, and which keeps it from being handed over.
+        kwargs.setdefault("start_new_session", True)
         return subprocess.run([PY, *args], env=env, **kwargs)
 
 
@@ -165,7 +168,10 @@ def test_standard_streams_and_a_pipe_through_the_child(preloader):
     assert out.stderr == "err True\n"
     # A pipeline: the reader sees the end of its input when the child's program ends.
     producer = subprocess.Popen(
-        [PY, "-c", "print('\\n'.join(map(str, range(1000))))"], env=preloader.client_env(), stdout=subprocess.PIPE
+        [PY, "-c", "print('\\n'.join(map(str, range(1000))))"],
+        env=preloader.client_env(),
+        stdout=subprocess.PIPE,
+        start_new_session=True,
     )
     consumer = subprocess.run(
         [PY, "-c", "import sys; print(sum(int(x) for x in sys.stdin))"],
@@ -174,6 +180,7 @@ def test_standard_streams_and_a_pipe_through_the_child(preloader):
         capture_output=True,
         text=True,
         timeout=120,
+        start_new_session=True,
     )
     producer.stdout.close()
     assert producer.wait(timeout=60) == 0
@@ -233,7 +240,9 @@ def test_sigterm_is_forwarded_and_a_signal_death_is_the_same(preloader):
         for _ in range(600):  # short sleeps: see SLEEP_A_MINUTE
             time.sleep(0.1)
     """)
-    proc = subprocess.Popen([PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 42
@@ -305,7 +314,9 @@ def test_a_signal_that_interrupts_no_system_call_is_still_forwarded_at_once():
 
 def test_sigkill_of_the_original_ends_the_child(preloader):
     code = FORKED + "; import os, time; print(os.getpid(), _forked, flush=True); time.sleep(120)"
-    proc = subprocess.Popen([PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     child_pid, forked = proc.stdout.readline().split()
     assert forked == "True" and int(child_pid) != proc.pid
     proc.kill()
@@ -323,7 +334,12 @@ def test_faulthandler_dumps_on_sigusr1(preloader):
         waiting_here()
     """)
     proc = subprocess.Popen(
-        [PY, "-c", code], env=preloader.client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [PY, "-c", code],
+        env=preloader.client_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert proc.stdout.readline() == "ready True\n"
     proc.send_signal(signal.SIGUSR1)
@@ -550,6 +566,7 @@ def test_a_stopped_or_killed_preloader_never_fails_a_program(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         assert running.stdout.readline() == "True\n"
         os.kill(node.info["pid"], signal.SIGSTOP)  # a busy or suspended preloader: requests wait on it
@@ -560,6 +577,7 @@ def test_a_stopped_or_killed_preloader_never_fails_a_program(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         time.sleep(0.5)
         os.kill(node.info["pid"], signal.SIGKILL)  # ... and killed in the middle of that request
@@ -758,6 +776,7 @@ def test_two_rank_torchrun_restart_forks_both_attempts(preloader, tmp_path):
         text=True,
         timeout=600,
         cwd=tmp_path,
+        start_new_session=True,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     attempts = [json.loads(line) for line in log.read_text().splitlines()]
@@ -813,7 +832,13 @@ def test_the_child_joins_the_processs_cgroup(preloader):
 
         code = FORKED + "; print(_forked); print(open('/proc/self/cgroup').read(), end='')"
         out = subprocess.run(
-            [PY, "-c", code], env=preloader.client_env(), capture_output=True, text=True, timeout=120, preexec_fn=enter
+            [PY, "-c", code],
+            env=preloader.client_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=enter,
+            start_new_session=True,
         )
         assert out.returncode == 0, out.stderr
         forked, *cgroups = out.stdout.splitlines()
@@ -837,6 +862,7 @@ def test_doctor_says_whether_a_process_would_be_handed_over(preloader):
             capture_output=True,
             text=True,
             timeout=120,
+            start_new_session=True,
         )
         return next(line for line in out.stdout.splitlines() if "preloader:" in line)
 
