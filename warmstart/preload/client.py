@@ -276,7 +276,7 @@ def _exit_now(code: int) -> None:
 
 def _send_signal(_signal, pidfd: int, signum: int) -> None:
     if signum == getattr(_signal, "SIGTSTP", None):
-        # Stop the program, then this process, as a terminal's ^Z stops both.
+        # Stop the program, then this process, as ^Z at a terminal stops a process group.
         _try(_signal.pidfd_send_signal, pidfd, signum)
         os.kill(os.getpid(), _signal.SIGSTOP)
         return
