@@ -195,37 +195,53 @@ def test_standard_streams_and_a_pipe_through_the_child(preloader):
     assert forked == usual
 
 
+#: Runs a program with WARMSTART=1 in a session of its own whose controlling terminal is the
+#: pseudo-terminal whose descriptor is argv[1], as a shell at that terminal would. A new interpreter (started
+#: without WARMSTART, so never handed over itself), so that no Python runs between a fork of the
+#: test's threaded process and an exec.
+_AT_A_TERMINAL = (
+    "import fcntl, os, sys, termios; os.setsid(); fd = int(sys.argv[1]); fcntl.ioctl(fd, termios.TIOCSCTTY, 0)\n"
+    "for n in range(3): os.dup2(fd, n)\n"
+    "os.close(fd); os.execve(sys.argv[2], sys.argv[2:], {**os.environ, 'WARMSTART': '1'})"
+)
+
+
 def test_a_program_started_at_a_terminal_starts_as_usual(preloader):
     # A forked child runs in a session of its own, with no controlling terminal: /dev/tty would not
-    # open (getpass would echo a password). Run at a pseudo-terminal, as at a shell's prompt.
-    import pty
+    # open (getpass would echo a password).
     import select
 
     code = FORKED + "\nimport os\nos.close(os.open('/dev/tty', os.O_RDWR))\nprint(_forked, os.isatty(0))"
-    pid, fd = pty.fork()
-    if pid == 0:
-        try:
-            os.execve(PY, [PY, "-c", code], preloader.client_env())
-        finally:
-            os._exit(127)
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen(
+        [PY, "-c", _AT_A_TERMINAL, str(terminal), PY, "-c", code],
+        env={k: v for k, v in preloader.client_env().items() if k != "WARMSTART"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=(terminal,),
+    )
+    os.close(terminal)
     output, deadline = b"", time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
-            if not select.select([fd], [], [], 1.0)[0]:
+            if not select.select([controller], [], [], 1.0)[0]:
+                if proc.poll() is not None:
+                    break
                 continue
             try:
-                chunk = os.read(fd, 1024)
+                chunk = os.read(controller, 1024)
             except OSError:  # EIO: the program ended and its terminal closed
                 break
             if not chunk:
                 break
             output += chunk
     finally:
-        os.close(fd)
-        if time.monotonic() >= deadline:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, output
+        os.close(controller)
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
+        status = proc.wait(timeout=60)
+    assert status == 0, (output, proc.stderr.read())
     assert output.decode().split() == ["False", "True"]
 
 
