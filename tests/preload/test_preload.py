@@ -117,6 +117,9 @@ def test_command_script_and_module_run_as_python_runs_them(preloader, tmp_path):
         "__name__",
         "__file__ if '__file__' in dir() else None",
         "__spec__.name if __spec__ else None",
+        "type(__builtins__).__name__",
+        "__loader__.__class__.__name__",
+        "sorted(k for k in dir() if not k.startswith('_f'))",
     )
     (tmp_path / "pkg" / "mod.py").write_text(body + "\n")
     (tmp_path / "script.py").write_text(body + "\n")
@@ -124,7 +127,20 @@ def test_command_script_and_module_run_as_python_runs_them(preloader, tmp_path):
     (tmp_path / "app" / "__main__.py").write_text(body + "\n")
     (tmp_path / "link.py").symlink_to(tmp_path / "pkg" / "mod.py")
     for args in (
-        ["-c", _report("sys.argv", "os.getcwd()", "sys.path[0]", "__name__"), "a", "b"],
+        [
+            "-c",
+            _report(
+                "sys.argv",
+                "os.getcwd()",
+                "sys.path[0]",
+                "__name__",
+                "type(__builtins__).__name__",
+                "__loader__.__name__",
+                "sorted(dir())",
+            ),
+            "a",
+            "b",
+        ],
         ["script.py", "x", "--y"],
         ["-m", "pkg.mod", "z"],
         ["-u", "script.py"],

@@ -10,9 +10,11 @@ process's environment), and the program, run as ``python`` runs it.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import fcntl
+import importlib.machinery
 import io
 import os
 import signal
@@ -187,8 +189,10 @@ def _interpreter_state(message: dict, program: _Program) -> None:
     sys.orig_argv = list(argv)
     sys.argv = {"script": [target], "module": [target], "command": ["-c"]}[mode] + list(args)
     _standard_streams(unbuffered=_unbuffered(argv))
+    # As the interpreter makes __main__: the builtins module (not its dict), empty annotations, and
+    # BuiltinImporter as loader until the program's own (a script's, below; runpy's for -m).
     main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = __builtins__
+    main.__dict__.update(__builtins__=builtins, __annotations__={}, __loader__=importlib.machinery.BuiltinImporter)
     sys.modules["__main__"] = main
     safe_path = sys.version_info >= (3, 11) and sys.flags.safe_path  # -P came with 3.11
     if not safe_path:
@@ -349,7 +353,9 @@ def _run(mode: _Program) -> None:
     with open(target, "rb") as f:
         source = f.read()
     path = os.path.abspath(target)  # as the interpreter names a script it runs
-    main.__dict__.update(__file__=path, __cached__=None)
+    main.__dict__.update(
+        __file__=path, __cached__=None, __loader__=importlib.machinery.SourceFileLoader("__main__", path)
+    )
     _exec(compile(source, path, "exec"), main)
 
 
