@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -884,6 +885,127 @@ def test_the_child_joins_the_processs_cgroup(preloader):
                 break
             except OSError:  # its last process is still exiting
                 time.sleep(0.05)
+
+
+#: What a program can see of how the kernel places and confines it.
+_PLACEMENT = (
+    FORKED
+    + "; import json, os, socket, torch; st = dict(l.split(':', 1) for l in open('/proc/self/status'));"
+    + " print(json.dumps({'forked': _forked, 'cpus': sorted(os.sched_getaffinity(0)),"
+    + " 'threads': torch.get_num_threads(), 'nice': os.getpriority(os.PRIO_PROCESS, 0),"
+    + " 'policy': os.sched_getscheduler(0), 'oom_score_adj': open('/proc/self/oom_score_adj').read().strip(),"
+    + " 'no_new_privs': st['NoNewPrivs'].strip(), 'host': socket.gethostname(), 'groups': sorted(os.getgroups()),"
+    + " 'numa': (open('/proc/self/numa_maps').readline().split() + ['', ''])[1]"
+    + " if os.path.exists('/proc/self/numa_maps') else ''}))"
+)
+
+
+def _placed(preloader, launcher: list[str], preload: bool = True, **extra_env: str) -> dict:
+    """``_PLACEMENT`` as a program started by ``launcher`` (taskset, nice...) sees it."""
+    env = preloader.client_env(**extra_env)
+    if not preload:
+        env["WARMSTART_PRELOAD"] = "0"
+    out = subprocess.run(
+        [*launcher, PY, "-c", _PLACEMENT], env=env, capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _launchers(*names: str) -> None:
+    missing = [name for name in names if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (util-linux)")
+
+
+def test_the_child_takes_on_the_processs_cpus_priority_and_oom_score(preloader):
+    _launchers("taskset", "nice", "chrt", "ionice", "setpriv")
+    one_cpu = str(min(os.sched_getaffinity(0)))
+    oom = [
+        sys.executable,
+        "-c",
+        "import os, sys; open('/proc/self/oom_score_adj', 'w').write('500'); os.execv(sys.argv[1], sys.argv[1:])",
+    ]
+    for launcher, extra in (
+        (["taskset", "-c", one_cpu], {"OMP_NUM_THREADS": "1"}),  # how many threads: torchrun sets it
+        (["nice", "-n", "5"], {}),
+        (["chrt", "--batch", "0"], {}),
+        (["setpriv", "--no-new-privs"], {}),
+        (oom, {}),
+    ):
+        forked = _placed(preloader, launcher, **extra)
+        fresh = _placed(preloader, launcher, preload=False, **extra)
+        assert forked.pop("forked") and not fresh.pop("forked")
+        assert forked == fresh, launcher
+    # the I/O priority, seen from outside the program
+    code = (
+        FORKED
+        + "; import os, subprocess; ionice = ['ionice', '-p', str(os.getpid())]"
+        + "; print(_forked, subprocess.run(ionice, capture_output=True, text=True).stdout.strip())"
+    )
+    out = subprocess.run(
+        ["ionice", "-c", "3", PY, "-c", code],
+        env=preloader.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert out.stdout == "True idle\n", out.stderr
+
+
+def test_a_process_in_another_namespace_or_with_other_groups_starts_as_usual(preloader):
+    _launchers("taskset", "unshare", "setpriv")
+    for probe in (["unshare", "--uts", "true"], ["setpriv", "--groups", "4321", "true"]):
+        if subprocess.run(probe, capture_output=True, timeout=60).returncode != 0:
+            pytest.skip(f"{' '.join(probe)} is not permitted here (needs root, or CAP_SYS_ADMIN and CAP_SETGID)")
+    before = preloader.status()["refused"]
+    # A container's or unshare's process must not run in the preloader's namespaces.
+    renamed = ["unshare", "--uts", "sh", "-c", 'hostname warmstart-test && exec "$@"', "sh"]
+    seen = _placed(preloader, renamed)
+    assert not seen["forked"] and seen["host"] == "warmstart-test"
+    seen = _placed(preloader, ["setpriv", "--groups", "4321"])
+    assert not seen["forked"] and seen["groups"] == [4321]
+    verdict = "from warmstart.preload.control import would_hand_over; print(would_hand_over())"
+    out = subprocess.run(
+        ["unshare", "--uts", PY, "-c", verdict],
+        env=preloader.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert out.stdout.startswith("(False,") and "another UTS namespace" in out.stdout, out.stderr
+    # Other CPUs with nothing saying how many threads torch runs: torch would count them itself.
+    one_cpu = str(min(os.sched_getaffinity(0)))
+    env = {k: "" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    seen = _placed(preloader, ["taskset", "-c", one_cpu], **env)
+    fresh = _placed(preloader, ["taskset", "-c", one_cpu], preload=False, **env)
+    assert not seen["forked"] and seen["threads"] == fresh["threads"]
+    refused = preloader.status()["refused"]
+    assert refused.get("the process runs with another UTS namespace", 0) > before.get(
+        "the process runs with another UTS namespace", 0
+    )
+    assert refused.get("the process runs with other supplementary groups", 0) > before.get(
+        "the process runs with other supplementary groups", 0
+    )
+
+
+_WITH_MEMORY_POLICY = """
+import ctypes, os, platform, sys
+number = {"x86_64": 238, "aarch64": 237}[platform.machine()]  # set_mempolicy
+node0 = ctypes.c_ulong(1)
+if ctypes.CDLL(None, use_errno=True).syscall(number, 1, ctypes.byref(node0), 64) != 0:  # MPOL_PREFERRED
+    sys.exit(f"set_mempolicy: {os.strerror(ctypes.get_errno())}")
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_a_process_with_a_numa_memory_policy_starts_as_usual(preloader):
+    if not os.path.exists("/proc/self/numa_maps") or os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("a kernel with NUMA memory policies, on x86_64 or aarch64")
+    seen = _placed(preloader, [sys.executable, "-c", _WITH_MEMORY_POLICY])
+    assert not seen["forked"] and seen["numa"].startswith("prefer"), seen
 
 
 def test_doctor_says_whether_a_process_would_be_handed_over(preloader):

@@ -23,7 +23,7 @@ import sys
 import types
 from typing import Any
 
-from warmstart.preload import wire
+from warmstart.preload import kernel_state, wire
 from warmstart.preload.client import _read, program_mode
 from warmstart.preload.server import CHILD_DECLINED, Request
 
@@ -62,6 +62,7 @@ def _setup(message: dict, request: Request) -> socket.socket:
     os.setsid()  # its own process group: what it starts ends with it, and the preloader's signals are not its
     _die_with_parent()
     _join_cgroup(message.get("cgroup", ""))
+    moved = kernel_state.take_on(message.get("placement", {}), int(message["pid"]))
     conn = _place_fds(message["fds"], request)
     os.chdir(message["cwd"])
     os.umask(message["umask"])
@@ -70,7 +71,7 @@ def _setup(message: dict, request: Request) -> socket.socket:
     preloader_environ = dict(os.environ)
     os.environ.clear()
     os.environ.update(message["environ"])
-    _thread_count(preloader_environ)
+    _thread_count(preloader_environ, moved)
     ignored = set(message.get("ignored", ()))
     for signum in range(1, signal.NSIG):
         with contextlib.suppress(OSError, ValueError):
@@ -269,12 +270,16 @@ def _is_package_main(script: str) -> bool:
     return os.path.isdir(script) or (not script.endswith((".py", ".pyw")) and _is_zip(script))
 
 
-def _thread_count(preloader_environ: dict[str, str]) -> None:
+def _thread_count(preloader_environ: dict[str, str], moved: bool) -> None:
     # torch fixed its intra-op thread count from OMP_NUM_THREADS / MKL_NUM_THREADS when the
     # preloader imported it: the program's value, when it has another.
     torch = sys.modules.get("torch")
     if torch is None:
         return
+    if moved and not any(os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        # Without them, torch counts its threads from the CPUs it may run on (through MKL or OpenMP,
+        # once per process), which it did for the preloader's CPUs.
+        raise RuntimeError("the process runs on other CPUs and no OMP_NUM_THREADS says how many threads torch uses")
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         value = os.environ.get(name)
         if value != preloader_environ.get(name):

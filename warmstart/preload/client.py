@@ -152,7 +152,7 @@ def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict
     """Ask the preloader to run this program: ``(pidfd of the child, descriptors passed)``, or why not."""
     import _signal
 
-    from warmstart.preload import wire
+    from warmstart.preload import kernel_state, wire
     from warmstart.preload.environment import fingerprint
 
     sock.settimeout(HANDOVER_TIMEOUT_S)
@@ -181,6 +181,8 @@ def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict
         "umask": _umask(),
         "rlimits": _rlimits(),
         "cgroup": _read("/proc/self/cgroup"),
+        "isolation": kernel_state.isolation(),
+        "placement": kernel_state.placement(),
         "start_ts": _start_ts(),
         "fds": fds,
         "pid": os.getpid(),

@@ -171,7 +171,7 @@ def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
 
 def _print_verdict() -> None:
     """In the probe interpreter of :func:`would_hand_over`: print ``[served, why]`` as JSON."""
-    from warmstart.preload import environment
+    from warmstart.preload import environment, kernel_state
 
     fingerprint = environment.site_fingerprint or {}
     path = environment.default_socket(fp=fingerprint)
@@ -180,6 +180,8 @@ def _print_verdict() -> None:
         verdict = [False, f"no preloader serves this environment (none answers at {path})"]
     elif (why := environment.difference(fingerprint, answer.get("fingerprint", {}))) is not None:
         verdict = [False, f"the preloader at {path} serves another environment: {why}"]
+    elif isolated := kernel_state.isolation_difference(kernel_state.isolation(), answer.get("isolation", {})):
+        verdict = [False, f"not handed over to the preloader at {path}: this process runs with {isolated}"]
     elif answer.get("stale"):
         verdict = [False, answer["stale"]]
     elif not answer.get("fork_safe"):

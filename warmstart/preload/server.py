@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from warmstart.preload import environment, wire
+from warmstart.preload import environment, kernel_state, wire
 from warmstart.preload.watch import ImportedFiles, importable_entries, stamp
 
 log = logging.getLogger("warmstart.preload")
@@ -197,6 +197,8 @@ class Preloader:
     refused: Counter = field(default_factory=Counter)
     children: dict[int, _Child] = field(default_factory=dict)
     owner_pid: int = field(default_factory=os.getpid)
+    #: its namespaces, credentials and confinement, which a process must share to be served
+    isolation: dict = field(default_factory=kernel_state.isolation)
     _files: ImportedFiles | None = None
     _stopping: bool = False
     #: (device, inode) of the socket this preloader bound: what it unlinks, and what must still be
@@ -311,6 +313,7 @@ class Preloader:
             "files": self._files.describe() if self._files is not None else {},
             "executable": sys.executable,
             "fingerprint": self.site_fingerprint,
+            "isolation": self.isolation,
         }
 
     # -- requests ---------------------------------------------------------------------------
@@ -362,6 +365,9 @@ class Preloader:
         differs = environment.difference(message.get("fingerprint", {}), self.site_fingerprint)
         if differs is not None:
             return f"this preloader serves another environment: {differs}"
+        isolated = kernel_state.isolation_difference(message.get("isolation", {}), self.isolation)
+        if isolated is not None:
+            return f"the process runs with {isolated}"
         # A file that changes within STALE_CHECK_S of a request is as likely to be seen as by a new
         # interpreter that began importing that long ago (importing torch takes longer).
         stale = self._stale(max_age_s=STALE_CHECK_S)

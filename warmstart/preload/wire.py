@@ -13,7 +13,7 @@ import marshal
 import os
 import struct
 
-PROTOCOL = 1
+PROTOCOL = 2
 MAX_FDS = 200  # below the kernel's SCM_MAX_FD (253)
 _MAX_MESSAGE = 16 << 20
 _HEADER = struct.Struct("!I")
