@@ -62,12 +62,13 @@ def _setup(message: dict, request: Request) -> socket.socket:
     os.setsid()  # its own process group: what it starts ends with it, and the preloader's signals are not its
     _die_with_parent()
     _join_cgroup(message.get("cgroup", ""))
-    moved = kernel_state.take_on(message.get("placement", {}), int(message["pid"]))
     conn = _place_fds(message["fds"], request)
     os.chdir(message["cwd"])
     os.umask(message["umask"])
     for resource_id, (soft, hard) in message.get("rlimits", {}).items():
         _set_rlimit(resource_id, soft, hard)
+    # After the limits: RLIMIT_NICE and RLIMIT_RTPRIO are what permit a priority without privilege.
+    moved = kernel_state.take_on(message.get("placement", {}), int(message["pid"]))
     preloader_environ = dict(os.environ)
     os.environ.clear()
     os.environ.update(message["environ"])
