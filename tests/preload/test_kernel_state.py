@@ -19,6 +19,7 @@ def test_each_difference_is_named():
     mine = isolation()
     assert isolation_difference({**mine, "mnt": (0, 1)}, mine) == "another mount namespace (a container or unshare)"
     assert isolation_difference({**mine, "groups": (4321,)}, mine) == "other supplementary groups"
+    assert isolation_difference({**mine, "root": (0, 2)}, mine) == "another root directory (chroot)"
     assert isolation_difference({**mine, "Seccomp": "2"}, mine) == "another seccomp mode (a sandbox)"
     assert isolation_difference({**mine, "label": "docker-default (enforce)"}, mine) is not None
     # A child can give itself no-new-privileges, never take it away.

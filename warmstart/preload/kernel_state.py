@@ -6,16 +6,17 @@ Two kinds:
 
 * **Isolation**, which the child cannot take on (or only with privileges a job must not need): the
   namespaces (mount, network, PID, IPC, UTS, user, cgroup, time: a container, ``unshare``), the
-  group ids and supplementary groups, the capability sets, no-new-privileges where the preloader has
-  it, the seccomp mode and the security label (AppArmor, SELinux). A request is served only where
-  these are the preloader's: a program must never run outside its container, or with groups,
-  capabilities or a sandbox that are not its own.
+  root directory (``chroot``), the group ids and supplementary groups, the capability sets,
+  no-new-privileges where the preloader has it, the seccomp mode and the security label (AppArmor,
+  SELinux). A request is served only where these are the preloader's: a program must never run
+  outside its container, or with groups, capabilities or a sandbox that are not its own.
 * **Placement**, which the child takes on before the program runs: CPU affinity (``taskset``,
   Slurm's ``--cpu-bind``, torchrun's ``--numa-binding``), niceness, scheduling policy (``chrt``),
   I/O priority (``ionice``), OOM score adjustment and no-new-privileges. Where the kernel does not
   permit it (a higher priority than the preloader's without the privilege) and for a NUMA memory
   policy (``numactl --membind``/``--interleave``) other than the default, the process starts as
-  usual.
+  usual. The CPUs a process may run on also decide how many threads torch starts, unless
+  ``OMP_NUM_THREADS`` says: a process on other CPUs without it starts as usual too.
 
 :func:`isolation` and :func:`placement` run in the interpreter's start-up hook of every process that
 could be handed over: built-in modules only, a few reads of ``/proc/self``.
@@ -44,6 +45,7 @@ _ISOLATION_NAMES = {
     "user": "another user namespace",
     "cgroup": "another cgroup namespace",
     "time": "another time namespace",
+    "root": "another root directory (chroot)",
     "gids": "other group ids",
     "groups": "other supplementary groups",
     "CapInh": "other capabilities",
@@ -66,6 +68,8 @@ def isolation() -> dict:
         except OSError:  # a kernel without this namespace
             continue
         found[name] = (st.st_dev, st.st_ino)
+    root = os.stat("/")
+    found["root"] = (root.st_dev, root.st_ino)
     found["gids"] = tuple(os.getresgid())
     found["groups"] = tuple(sorted(os.getgroups()))
     status = _status()
