@@ -921,8 +921,10 @@ def _launchers(*names: str) -> None:
 def test_the_child_takes_on_the_processs_cpus_priority_and_oom_score(preloader):
     _launchers("taskset", "nice", "chrt", "ionice", "setpriv")
     one_cpu = str(min(os.sched_getaffinity(0)))
+    # A launcher of its own, without site (-S: no start-up hook, so it is no program handed over itself)
     oom = [
         sys.executable,
+        "-S",
         "-c",
         "import os, sys; open('/proc/self/oom_score_adj', 'w').write('500'); os.execv(sys.argv[1], sys.argv[1:])",
     ]
@@ -1004,7 +1006,7 @@ os.execv(sys.argv[1], sys.argv[1:])
 def test_a_process_with_a_numa_memory_policy_starts_as_usual(preloader):
     if not os.path.exists("/proc/self/numa_maps") or os.uname().machine not in ("x86_64", "aarch64"):
         pytest.skip("a kernel with NUMA memory policies, on x86_64 or aarch64")
-    seen = _placed(preloader, [sys.executable, "-c", _WITH_MEMORY_POLICY])
+    seen = _placed(preloader, [sys.executable, "-S", "-c", _WITH_MEMORY_POLICY])  # -S: no start-up hook
     assert not seen["forked"] and seen["numa"].startswith("prefer"), seen
 
 
