@@ -993,6 +993,31 @@ def test_a_process_in_another_namespace_or_with_other_groups_starts_as_usual(pre
     )
 
 
+def test_a_preloader_with_no_new_privileges_serves_only_processes_that_have_it(tmp_path):
+    _launchers("setpriv")
+    directory = tmp_path / "p"
+    directory.mkdir(mode=0o700)
+    node = Preloader(directory)
+    # Started as a sandboxing service manager would start it (NoNewPrivileges=yes)
+    out = subprocess.run(
+        ["setpriv", "--no-new-privs", PY, "-m", "warmstart", "preload", "start", "--json"],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    try:
+        # A child could not drop the flag: a process without it (setuid programs elevate) starts as usual.
+        seen = _placed(node, [])
+        assert not seen["forked"] and seen["no_new_privs"] == "0"
+        seen = _placed(node, ["setpriv", "--no-new-privs"])
+        assert seen["forked"] and seen["no_new_privs"] == "1"
+        assert node.status()["refused"] == {"the process runs with no-new-privileges off": 1}
+    finally:
+        node.stop()
+
+
 _WITH_MEMORY_POLICY = """
 import ctypes, os, platform, sys
 number = {"x86_64": 238, "aarch64": 237}[platform.machine()]  # set_mempolicy

@@ -88,7 +88,7 @@ def isolation_difference(theirs: dict, mine: dict) -> str | None:
         if theirs.get(key) != mine.get(key):
             return what
     if mine.get("no_new_privs") == "1" and theirs.get("no_new_privs") != "1":
-        return "the preloader has no-new-privileges and the process has not"
+        return "no-new-privileges off (the preloader has it on, and a child cannot turn it off)"
     return None
 
 
