@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
 import fcntl
 import importlib.machinery
 import io
@@ -68,7 +67,7 @@ def _setup(message: dict, request: Request) -> socket.socket:
     for resource_id, (soft, hard) in message.get("rlimits", {}).items():
         _set_rlimit(resource_id, soft, hard)
     # After the limits: RLIMIT_NICE and RLIMIT_RTPRIO are what permit a priority without privilege.
-    moved = kernel_state.take_on(message.get("placement", {}), int(message["pid"]))
+    moved = kernel_state.take_on(message.get("placement", {}), message.get("isolation", {}), int(message["pid"]))
     preloader_environ = dict(os.environ)
     os.environ.clear()
     os.environ.update(message["environ"])
@@ -88,9 +87,7 @@ def _setup(message: dict, request: Request) -> socket.socket:
 
 def _die_with_parent() -> None:
     # A child of a preloader that is killed must not run on with nobody to report its end.
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    kernel_state.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:
         raise RuntimeError("the preloader ended during the fork")
 

@@ -25,7 +25,6 @@ could be handed over: built-in modules only, a few reads of ``/proc/self``.
 from __future__ import annotations
 
 import os
-import sys
 
 from warmstart.preload.client import _read
 
@@ -60,7 +59,8 @@ _ISOLATION_NAMES = {
 
 
 def isolation() -> dict:
-    """This process's namespaces, group ids, capabilities, seccomp mode and security label."""
+    """This process's namespaces, root directory, group ids, capabilities, no-new-privileges flag,
+    seccomp mode and security label."""
     found: dict = {}
     for name in NAMESPACES:
         try:
@@ -93,22 +93,23 @@ def isolation_difference(theirs: dict, mine: dict) -> str | None:
 
 
 def placement() -> dict:
-    """This process's CPU affinity, niceness, scheduling policy and OOM score adjustment."""
+    """This process's CPU affinity, niceness, scheduling policy and OOM score adjustment (its I/O
+    priority and memory policy are read by the child, from its pid)."""
     return {
         "affinity": tuple(sorted(os.sched_getaffinity(0))),
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "policy": os.sched_getscheduler(0),
         "priority": os.sched_getparam(0).sched_priority,
         "oom_score_adj": _read("/proc/self/oom_score_adj").strip(),
-        "no_new_privs": _status().get("NoNewPrivs", "0"),
     }
 
 
-def take_on(theirs: dict, pid: int) -> bool:
+def take_on(theirs: dict, isolated: dict, pid: int) -> bool:
     """In a preloader's child, before the program: take on the placement ``theirs`` (:func:`placement`
-    of process ``pid``) and its I/O priority, and check that its NUMA memory policy is the child's.
-    Raises (the process then starts as usual) where the kernel does not permit one of them. Returns
-    whether the CPU affinity changed."""
+    of process ``pid``), its I/O priority and its no-new-privileges flag (from ``isolated``, its
+    :func:`isolation`), and check that its NUMA memory policy is the child's. Raises (the process
+    then starts as usual) where the kernel does not permit one of them. Returns whether the CPU
+    affinity changed."""
     mine = placement()
     moved = bool(theirs.get("affinity")) and tuple(theirs["affinity"]) != mine["affinity"]
     if moved:
@@ -119,8 +120,8 @@ def take_on(theirs: dict, pid: int) -> bool:
         _permitted("scheduling policy", os.sched_setscheduler, 0, theirs["policy"], os.sched_param(theirs["priority"]))
     if theirs.get("oom_score_adj") and theirs["oom_score_adj"] != mine["oom_score_adj"]:
         _permitted("OOM score adjustment", _write, "/proc/self/oom_score_adj", theirs["oom_score_adj"])
-    if theirs.get("no_new_privs") == "1" and mine["no_new_privs"] != "1":
-        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    if isolated.get("no_new_privs") == "1" and _status().get("NoNewPrivs") != "1":
+        prctl(_PR_SET_NO_NEW_PRIVS, 1)
     _take_on_io_priority(pid)
     _check_memory_policy(pid)
     return moved
@@ -142,15 +143,16 @@ _SYSCALLS = {"x86_64": (252, 251, 239), "aarch64": (31, 30, 236)}
 
 
 def _libc():
-    import ctypes
+    import ctypes  # already imported where it is called: by torch, in a preloader's children
 
     return ctypes, ctypes.CDLL(None, use_errno=True)
 
 
-def _prctl(option: int, value: int) -> None:
+def prctl(option: int, value: int) -> None:
+    """``prctl(option, value)`` on this process; raises :class:`OSError` when it fails."""
     ctypes, libc = _libc()
     if libc.prctl(option, value, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl")
+        raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
 def _syscalls() -> tuple[int, int, int] | None:
@@ -206,7 +208,3 @@ def _status() -> dict[str, str]:
 def _write(path: str, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
-
-
-if sys.platform != "linux":  # pragma: no cover - the preloader runs on Linux only
-    raise ImportError("warmstart.preload.kernel_state is for Linux")
