@@ -79,6 +79,7 @@ def _activate(pgo_job_id: str | None) -> None:
     ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
     """
     from warmstart import compile_cache
+    from warmstart import rendezvous
     from warmstart.compile_cache import dynamo_frames, import_hooks, torch_hooks
 
     torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
@@ -89,6 +90,7 @@ def _activate(pgo_job_id: str | None) -> None:
     import_hooks.on_import("torch._dynamo.callback", _install_compile_spans)
     compile_cache.add_observer(_cache_spans)
     torch_hooks.install()
+    rendezvous.install()  # in torchrun's own process: restarts rejoin without the first join's delay
 
 
 def _cache_spans():
