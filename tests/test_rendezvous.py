@@ -29,7 +29,6 @@ def test_a_restart_rejoins_at_once_and_the_first_join_keeps_its_delay(tmp_path):
     code = textwrap.dedent(f"""
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import handler_registry
-        import warmstart
         from warmstart import rendezvous
 
         assert rendezvous.skipped_delays() == 0

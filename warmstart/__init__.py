@@ -9,6 +9,7 @@ Turn it on with the environment alone (``WARMSTART=1``; see docs/reference.md), 
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 __version__ = "0.1.0"
 __all__ = ["enable", "__version__"]
@@ -79,7 +80,6 @@ def _activate(pgo_job_id: str | None) -> None:
     ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
     """
     from warmstart import compile_cache
-    from warmstart import rendezvous
     from warmstart.compile_cache import dynamo_frames, import_hooks, torch_hooks
 
     torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
@@ -88,9 +88,10 @@ def _activate(pgo_job_id: str | None) -> None:
     # Compile spans for the ETT metrics, registered once torch's compile callbacks exist: importing
     # them here would import all of torch into every process.
     import_hooks.on_import("torch._dynamo.callback", _install_compile_spans)
+    # In torchrun's own process: its restarts rejoin without the first join's delay.
+    import_hooks.on_import("torch.distributed.elastic.rendezvous.dynamic_rendezvous", _rejoin_at_once)
     compile_cache.add_observer(_cache_spans)
-    torch_hooks.install()
-    rendezvous.install()  # in torchrun's own process: restarts rejoin without the first join's delay
+    torch_hooks.install()  # also runs the hooks of modules already imported
 
 
 def _cache_spans():
@@ -98,6 +99,13 @@ def _cache_spans():
     from warmstart.metrics.cache_spans import CacheSpans
 
     return CacheSpans()
+
+
+def _rejoin_at_once(module: ModuleType) -> None:
+    # Imported only in a process that imports torch's rendezvous (torchrun), not at every start.
+    from warmstart import rendezvous
+
+    rendezvous.patch(module)
 
 
 def _install_compile_spans(_module: object) -> None:

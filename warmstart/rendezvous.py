@@ -6,6 +6,7 @@ nodes' first joins over the store. A job's first restart is still in that round 
 round advances only once every node has left it), so the first restart waits as well, while every
 later restart rejoins at once. In a torchrun whose environment has ``WARMSTART=1``, a handler that
 has joined before rejoins at once on every restart; the first join keeps its delay.
+``warmstart`` applies :func:`patch` when torch's ``dynamic_rendezvous`` module is imported.
 """
 
 from __future__ import annotations
@@ -17,22 +18,12 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from warmstart.compile_cache import import_hooks
-
-__all__ = ["install", "skipped_delays"]
+__all__ = ["patch", "skipped_delays"]
 
 log = logging.getLogger("warmstart.rendezvous")
 
-_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-
 _rejoining = threading.local()
 _skipped = 0
-
-
-def install() -> None:
-    """Patch torch's dynamic rendezvous when it is imported (now, if it already is)."""
-    import_hooks.on_import(_MODULE, _patch)
-    import_hooks.install()
 
 
 def skipped_delays() -> int:
@@ -40,7 +31,9 @@ def skipped_delays() -> int:
     return _skipped
 
 
-def _patch(module: ModuleType) -> None:
+def patch(module: ModuleType) -> None:
+    """Make ``module`` (torch's ``dynamic_rendezvous``) rejoin at once on a restart; once per process,
+    and not at all on a torch whose rendezvous lacks what this replaces."""
     handler_cls = getattr(module, "DynamicRendezvousHandler", None)
     delay = getattr(module, "_delay", None)
     if handler_cls is None or not callable(delay):  # another torch: its rendezvous as it is
