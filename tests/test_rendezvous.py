@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+
+from _redis import free_port
 
 PY = sys.executable
 
@@ -15,12 +16,6 @@ def _env(tmp_path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHELASTIC", "TORCH_"))}
     env.update(WARMSTART_PRELOAD="0", WARMSTART_CACHE_DIR=str(tmp_path / "cache"), **extra)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_restart_rejoins_at_once_and_the_first_join_keeps_its_delay(tmp_path):
@@ -33,7 +28,7 @@ def test_a_restart_rejoins_at_once_and_the_first_join_keeps_its_delay(tmp_path):
 
         assert rendezvous.skipped_delays() == 0
         params = RendezvousParameters(
-            backend="c10d", endpoint="127.0.0.1:{_free_port()}", run_id="t", min_nodes=1, max_nodes=1,
+            backend="c10d", endpoint="127.0.0.1:{free_port()}", run_id="t", min_nodes=1, max_nodes=1,
             is_host=True,
         )
         handler = handler_registry.create_handler(params)
