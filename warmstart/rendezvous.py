@@ -60,14 +60,15 @@ def patch(module: ModuleType) -> None:
 
 def _skipped_on_rejoin(delay: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(delay)
-    def _delay(seconds: float | tuple[float, float]) -> None:
+    def _delay(*args: Any, **kwargs: Any) -> None:
         # The random form (a range) is the first-join spread; a fixed delay (the one-second poll
-        # while other nodes sync) is kept.
-        if isinstance(seconds, tuple) and getattr(_rejoining, "active", False):
+        # while other nodes sync) is kept, and so is any call of a form this does not know: torch's.
+        seconds = kwargs.get("seconds", args[0] if args else None)
+        if isinstance(seconds, tuple) and len(seconds) == 2 and getattr(_rejoining, "active", False):
             global _skipped
             _skipped += 1
             log.info("warmstart: torchrun rejoins its rendezvous at once (no random delay of up to %s s)", seconds[1])
             return
-        delay(seconds)
+        delay(*args, **kwargs)
 
     return _delay
