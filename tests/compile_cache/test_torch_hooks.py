@@ -171,3 +171,135 @@ def test_a_store_that_raises_while_naming_a_header_costs_one_warning_and_torchs_
     )
     assert result["ours"] == result["torch"], result
     assert sum("precompiled header name" in line for line in result["stderr"]) == 1, result["stderr"]
+
+
+EARLY_BUILDS = """
+    import json, os, sys, threading
+    import torch
+    from torch._inductor import async_compile, codecache, cpp_builder
+    from warmstart.compile_cache import get_store
+
+    if os.environ.get("STORE_RAISES"):  # fault injection: every C++ object lookup raises
+        store = get_store()
+        real_get = store.get
+
+        def get(kind, key, **kwargs):
+            if kind == "cpp_object":
+                raise RuntimeError("store down")
+            return real_get(kind, key, **kwargs)
+
+        store.get = get
+
+    if os.environ.get("EARLY_START_RAISES"):  # fault injection: warmstart's part of the early start raises
+        from warmstart.compile_cache import torch_hooks
+
+        def broken(kernel_body):
+            raise RuntimeError("early start broken")
+
+        torch_hooks._start_cpp_build = broken
+
+    builds = []  # each kernel's build: [on the main thread, how it ended]
+    hooked_build = cpp_builder.CppBuilder.build
+
+    def for_a_kernel(builder):  # not a header, nor one of the vector-ISA probe's test libraries
+        if builder.get_target_file_path().endswith(".gch"):
+            return False
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_name != "_worker_compile_cpp":
+            frame = frame.f_back
+        return frame is not None
+
+    def build(self):
+        if not for_a_kernel(self):
+            return hooked_build(self)
+        main = threading.current_thread() is threading.main_thread()
+        try:
+            hooked_build(self)
+        except BaseException as exc:
+            builds.append([main, type(exc).__name__])
+            raise
+        builds.append([main, "ok"])
+
+    cpp_builder.CppBuilder.build = build
+    started = []  # as the compiled module loads: was each kernel started when it was generated?
+    loading = async_compile.AsyncCompile.cpp_pybinding
+
+    def cpp_pybinding(self, argtypes, source):
+        before = len(codecache.CppPythonBindingsCodeCache.cache)
+        kernel = loading(self, argtypes, source)
+        started.append(len(codecache.CppPythonBindingsCodeCache.cache) == before)
+        return kernel
+
+    async_compile.AsyncCompile.cpp_pybinding = cpp_pybinding
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    loss = torch.compile(model)(x).square().mean()
+    loss.backward()
+    print("RESULT " + json.dumps({
+        "started": started, "builds": builds, "loss": loss.item(),
+        "grad": model[0].weight.grad.flatten().tolist(),
+    }))
+"""
+
+
+def early_env(machine: Path, store: Path, **extra: str) -> dict[str, str]:
+    # Two compile threads (the tests' machines use one): a kernel is started early only when
+    # Inductor has threads to build it in while it goes on generating code.
+    return {**machine_env(machine, store), "TORCHINDUCTOR_COMPILE_THREADS": "2", **extra}
+
+
+# A compile that generates code again on a machine whose store holds its kernels: the graph caches
+# of Inductor and AOTAutograd off, local and shared.
+GENERATE_AGAIN = {
+    "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+    "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "0",
+    "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "0",
+}
+
+
+def test_a_kernel_is_built_or_fetched_as_soon_as_it_is_generated(tmp_path):
+    """Inductor starts its C++ kernels' builds only once it has generated the whole graph's code;
+    warmstart starts each one in Inductor's compile threads as soon as it is generated. The module,
+    when it loads, finds every kernel it asks for already started, under its own key, and the results
+    are torch's: on a new machine (g++ builds them) and on one whose store holds them (fetched)."""
+    store = tmp_path / "store"
+    cold = run_result(EARLY_BUILDS, early_env(tmp_path / "a", store))
+    assert cold["started"] and all(cold["started"]), cold
+    assert cold["builds"] == [[False, "ok"]] * len(cold["started"]), cold["builds"]  # in the compile threads
+
+    again = run_result(EARLY_BUILDS, early_env(tmp_path / "b", store, **GENERATE_AGAIN))
+    assert again["started"] == cold["started"], again
+    assert again["builds"] == cold["builds"], again["builds"]
+    assert again["loss"] == cold["loss"] and again["grad"] == cold["grad"]
+    plain = run_result(EARLY_BUILDS, {**early_env(tmp_path / "c", tmp_path / "other"), "WARMSTART": "0"})
+    assert plain["started"] == [False] * len(cold["started"]), plain  # torch's own: started as the module loads
+    assert plain["loss"] == cold["loss"] and plain["grad"] == cold["grad"]
+
+
+def test_a_store_that_raises_while_a_kernel_starts_early_leaves_the_build_to_g_plus_plus(tmp_path):
+    """Fault injection: every C++ object lookup raises. The kernels started early are built by g++ in
+    Inductor's compile threads, with one warning for the store, and the compile gives torch's results."""
+    result = run_result(
+        EARLY_BUILDS, early_env(tmp_path / "a", tmp_path / "store", STORE_RAISES="1"), stderr_lines=True
+    )
+    assert result["started"] and all(result["started"]), result
+    assert result["builds"] == [[False, "ok"]] * len(result["started"]), result["builds"]
+    assert sum("C++ object cache" in line for line in result["stderr"]) == 1, result["stderr"]
+    plain = run_result(EARLY_BUILDS, {**early_env(tmp_path / "b", tmp_path / "other"), "WARMSTART": "0"})
+    assert result["loss"] == plain["loss"] and result["grad"] == plain["grad"]
+
+
+def test_an_early_start_that_raises_leaves_the_kernel_to_torchs_own_start(tmp_path):
+    """Fault injection: warmstart's part of the early start raises. One warning; the kernels are
+    started as torch starts them, when the module loads, and the compile gives torch's results."""
+    result = run_result(
+        EARLY_BUILDS, early_env(tmp_path / "a", tmp_path / "store", EARLY_START_RAISES="1"), stderr_lines=True
+    )
+    assert result["started"] == [False] * len(result["started"]) and result["started"], result
+    assert result["builds"] == [[False, "ok"]] * len(result["started"]), result["builds"]
+    assert sum("early C++ kernel build" in line for line in result["stderr"]) == 1, result["stderr"]
+    plain = run_result(EARLY_BUILDS, {**early_env(tmp_path / "b", tmp_path / "other"), "WARMSTART": "0"})
+    assert result["loss"] == plain["loss"] and result["grad"] == plain["grad"]

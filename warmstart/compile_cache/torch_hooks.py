@@ -14,8 +14,10 @@ What it plugs in, all through the process-wide store (``get_store()``):
 * Inductor's compiled C++ objects on CPU, by wrapping ``CppBuilder.build``: torch bundles Triton
   kernels into FX entries but never the ``.so`` files g++ builds, so without this a new machine
   still pays every C++ compile; the digest that names a precompiled header, by wrapping
-  ``codecache._precompile_header``; and the outcome of Inductor's vector-ISA load probe (a child
-  Python per process) by wrapping ``VecISA._probe_load``;
+  ``codecache._precompile_header``; the outcome of Inductor's vector-ISA load probe (a child Python
+  per process) by wrapping ``VecISA._probe_load``; and the start of each C++ kernel's build or
+  fetch, moved from when Inductor loads the whole graph's module to when it generates the kernel
+  (``PythonWrapperCodegen.define_kernel``);
 * Triton kernels, through ``TRITON_CACHE_MANAGER`` (see ``triton_manager.py``);
 * Dynamo's output (each compiled frame's bytecode and guards), through ``dynamo_frames``, whose
   functions are installed here on ``torch._dynamo.eval_frame``, ``torch._dynamo.guards`` and
@@ -31,6 +33,7 @@ build) after one warning per process, and torch's own errors pass through unchan
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -626,6 +629,61 @@ def _preprocessed_digest(codecache: ModuleType, header: str, command: dict[str, 
             digest = hashlib.sha512(f.read()).hexdigest()
         store.put("header_digest", key, digest.encode("ascii"), cost_s=time.perf_counter() - start)
         return digest
+
+
+# -- C++ kernels built as soon as they are generated ------------------------------------------
+
+
+_PYBINDING_CALL = "async_compile.cpp_pybinding("
+
+
+@_patch(
+    "torch._inductor.codegen.wrapper",
+    "a C++ kernel is built (or fetched) when Inductor loads the compiled graph, not when it is generated",
+)
+def _hook_early_cpp_builds(wrapper: ModuleType) -> None:
+    """Start each C++ kernel's build, or its fetch from the store, as soon as Inductor has generated
+    its source, while Inductor goes on generating the rest of the graph.
+
+    Inductor submits a C++ kernel to its compile threads only when it loads the module it generated
+    for the whole graph, so every kernel's g++ build or fetch waits for the last line of code
+    generation (seconds, on a large graph); it already starts Triton kernels early in the same way.
+    The call made here is the one the module makes when it loads (same source, same command line):
+    Inductor's kernel cache keeps the started build under its key, and the module's call finds it
+    there. A kernel whose source or flags differed would have another key and be built anew, never
+    shared.
+    """
+    codegen = wrapper.PythonWrapperCodegen
+    original = codegen.define_kernel
+
+    @functools.wraps(original)
+    def define_kernel(self, kernel_name, kernel_body, *args, **kwargs):
+        result = original(self, kernel_name, kernel_body, *args, **kwargs)
+        gpu = kwargs.get("gpu", args[1] if len(args) > 1 else True)
+        if not gpu and isinstance(kernel_body, str) and kernel_body.startswith(_PYBINDING_CALL):
+            try:
+                _start_cpp_build(kernel_body)
+            except Exception as exc:
+                fail_open("early C++ kernel build", exc)
+        return result
+
+    codegen.define_kernel = define_kernel
+
+
+def _start_cpp_build(kernel_body: str) -> None:
+    from torch._inductor import async_compile, codecache
+    from torch._inductor.virtualized import V
+
+    # One compile thread: Inductor builds each kernel in line as the module loads, nothing to start.
+    if async_compile.get_compile_threads() <= 1 or V.graph.cpp_wrapper:
+        return
+    call = ast.parse(kernel_body, mode="eval").body
+    if not isinstance(call, ast.Call) or len(call.args) != 2 or call.keywords:
+        return
+    argtypes, source = (ast.literal_eval(arg) for arg in call.args)
+    codecache.CppPythonBindingsCodeCache.load_pybinding_async(
+        argtypes, source, submit_fn=async_compile.AsyncCompile.submit
+    )
 
 
 # -- the vector-ISA probe ----------------------------------------------------------------------
