@@ -13,7 +13,6 @@ Real compiles, real ``torchrun`` with gloo for the rank-dependent cases.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -76,10 +75,11 @@ def _torchrun(cache: dict, name: str, ranks: int, **extra: str) -> dict:
         sys.executable,
         "-m",
         "torch.distributed.run",
+        # torchrun's agent binds a free port itself: a port picked here could be taken by another
+        # test's process before the agent binds it
+        "--standalone",
         "--nproc-per-node",
         str(ranks),
-        "--master-port",
-        str(random.randint(20000, 40000)),
         str(HERE / "_adversarial_ranks.py"),
     ]
     results = machine / "results"
