@@ -672,10 +672,10 @@ def _hook_early_cpp_builds(wrapper: ModuleType) -> None:
 
 def _start_cpp_build(kernel_body: str) -> None:
     from torch._inductor import async_compile, codecache
-    from torch._inductor.virtualized import V
 
     # One compile thread: Inductor builds each kernel in line as the module loads, nothing to start.
-    if async_compile.get_compile_threads() <= 1 or V.graph.cpp_wrapper:
+    # (With cpp_wrapper, a kernel's body is its C++ alone, without this call: never started here.)
+    if async_compile.get_compile_threads() <= 1:
         return
     call = ast.parse(kernel_body, mode="eval").body
     if not isinstance(call, ast.Call) or len(call.args) != 2 or call.keywords:
