@@ -24,6 +24,38 @@ def _remote(url: str, secret: bytes = SECRET, ns: str = "t", **kw) -> RemoteTier
     return RemoteTier(url, secret=secret, namespace=ns, **kw)
 
 
+def test_a_value_the_caller_keeps_itself_is_not_copied_into_the_local_tier(redis_node, tmp_path):
+    """``copy_local=False`` (a precompiled header, which its reader writes in place itself): a hit
+    from the remote tier is returned and left out of the local tier; by default it is copied."""
+    writer = TieredStore(LocalTier(tmp_path / "a", 1 << 30), _remote(redis_node.url))
+    payload = os.urandom(300_000)
+    writer.put("cpp_object", "header", payload)
+    writer.put("cpp_object", "kernel", b"k" * 1000)
+    assert writer.flush(timeout=10)
+    reader = TieredStore(LocalTier(tmp_path / "b", 1 << 30), _remote(redis_node.url))
+    hit = reader.get("cpp_object", "header", wait=False, copy_local=False)
+    assert (hit.value, hit.tier) == (payload, "remote")
+    assert reader.get("cpp_object", "kernel").tier == "remote"
+    assert reader.flush(timeout=10)
+    assert not reader.local.get("cpp_object", "header")  # left out
+    assert reader.local.get("cpp_object", "kernel").value == b"k" * 1000  # copied, as before
+
+
+def test_the_remote_client_reads_a_mebibyte_per_socket_read(redis_node):
+    """A thread that fetches while another runs Python waits for the GIL after every socket read:
+    the client asks for 1 MiB per read (redis-py's default is 64 KiB), and a value of many reads
+    still comes back whole."""
+    from warmstart import _defaults
+    from warmstart.compile_cache.remote_client import connect
+
+    client = connect(redis_node.url)
+    assert client.connection_pool.connection_kwargs["socket_read_size"] == _defaults.REMOTE_SOCKET_READ_BYTES
+    assert _defaults.REMOTE_SOCKET_READ_BYTES == 1 << 20
+    value = os.urandom(5 * (1 << 20) + 123)
+    client.set("big", value)
+    assert client.get("big") == value
+
+
 def test_remote_round_trip_and_backfill(redis_node, tmp_path):
     writer = TieredStore(LocalTier(tmp_path / "a", 1 << 30), _remote(redis_node.url))
     payload = os.urandom(50_000) + b"x" * 200_000

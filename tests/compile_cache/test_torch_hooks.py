@@ -1,6 +1,8 @@
-"""Two of warmstart's changes to what torch does, each in a real process with real torch and g++:
-the name of a precompiled header (from a stored digest of its preprocessed source, never a
-different name than torch's own), and the guard-latency figure Dynamo times for every new frame."""
+"""warmstart's changes to what torch does around C++ kernels and frames, with real torch and g++: the
+name of a precompiled header (from a stored digest of its preprocessed source, never a different
+name than torch's own), when a precompiled header is built or fetched, each kernel's build started
+as it is generated, the GIL's switch interval while Inductor generates code, and the guard-latency
+figure Dynamo times for every new frame."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 import _machine
 
@@ -141,6 +145,120 @@ def test_a_deferred_precompiled_header_is_built_under_torchs_lock(tmp_path):
     assert done.is_set() and Path(f"{header}.gch").stat().st_size > 0  # ...then builds it
 
 
+def _tiny_header(machine: Path):
+    """A small header on ``machine``, where torch keeps its precompiled headers, with the builder that
+    precompiles it and its store key."""
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa
+
+    from warmstart.compile_cache import torch_hooks
+
+    header = machine / "precompiled_headers" / "cwarmstarttest.h"
+    (header.parent / "locks").mkdir(parents=True)
+    header.write_text("#pragma once\ninline int answer() { return 42; }\n")
+    options = CppTorchDeviceOptions(vec_isa=invalid_vec_isa, device_type="cpu", precompiling=True)
+    builder = CppBuilder(name=str(header), sources=str(header), BuildOption=options)
+    return header, builder, torch_hooks.cpp_object_key(builder.get_command_line(), builder.get_target_file_path())
+
+
+def test_a_header_is_prefetched_as_code_generation_starts_and_a_build_waits_for_that_fetch(tmp_path, redis_node):
+    """Once Inductor generates a kernel (the graph missed the cache, so some kernel may be new), the
+    deferred header is fetched in a thread of its own; a kernel build that needs it meanwhile waits
+    for that fetch (made slow here) instead of fetching or building it again. The fetched header is
+    the stored one, written in place and not copied into the local tier."""
+    import threading
+
+    from torch._inductor.cpp_builder import CppBuilder
+
+    from warmstart.compile_cache import LocalTier, RemoteTier, TieredStore, set_store, torch_hooks
+
+    build = getattr(CppBuilder.build, "__wrapped__", CppBuilder.build)
+    writer = TieredStore(
+        LocalTier(tmp_path / "a" / "ws", 1 << 30), RemoteTier(redis_node.url, secret=b"s", namespace="pch")
+    )
+    set_store(writer)
+    header_a, builder_a, key = _tiny_header(tmp_path / "a")
+    torch_hooks._deferred_pch[str(header_a)] = (builder_a, key)
+    torch_hooks._materialize_pch(f"g++ -include {header_a} kernel.cpp", build)  # built, and stored
+    assert writer.flush(timeout=30)
+    writer.close()
+
+    remote = RemoteTier(redis_node.url, secret=b"s", namespace="pch")
+    reader = TieredStore(LocalTier(tmp_path / "b" / "ws", 1 << 30), remote)
+    set_store(reader)
+    fetching, release = threading.Event(), threading.Event()
+    real_get = remote.get
+
+    def slow_get(kind, k):  # a slow shared tier
+        fetching.set()
+        release.wait(60)
+        return real_get(kind, k)
+
+    remote.get = slow_get
+    header_b, builder_b, key_b = _tiny_header(tmp_path / "b")
+    assert key_b == key  # the same header on another machine: the same key
+    torch_hooks._deferred_pch[str(header_b)] = (builder_b, key)
+    builds = []
+    torch_hooks._prefetch_pch()
+    torch_hooks._prefetch_pch()  # once per header
+    prefetchers = [t for t in threading.enumerate() if t.name == "warmstart-pch-prefetch"]
+    assert len(prefetchers) == 1 and fetching.wait(30)
+    needing = threading.Thread(
+        target=torch_hooks._materialize_pch,
+        args=(f"g++ -include {header_b} kernel.cpp", lambda b: builds.append(b) or build(b)),
+    )
+    needing.start()
+    needing.join(1.0)
+    assert needing.is_alive()  # waits for the fetch in flight
+    release.set()
+    needing.join(60)
+    prefetchers[0].join(60)
+    assert not needing.is_alive() and builds == []
+    assert Path(f"{header_b}.gch").read_bytes() == Path(f"{header_a}.gch").read_bytes()
+    assert str(header_b) not in torch_hooks._deferred_pch
+    assert reader.flush(timeout=30) and not reader.local.get("cpp_object", key)
+
+
+def test_a_prefetch_that_finds_no_header_or_a_failing_store_leaves_it_to_the_build(tmp_path, monkeypatch, caplog):
+    """Fault injection: the store has no such header, then a store raises at every lookup. The
+    prefetch writes nothing (one warning for the store that raises) and the header stays deferred:
+    the first build that needs it builds it, once."""
+    import logging
+
+    from torch._inductor.cpp_builder import CppBuilder
+
+    from warmstart.compile_cache import LocalTier, TieredStore, set_store, storage, torch_hooks
+
+    class BrokenStore:
+        def get(self, kind, key, **kwargs):
+            raise RuntimeError("store down")
+
+        def put(self, kind, key, data, cost_s=0.0):
+            raise RuntimeError("store down")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(storage, "_hook_failed", False)
+    build = getattr(CppBuilder.build, "__wrapped__", CppBuilder.build)
+    header, builder, key = _tiny_header(tmp_path)
+    gch = Path(f"{header}.gch")
+    for store in (TieredStore(LocalTier(tmp_path / "ws", 1 << 30), None), BrokenStore()):
+        set_store(store)
+        torch_hooks._deferred_pch[str(header)] = (builder, key)
+        torch_hooks._prefetched_pch.discard(str(header))
+        with caplog.at_level(logging.WARNING, logger=storage.log.name):
+            torch_hooks._prefetch_one(str(header))
+        assert not gch.exists() and str(header) in torch_hooks._deferred_pch
+    assert sum("C++ object cache" in r.getMessage() for r in caplog.records) == 1, caplog.records
+    builds = []
+    command = f"g++ -include {header} kernel.cpp"
+    torch_hooks._materialize_pch(command, lambda b: builds.append(b) or build(b))
+    torch_hooks._materialize_pch(command, lambda b: builds.append(b) or build(b))
+    assert len(builds) == 1 and gch.stat().st_size > 0
+    assert str(header) not in torch_hooks._deferred_pch
+
+
 def test_a_store_that_raises_while_naming_a_header_costs_one_warning_and_torchs_own_name(tmp_path):
     """Fault injection: the store raises at the digest's lookup. The header is named as torch names
     it (torch preprocesses it itself), with one warning; the compile is never failed."""
@@ -190,8 +308,17 @@ EARLY_BUILDS = """
 
         store.get = get
 
+    from warmstart.compile_cache import torch_hooks
+
+    intervals = []  # the GIL's switch interval as each kernel is generated
+    recorded_start = torch_hooks._start_cpp_build
+
+    def start(kernel_body):
+        intervals.append(sys.getswitchinterval())
+        return recorded_start(kernel_body)
+
+    torch_hooks._start_cpp_build = start
     if os.environ.get("EARLY_START_RAISES"):  # fault injection: warmstart's part of the early start raises
-        from warmstart.compile_cache import torch_hooks
 
         def broken(kernel_body):
             raise RuntimeError("early start broken")
@@ -239,6 +366,7 @@ EARLY_BUILDS = """
     loss.backward()
     print("RESULT " + json.dumps({
         "started": started, "builds": builds, "loss": loss.item(),
+        "intervals": intervals, "interval_after": sys.getswitchinterval(),
         "grad": model[0].weight.grad.flatten().tolist(),
     }))
 """
@@ -269,6 +397,9 @@ def test_a_kernel_is_built_or_fetched_as_soon_as_it_is_generated(tmp_path):
     cold = run_result(EARLY_BUILDS, early_env(tmp_path / "a", store))
     assert cold["started"] and all(cold["started"]), cold
     assert cold["builds"] == [[False, "ok"]] * len(cold["started"]), cold["builds"]  # in the compile threads
+    # While Inductor generates code, its compile threads get the GIL within 1 ms; as it was after.
+    assert cold["intervals"] and all(i <= 0.001 for i in cold["intervals"]), cold["intervals"]
+    assert cold["interval_after"] == 0.005
 
     again = run_result(EARLY_BUILDS, early_env(tmp_path / "b", store, **GENERATE_AGAIN))
     assert again["started"] == cold["started"], again
@@ -303,3 +434,30 @@ def test_an_early_start_that_raises_leaves_the_kernel_to_torchs_own_start(tmp_pa
     assert sum("early C++ kernel build" in line for line in result["stderr"]) == 1, result["stderr"]
     plain = run_result(EARLY_BUILDS, {**early_env(tmp_path / "b", tmp_path / "other"), "WARMSTART": "0"})
     assert result["loss"] == plain["loss"] and result["grad"] == plain["grad"]
+
+
+def test_with_one_compile_thread_nothing_is_started_early_and_the_gils_interval_stays(tmp_path):
+    """One compile thread (Inductor builds each kernel in line as the module loads): no kernel is
+    started as it is generated and the GIL's switch interval is left as it is."""
+    result = run_result(EARLY_BUILDS, machine_env(tmp_path / "a", tmp_path / "store"))
+    assert result["started"] == [False] * len(result["started"]) and result["started"], result
+    assert result["intervals"] and set(result["intervals"]) == {0.005}, result["intervals"]
+    assert result["builds"] == [[True, "ok"]] * len(result["started"]), result["builds"]  # in line
+
+
+def test_the_gils_interval_comes_back_when_code_generation_raises(monkeypatch):
+    """Fault injection: code generation raises (also inside a nested one): the interval is back to
+    what it was once the outermost one ends."""
+    from torch._inductor import config
+
+    from warmstart.compile_cache import torch_hooks
+
+    monkeypatch.setattr(config, "compile_threads", 2)
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError, match="codegen failed"):
+        with torch_hooks._short_switch_interval():
+            with torch_hooks._short_switch_interval():
+                assert sys.getswitchinterval() == 0.001
+            assert sys.getswitchinterval() == 0.001  # the outer one is still generating
+            raise RuntimeError("codegen failed")
+    assert sys.getswitchinterval() == before

@@ -200,6 +200,7 @@ def connect(
     common = dict(
         socket_connect_timeout=options.pop("socket_connect_timeout", connect_timeout),
         socket_timeout=options.pop("socket_timeout", socket_timeout),
+        socket_read_size=_defaults.REMOTE_SOCKET_READ_BYTES,
     )
     if not parts.scheme.endswith("+cluster"):
         return redis.Redis.from_url(

@@ -120,19 +120,25 @@ class TieredStore:
         """Tell ``observer`` of every lookup from now on."""
         self.observers.append(observer)
 
-    def get(self, kind: str, key: str, *, wait: bool = True) -> Lookup:
+    def get(self, kind: str, key: str, *, wait: bool = True, copy_local: bool = True) -> Lookup:
         """A hit from the nearest tier that has it, or the miss of the farthest tier asked (the
         remote tier's reason says more than the local one's); after :meth:`close`, a miss
         (``error``). ``wait=False``: a miss neither waits for another process's compile nor takes a
-        lease (for values cheaper to make again than to wait for). Never raises."""
+        lease (for values cheaper to make again than to wait for). ``copy_local=False``: a hit from
+        the remote tier is not copied into the local one (for a value the caller keeps on this
+        machine's disk itself). Never raises."""
         if self._closed:
             self.stats.add(self.name, kind, misses=1)
             return Miss(ERROR, self.name, "the store is closed")
         try:
-            result = self._get(kind, key)
+            result = self._get(kind, key, copy_local)
             if not result and wait and self.single_flight is not None:
                 result = self.single_flight.resolve(
-                    kind, key, result, lambda: self._get(kind, key), lambda: self._observed("waiting_on_peer", kind)
+                    kind,
+                    key,
+                    result,
+                    lambda: self._get(kind, key, copy_local),
+                    lambda: self._observed("waiting_on_peer", kind),
                 )
         except Exception as exc:  # tiers never raise; this holds whatever changes under them
             warn_once(
@@ -149,7 +155,7 @@ class TieredStore:
                 log.debug("store observer failed", exc_info=True)
         return result
 
-    def _get(self, kind: str, key: str) -> Lookup:
+    def _get(self, kind: str, key: str, copy_local: bool = True) -> Lookup:
         result: Lookup = Miss(ABSENT, self.name, "no tier")
         if self.local is not None:
             with self.budget.waiting("the local tier"):
@@ -162,7 +168,7 @@ class TieredStore:
             return Miss(TIMEOUT, self.remote.name, "the process's time for waiting on the cache is spent")
         with self._observed("waiting", kind), self.budget.waiting("the remote tier"):
             result = self.remote.get(kind, key)
-        if isinstance(result, Hit) and self.local is not None and not isinstance(self.local, ReadOnly):
+        if isinstance(result, Hit) and copy_local and self.local is not None and not isinstance(self.local, ReadOnly):
             self._enqueue((self.local,), kind, key, result.value, result.cost_s)
         return result
 

@@ -17,7 +17,8 @@ What it plugs in, all through the process-wide store (``get_store()``):
   ``codecache._precompile_header``; the outcome of Inductor's vector-ISA load probe (a child Python
   per process) by wrapping ``VecISA._probe_load``; and the start of each C++ kernel's build or
   fetch, moved from when Inductor loads the whole graph's module to when it generates the kernel
-  (``PythonWrapperCodegen.define_kernel``);
+  (``PythonWrapperCodegen.define_kernel``), with the precompiled header's fetch started then too
+  and the GIL's switch interval shortened while Inductor generates code (``GraphLowering.codegen``);
 * Triton kernels, through ``TRITON_CACHE_MANAGER`` (see ``triton_manager.py``);
 * Dynamo's output (each compiled frame's bytecode and guards), through ``dynamo_frames``, whose
   functions are installed here on ``torch._dynamo.eval_frame``, ``torch._dynamo.guards`` and
@@ -437,8 +438,22 @@ def _cpp_lookup(builder) -> Any:
     return key
 
 
-_deferred_pch: dict[str, tuple[object, str]] = {}
-_pch_lock = threading.Lock()
+_deferred_pch: dict[str, tuple[object, str]] = {}  # header -> (its builder, its store key)
+_pch_lock = threading.Lock()  # guards _deferred_pch, _header_locks, _prefetched_pch
+_header_locks: dict[str, threading.Lock] = {}  # one per header: its fetch, build or prefetch at a time
+_prefetched_pch: set[str] = set()
+
+
+def _reset_pch_locks_in_child() -> None:
+    # A child forked while a prefetch thread held a lock would wait for it forever: the thread is
+    # not in the child.
+    global _pch_lock
+    _pch_lock = threading.Lock()
+    _header_locks.clear()
+    _prefetched_pch.clear()
+
+
+os.register_at_fork(after_in_child=_reset_pch_locks_in_child)
 
 
 def _build_and_store(builder, key: str, original_build: Callable) -> None:
@@ -462,34 +477,92 @@ def _build_and_store(builder, key: str, original_build: Callable) -> None:
 
 def _materialize_pch(command_line: str, original_build: Callable) -> None:
     """Fetch or build the deferred precompiled headers that ``command_line`` includes."""
+    with _pch_lock:
+        needed = [h for h in _deferred_pch if h in command_line]
+    for header in needed:
+        _place_pch(header, original_build)
+
+
+def _place_pch(header: str, original_build: Callable | None) -> None:
+    """Put ``header``'s deferred precompiled version in place: fetched from the store, else built
+    (``original_build`` given) or left deferred (``None``: a prefetch)."""
     from torch._inductor.codecache import LOCK_TIMEOUT
     from torch.utils._filelock import FileLock
 
     from warmstart.compile_cache import get_store
 
     with _pch_lock:
-        needed = [(h, _deferred_pch.pop(h)) for h in list(_deferred_pch) if h in command_line]
-        for header, (builder, key) in needed:
-            target = header + ".gch"
-            # g++ writes the header straight to its place: under torch's lock for it, as torch builds
-            # it, no process of this machine compiles against one half written (g++ reading a
-            # truncated header has used 22 GB of memory).
-            lock_path = pch_lock_path(header)
-            os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-            with FileLock(lock_path, timeout=LOCK_TIMEOUT):
-                if os.path.exists(target):
-                    continue
+        header_lock = _header_locks.setdefault(header, threading.Lock())
+    with header_lock:
+        with _pch_lock:
+            entry = _deferred_pch.get(header)
+        if entry is None:  # placed by another thread of this process
+            return
+        builder, key = entry
+        target = header + ".gch"
+        # g++ writes the header straight to its place: under torch's lock for it, as torch builds
+        # it, no process of this machine compiles against one half written (g++ reading a
+        # truncated header has used 22 GB of memory).
+        lock_path = pch_lock_path(header)
+        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+        with FileLock(lock_path, timeout=LOCK_TIMEOUT), _placed(header):
+            if not os.path.exists(target):
                 try:
                     store = get_store()
                     # No waiting on a peer's lease: building it here costs seconds, a wait could cost
                     # a whole compile of the peer's (it uploads the header once that compile is over).
-                    data = store.get("cpp_object", key, wait=False).value if store is not None else None
-                    fetched = data is not None and _write_atomic(target, data)
+                    # Not copied into the local tier: the file in place is this machine's copy.
+                    lookup = store.get("cpp_object", key, wait=False, copy_local=False) if store is not None else None
+                    fetched = lookup is not None and lookup.value is not None and _write_atomic(target, lookup.value)
                 except Exception as exc:
                     fail_open("C++ object cache", exc)
                     fetched = False
                 if not fetched:
+                    if original_build is None:
+                        raise _StillDeferred
                     _build_and_store(builder, key, original_build)
+
+
+class _StillDeferred(Exception):
+    """A prefetch found no stored header: a build will make it."""
+
+
+@contextlib.contextmanager
+def _placed(header: str):
+    # The header is no longer deferred once placed, and also once its build failed (g++'s error
+    # goes to the kernel that needed it, as torch's would, and is not repeated for every kernel);
+    # a prefetch that found nothing leaves it for a build.
+    try:
+        yield
+    except _StillDeferred:
+        return
+    except BaseException:
+        with _pch_lock:
+            _deferred_pch.pop(header, None)
+        raise
+    with _pch_lock:
+        _deferred_pch.pop(header, None)
+
+
+def _prefetch_pch() -> None:
+    """Start fetching each deferred precompiled header not yet asked for, in a thread of its own.
+
+    Called as Inductor generates a graph's kernels: the cache missed that graph, so some of its
+    kernels may be new, and the first one g++ has to build would otherwise wait for the header's
+    fetch (~150 MB: 0.6-0.9 s) after its lookup missed, at the end of code generation.
+    """
+    with _pch_lock:
+        headers = [h for h in _deferred_pch if h not in _prefetched_pch]
+        _prefetched_pch.update(headers)
+    for header in headers:
+        threading.Thread(target=_prefetch_one, args=(header,), name="warmstart-pch-prefetch", daemon=True).start()
+
+
+def _prefetch_one(header: str) -> None:
+    try:
+        _place_pch(header, None)
+    except Exception as exc:
+        fail_open("precompiled header prefetch", exc)
 
 
 def pch_lock_path(header: str) -> str:
@@ -684,6 +757,66 @@ def _start_cpp_build(kernel_body: str) -> None:
     codecache.CppPythonBindingsCodeCache.load_pybinding_async(
         argtypes, source, submit_fn=async_compile.AsyncCompile.submit
     )
+    _prefetch_pch()
+
+
+# -- the GIL while Inductor generates code ---------------------------------------------------
+
+
+_CODEGEN_SWITCH_INTERVAL_S = 0.001
+
+
+@_patch(
+    "torch._inductor.graph",
+    "the compile threads' cache lookups and fetches wait up to 5 ms for the GIL after each read while "
+    "Inductor generates code",
+)
+def _hook_codegen_switch_interval(graph: ModuleType) -> None:
+    """Hand the GIL to Inductor's compile threads within 1 ms, not 5, while it generates a graph's code.
+
+    Code generation is pure Python and holds the GIL; the compile threads meanwhile look each
+    generated kernel up in the store, fetch it or start g++ (see ``_hook_early_cpp_builds``), each
+    a chain of short reads and writes. Python makes a thread that wants the GIL wait one switch
+    interval (5 ms by default) after every one of them, so a lookup that costs a few milliseconds
+    alone took 0.1-0.5 s, and a kernel that has to be built started that much later. The interval
+    is Python's alone (no result depends on it) and comes back as it was when code generation ends.
+    """
+    lowering = graph.GraphLowering
+    original = lowering.codegen
+
+    @functools.wraps(original)
+    def codegen(self, *args, **kwargs):
+        with _short_switch_interval():
+            return original(self, *args, **kwargs)
+
+    lowering.codegen = codegen
+
+
+_switch_lock = threading.Lock()
+_switch_depth = 0
+_switch_saved = 0.0
+
+
+@contextlib.contextmanager
+def _short_switch_interval():
+    global _switch_depth, _switch_saved
+    from torch._inductor import async_compile
+
+    if async_compile.get_compile_threads() <= 1:  # no compile threads: nothing waits for the GIL
+        yield
+        return
+    with _switch_lock:
+        if _switch_depth == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, _CODEGEN_SWITCH_INTERVAL_S))
+        _switch_depth += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_depth -= 1
+            if _switch_depth == 0:
+                sys.setswitchinterval(_switch_saved)
 
 
 # -- the vector-ISA probe ----------------------------------------------------------------------
