@@ -227,7 +227,7 @@ def test_a_prefetch_that_finds_no_header_or_a_failing_store_leaves_it_to_the_bui
 
     from torch._inductor.cpp_builder import CppBuilder
 
-    from warmstart.compile_cache import LocalTier, TieredStore, set_store, storage, torch_hooks
+    from warmstart.compile_cache import LocalTier, TieredStore, get_store, set_store, storage, torch_hooks
 
     class BrokenStore:
         def get(self, kind, key, **kwargs):
@@ -243,20 +243,26 @@ def test_a_prefetch_that_finds_no_header_or_a_failing_store_leaves_it_to_the_bui
     build = getattr(CppBuilder.build, "__wrapped__", CppBuilder.build)
     header, builder, key = _tiny_header(tmp_path)
     gch = Path(f"{header}.gch")
-    for store in (TieredStore(LocalTier(tmp_path / "ws", 1 << 30), None), BrokenStore()):
+    empty = TieredStore(LocalTier(tmp_path / "empty", 1 << 30), None)
+    for store in (empty, BrokenStore()):
         set_store(store)
         torch_hooks._deferred_pch[str(header)] = (builder, key)
         torch_hooks._prefetched_pch.discard(str(header))
+        torch_hooks._looked_up_pch.discard(str(header))
         with caplog.at_level(logging.WARNING, logger=storage.log.name):
             torch_hooks._prefetch_one(str(header))
         assert not gch.exists() and str(header) in torch_hooks._deferred_pch
     assert sum("C++ object cache" in r.getMessage() for r in caplog.records) == 1, caplog.records
+    empty.close()
     builds = []
     command = f"g++ -include {header} kernel.cpp"
+    set_store(TieredStore(LocalTier(tmp_path / "ws", 1 << 30), None))
     torch_hooks._materialize_pch(command, lambda b: builds.append(b) or build(b))
     torch_hooks._materialize_pch(command, lambda b: builds.append(b) or build(b))
     assert len(builds) == 1 and gch.stat().st_size > 0
     assert str(header) not in torch_hooks._deferred_pch
+    stats = get_store().stats.get("local", "cpp_object")
+    assert (stats.hits, stats.misses) == (0, 0)  # the prefetch looked it up: the build does not again
 
 
 def test_a_store_that_raises_while_naming_a_header_costs_one_warning_and_torchs_own_name(tmp_path):

@@ -442,6 +442,7 @@ _deferred_pch: dict[str, tuple[object, str]] = {}  # header -> (its builder, its
 _pch_lock = threading.Lock()  # guards _deferred_pch, _header_locks, _prefetched_pch
 _header_locks: dict[str, threading.Lock] = {}  # one per header: its fetch, build or prefetch at a time
 _prefetched_pch: set[str] = set()
+_looked_up_pch: set[str] = set()  # looked up in the store once per process: a miss is counted once
 
 
 def _reset_pch_locks_in_child() -> None:
@@ -451,6 +452,7 @@ def _reset_pch_locks_in_child() -> None:
     _pch_lock = threading.Lock()
     _header_locks.clear()
     _prefetched_pch.clear()
+    _looked_up_pch.clear()
 
 
 os.register_at_fork(after_in_child=_reset_pch_locks_in_child)
@@ -507,16 +509,19 @@ def _place_pch(header: str, original_build: Callable | None) -> None:
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
         with FileLock(lock_path, timeout=LOCK_TIMEOUT), _placed(header):
             if not os.path.exists(target):
-                try:
-                    store = get_store()
-                    # No waiting on a peer's lease: building it here costs seconds, a wait could cost
-                    # a whole compile of the peer's (it uploads the header once that compile is over).
-                    # Not copied into the local tier: the file in place is this machine's copy.
-                    lookup = store.get("cpp_object", key, wait=False, copy_local=False) if store is not None else None
-                    fetched = lookup is not None and lookup.value is not None and _write_atomic(target, lookup.value)
-                except Exception as exc:
-                    fail_open("C++ object cache", exc)
-                    fetched = False
+                fetched = False
+                if header not in _looked_up_pch:  # a prefetch that found nothing: the build needs no second look
+                    _looked_up_pch.add(header)
+                    try:
+                        store = get_store()
+                        # No waiting on a peer's lease: building it here costs seconds, a wait could
+                        # cost a whole compile of the peer's (it uploads the header once that compile
+                        # is over). Not copied into the local tier: the file in place is this
+                        # machine's copy.
+                        value = store.get("cpp_object", key, wait=False, copy_local=False).value if store else None
+                        fetched = value is not None and _write_atomic(target, value)
+                    except Exception as exc:
+                        fail_open("C++ object cache", exc)
                 if not fetched:
                     if original_build is None:
                         raise _StillDeferred
