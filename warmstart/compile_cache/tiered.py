@@ -1,7 +1,8 @@
 """The store jobs use: the local tier first, then the remote tier, with backfill and background writes.
 
 Reads go local, then remote; a remote hit is copied into the local tier (in the background, so the
-job does not wait on the disk) so the next read on this machine is local. Writes go to the local
+job does not wait on the disk) so the next read on this machine is local, unless its reader keeps it
+on this machine itself (``get(..., copy_local=False)``). Writes go to the local
 tier at once (values of ``LOCAL_BACKGROUND_BYTES`` and more from the background thread too) and to
 the remote tier from a background thread, at a lower CPU priority, so compilation never waits on
 the network; ``flush`` (also run at exit, for at most ``EXIT_FLUSH_S``) drains them. Queued writes hold
