@@ -442,7 +442,7 @@ _deferred_pch: dict[str, tuple[object, str]] = {}  # header -> (its builder, its
 _pch_lock = threading.Lock()  # guards _deferred_pch, _header_locks, _prefetched_pch
 _header_locks: dict[str, threading.Lock] = {}  # one per header: its fetch, build or prefetch at a time
 _prefetched_pch: set[str] = set()
-_looked_up_pch: set[str] = set()  # looked up in the store once per process: a miss is counted once
+_looked_up_pch: set[str] = set()  # asked of the store (under the header's lock), once per process
 
 
 def _reset_pch_locks_in_child() -> None:
@@ -491,8 +491,6 @@ def _place_pch(header: str, original_build: Callable | None) -> None:
     from torch._inductor.codecache import LOCK_TIMEOUT
     from torch.utils._filelock import FileLock
 
-    from warmstart.compile_cache import get_store
-
     with _pch_lock:
         header_lock = _header_locks.setdefault(header, threading.Lock())
     with header_lock:
@@ -507,46 +505,38 @@ def _place_pch(header: str, original_build: Callable | None) -> None:
         # truncated header has used 22 GB of memory).
         lock_path = pch_lock_path(header)
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-        with FileLock(lock_path, timeout=LOCK_TIMEOUT), _placed(header):
-            if not os.path.exists(target):
-                fetched = False
-                if header not in _looked_up_pch:  # a prefetch that found nothing: the build needs no second look
-                    _looked_up_pch.add(header)
-                    try:
-                        store = get_store()
-                        # No waiting on a peer's lease: building it here costs seconds, a wait could
-                        # cost a whole compile of the peer's (it uploads the header once that compile
-                        # is over). Not copied into the local tier: the file in place is this
-                        # machine's copy.
-                        value = store.get("cpp_object", key, wait=False, copy_local=False).value if store else None
-                        fetched = value is not None and _write_atomic(target, value)
-                    except Exception as exc:
-                        fail_open("C++ object cache", exc)
-                if not fetched:
-                    if original_build is None:
-                        raise _StillDeferred
+        with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+            placed = os.path.exists(target) or _fetch_pch(header, key, target)
+            if not placed and original_build is None:
+                return  # a prefetch that found nothing: the first build that needs the header builds it
+            try:
+                if not placed and original_build is not None:
                     _build_and_store(builder, key, original_build)
+            finally:
+                # No longer deferred once placed, and also once its build failed: g++'s error goes to
+                # the kernel that needed it, as torch's would, and is not repeated for every kernel.
+                with _pch_lock:
+                    _deferred_pch.pop(header, None)
 
 
-class _StillDeferred(Exception):
-    """A prefetch found no stored header: a build will make it."""
+def _fetch_pch(header: str, key: str, target: str) -> bool:
+    """Write ``header``'s precompiled version to ``target`` from the store; the store is asked once
+    per process (a prefetch that found nothing spares the build a second lookup, and a second miss)."""
+    from warmstart.compile_cache import get_store
 
-
-@contextlib.contextmanager
-def _placed(header: str):
-    # The header is no longer deferred once placed, and also once its build failed (g++'s error
-    # goes to the kernel that needed it, as torch's would, and is not repeated for every kernel);
-    # a prefetch that found nothing leaves it for a build.
+    if header in _looked_up_pch:
+        return False
+    _looked_up_pch.add(header)
     try:
-        yield
-    except _StillDeferred:
-        return
-    except BaseException:
-        with _pch_lock:
-            _deferred_pch.pop(header, None)
-        raise
-    with _pch_lock:
-        _deferred_pch.pop(header, None)
+        store = get_store()
+        # No waiting on a peer's lease: building it here costs seconds, a wait could cost a whole
+        # compile of the peer's (it uploads the header once that compile is over). Not copied into
+        # the local tier: the file in place is this machine's copy.
+        value = store.get("cpp_object", key, wait=False, copy_local=False).value if store is not None else None
+        return value is not None and _write_atomic(target, value)
+    except Exception as exc:
+        fail_open("C++ object cache", exc)
+        return False
 
 
 def _prefetch_pch() -> None:
