@@ -1,11 +1,17 @@
 """A forked child of the preloader becoming the program a process handed over.
 
-First everything that can fail (its own session, the process's cgroup, resource limits, descriptors,
-working directory, environment, signal dispositions); a failure there is reported to the process,
-which then starts as usual. Then, once the process knows the child runs its program, the interpreter
-state a fresh interpreter would have had (``sys.argv``, ``sys.path[0]``, a new ``__main__``,
-standard streams on the process's descriptors, fresh random seeds, warmstart's settings from the
-process's environment), and the program, run as ``python`` runs it.
+The child, not the preloader, reads what the process sends of itself (its command line, environment
+and descriptors): the preloader never holds one program's data in memory that it would pass on to
+the next. First everything that can fail or refuse (what the preloader's imports read that differs
+in this process, a module of the program's own directory that would shadow a preloaded one, its
+own session, the process's cgroup, resource limits, descriptors, working directory, environment,
+signal dispositions); a failure there is reported to the process, which then starts as usual. Then,
+once the process knows the child runs its program, the interpreter state a fresh interpreter would
+have had (``sys.argv``, ``sys.path[0]``, a new ``__main__``, standard streams on the process's
+descriptors, fresh random seeds, warmstart's settings from the process's environment), and the
+program, run as ``python`` runs it. It ends as the interpreter ends: the program's outcome reaches
+the interpreter's top level, which shuts down as in any process (threads joined, ``atexit``, module
+teardown and finalizers, buffered files flushed) and exits with the program's status.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import sys
 import types
 from typing import Any
 
-from warmstart.preload import kernel_state, wire
-from warmstart.preload.client import _read, program_mode
+from warmstart.preload import kernel_state, recording, wire
+from warmstart.preload.client import HANDOVER_TIMEOUT_S, _read, program_mode
 from warmstart.preload.server import CHILD_DECLINED, Request
 
 _PR_SET_PDEATHSIG = 1
@@ -32,38 +38,118 @@ _Program = tuple[str, str, list[str]]  # program_mode's (mode, target, args)
 
 
 def become(request: Request) -> None:
-    """Set up this child as ``request``'s process would have started, run its program and end as
-    the interpreter would (never returns).
-
-    It ends as ``multiprocessing``'s forked children do: after the program's threads, its atexit
-    handlers and a flush of every open file, without tearing the interpreter down module by module,
-    which for a process that imported torch and TorchRec takes over a second and changes nothing
-    the program could see."""
-    message = request.message
+    """Read the rest of ``request``'s process, set up this child as it would have started, and run
+    its program. Returns (or raises ``SystemExit`` or the program's exception) to the interpreter's
+    top level, which ends the process as it ends any: never returns when the child is declined."""
     conn = request.conn
     try:
+        conn.settimeout(HANDOVER_TIMEOUT_S)
+        message, fds = wire.receive(conn)  # the process's data: read here, never in the preloader
         mode = program_mode(message["argv"])
         if mode is None:  # a client hands over only what it can run: this request came from elsewhere
             raise ValueError("the command line is not one a preloader runs")
-        conn = _setup(message, request)
+        _check_imports(message, mode)
+        conn = _setup(message, conn, fds)
         pidfd = os.pidfd_open(os.getpid())
     except Exception as exc:  # anything: the process then starts as usual
+        reason = str(exc) if isinstance(exc, Declined) else f"the child could not be set up ({_named(exc)})"
         with contextlib.suppress(OSError):
-            wire.send(conn, {"declined": f"the child could not be set up ({type(exc).__name__}: {exc})"})
+            wire.send(conn, {"declined": reason})
+        with contextlib.suppress(OSError):
+            os.write(request.reason_fd, reason.encode()[:4000])
         os._exit(CHILD_DECLINED)
     wire.send(conn, {"running": os.getpid()}, [pidfd])
     os.close(pidfd)
+    conn.close()  # the preloader reports the program's end: nothing of the handover stays open in it
+    os.close(request.reason_fd)
     _interpreter_state(message, mode)
-    _end(_run_program(mode), conn)
+    _run_program(mode)
 
 
-def _setup(message: dict, request: Request) -> socket.socket:
+def _named(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Declined(Exception):
+    """This process cannot be run as a new interpreter would run it: it starts as usual."""
+
+
+def _check_imports(message: dict, program: _Program) -> None:
+    """Refuse what would make the preloaded imports differ from the program's own: a variable they
+    read with another value here, another thread count for torch, a module in the program's first
+    ``sys.path`` directory that a new interpreter would import in place of a preloaded one."""
+    from warmstart.preload import environment
+
+    reads = IMPORT_READS
+    if reads is None:
+        return
+    theirs = message["environ"]
+    for name, value in sorted(reads.environ.items()):
+        if environment.applied_in_child(name):
+            continue
+        if theirs.get(name) != value:
+            state = "unset" if name not in theirs else "set" if value is None else "another value"
+            raise Declined(f"{name} is {state} here; the preloaded modules read it when they were imported")
+    first = _first_path_entry(program, message["cwd"])
+    if first is not None:
+        shadowing = sorted(_module_names(first) & SHADOWABLE)
+        if shadowing:
+            raise Declined(
+                f"{os.path.join(first, shadowing[0])} would be imported in place of the preloaded "
+                f"{shadowing[0]} (or of a module the preloaded ones looked for) in a new interpreter"
+            )
+    kept = WORKING_DIRECTORY_STRINGS.fixed if WORKING_DIRECTORY_STRINGS is not None else []
+    if kept:
+        raise Declined(f"the preloaded modules keep the directory they were imported in, in {kept[0]}")
+
+
+def _first_path_entry(program: _Program, cwd: str) -> str | None:
+    """The directory the interpreter puts first on ``sys.path`` for ``program``, or ``None`` (-P)."""
+    if getattr(sys.flags, "safe_path", False):  # -P, from 3.11
+        return None
+    mode, target, _ = program
+    if mode == "script":
+        entry = _script_path_entry(os.path.join(cwd, target))
+        return entry if os.path.isdir(entry) else None  # a zip file's modules are checked when it is run
+    return cwd
+
+
+def _module_names(directory: str) -> set[str]:
+    from warmstart.preload.watch import importable_entries
+
+    return {name.partition(".")[0] for name in importable_entries(directory)}
+
+
+#: What the preloader's imports read (:mod:`warmstart.preload.recording`), and the top-level names a
+#: module in the program's own directory must not have: the modules they imported (less those the
+#: interpreter had imported before, at start-up) and those they looked for in vain. Set by
+#: :func:`note_imports`.
+IMPORT_READS: recording.ImportReads | None = None
+SHADOWABLE: frozenset[str] = frozenset()
+WORKING_DIRECTORY_STRINGS: recording.Strings | None = None
+
+
+def note_imports(reads: recording.ImportReads, before: set[str]) -> None:
+    """Note what the preloader's imports read, which top-level modules they brought (``before``: the
+    modules imported before them), and where they kept the working directory they ran in."""
+    global IMPORT_READS, SHADOWABLE, WORKING_DIRECTORY_STRINGS
+    IMPORT_READS = reads
+    found = recording.working_directory_strings(reads.cwd)
+    # the record itself holds the directory: not something a program would see
+    found.places = [(holder, key) for holder, key in found.places if holder is not vars(reads)]
+    WORKING_DIRECTORY_STRINGS = found
+    imported = {name.partition(".")[0] for name in sys.modules} - {name.partition(".")[0] for name in before}
+    SHADOWABLE = frozenset(imported | set(reads.missing))
+
+
+def _setup(message: dict, conn: socket.socket, fds: list[int]) -> socket.socket:
     os.setsid()  # its own process group: what it starts ends with it, and the preloader's signals are not its
     _die_with_parent()
     _join_cgroup(message.get("cgroup", ""))
-    conn = _place_fds(message["fds"], request)
+    conn = _place_fds(message["fds"], conn, fds)
     os.chdir(message["cwd"])
     os.umask(message["umask"])
+    _check_stack_limit(message.get("rlimits", {}))
     for resource_id, (soft, hard) in message.get("rlimits", {}).items():
         _set_rlimit(resource_id, soft, hard)
     # After the limits: RLIMIT_NICE and RLIMIT_RTPRIO are what permit a priority without privilege.
@@ -141,13 +227,14 @@ def _cgroup_roots() -> dict[str, tuple[str, str]]:
     return roots
 
 
-def _place_fds(numbers: list[int], request: Request) -> socket.socket:
+def _place_fds(numbers: list[int], conn: socket.socket, received: list[int]) -> socket.socket:
     """Put the process's descriptors at their numbers; returns the connection, moved out of their way."""
-    received = request.fds
     if len(received) != len(numbers):
         raise RuntimeError(f"{len(received)} descriptors came, {len(numbers)} were sent")
     base = max([*numbers, 2]) + 1
-    conn_fd = fcntl.fcntl(request.conn.detach(), fcntl.F_DUPFD_CLOEXEC, base)
+    accepted = conn.detach()
+    conn_fd = fcntl.fcntl(accepted, fcntl.F_DUPFD_CLOEXEC, base)
+    os.close(accepted)
     held = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, base) for fd in received]
     kept = {conn_fd, *held}
     for fd in received:
@@ -171,6 +258,16 @@ def _is_open(fd: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def _check_stack_limit(rlimits: dict) -> None:
+    # The C library sizes new threads' stacks from the stack limit once, when the process starts:
+    # a child that took on another limit would still give its threads the preloader's size.
+    import resource
+
+    theirs = rlimits.get(resource.RLIMIT_STACK)
+    if theirs is not None and theirs[0] != resource.getrlimit(resource.RLIMIT_STACK)[0]:
+        raise Declined("its stack size limit differs from the preloader's (threads' stacks are sized from it at start)")
 
 
 def _set_rlimit(resource_id: int, soft: int, hard: int) -> None:
@@ -198,6 +295,7 @@ def _interpreter_state(message: dict, program: _Program) -> None:
         first = {"script": _script_path_entry(target), "module": os.getcwd(), "command": ""}[mode]
         sys.path.insert(0, first)
     _reseed()
+    _rebase_working_directory()
     _own_identity()
     _launch.forked_at(message.get("start_ts"))
     from warmstart.compile_cache import torch_hooks
@@ -207,24 +305,28 @@ def _interpreter_state(message: dict, program: _Program) -> None:
 
 
 def _standard_streams(unbuffered: bool) -> None:
-    # As the interpreter makes them at start: text over the descriptor, line-buffered on a terminal,
-    # the encoding from the (same) locale and PYTHONIOENCODING; None where the descriptor is closed.
+    # As the interpreter makes them at start (create_stdio): text over io.open(fd) (binary, unbuffered
+    # for writing under -u), newline "\n" (no translation of "\r"), line-buffered on a terminal or for
+    # stderr, the encoding from the (same) locale and PYTHONIOENCODING; None where the descriptor is
+    # closed.
     encoding = os.environ.get("PYTHONIOENCODING", "").partition(":")[0] or None
     errors = os.environ.get("PYTHONIOENCODING", "").partition(":")[2] or None
 
     def stream(fd: int, mode: str):
         if not _is_open(fd):
             return None
-        raw = io.FileIO(fd, mode, closefd=False)
+        write = mode == "w"
+        buffering = 0 if unbuffered and write else -1
+        binary: Any = io.open(fd, mode + "b", buffering, closefd=False)
+        raw = binary if buffering == 0 else binary.raw
         raw.name = ("<stdin>", "<stdout>", "<stderr>")[fd]  # as the interpreter names them
-        tty = raw.isatty()
-        buffered = (io.BufferedWriter if "w" in mode else io.BufferedReader)(raw)
         text = io.TextIOWrapper(
-            buffered,
+            binary,
             encoding=encoding or (sys.stdout or sys.__stdout__ or io.StringIO()).encoding,
             errors=("backslashreplace" if fd == 2 else errors or _stdio_errors()),
-            line_buffering=(tty or fd == 2) and not unbuffered,
-            write_through=unbuffered or fd == 2,
+            newline="\n",
+            line_buffering=not unbuffered and (raw.isatty() or fd == 2),
+            write_through=unbuffered,
         )
         text.mode = mode  # type: ignore[misc]
         return text
@@ -258,10 +360,11 @@ def _unbuffered(argv: list[str]) -> bool:
 
 def _script_path_entry(script: str) -> str:
     # As the interpreter computes it: a directory or zip file with a __main__.py is itself the entry
-    # (joined to the working directory, not normalised); a script's directory, its links resolved.
+    # (joined to the working directory, not normalised); a script's directory, every link on the
+    # way resolved (the interpreter's realpath of the script).
     if _is_package_main(script):
         return os.path.join(os.getcwd(), script)
-    return os.path.dirname(os.path.abspath(os.path.realpath(script) if os.path.islink(script) else script))
+    return os.path.dirname(os.path.realpath(script))
 
 
 def _is_package_main(script: str) -> bool:
@@ -269,22 +372,26 @@ def _is_package_main(script: str) -> bool:
 
 
 def _thread_count(preloader_environ: dict[str, str], moved: bool) -> None:
-    # torch fixed its intra-op thread count from OMP_NUM_THREADS / MKL_NUM_THREADS when the
-    # preloader imported it: the program's value, when it has another.
+    # torch fixed its intra-op thread count when the preloader imported it: from MKL_NUM_THREADS, else
+    # OMP_NUM_THREADS (MKL's count wins where torch uses MKL), else from the CPUs it may run on. The
+    # program's count where its variables differ; refused where it cannot be told.
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    if moved and not any(os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
-        # Without them, torch counts its threads from the CPUs it may run on (through MKL or OpenMP,
-        # once per process), which it did for the preloader's CPUs.
-        raise RuntimeError("the process runs on other CPUs and no OMP_NUM_THREADS says how many threads torch uses")
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        value = os.environ.get(name)
-        if value != preloader_environ.get(name):
-            with contextlib.suppress(ValueError, RuntimeError):
-                if value and int(value) > 0:
-                    torch.set_num_threads(int(value))
-            return
+    names = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+    theirs = tuple(os.environ.get(name) or None for name in names)
+    if theirs == tuple(preloader_environ.get(name) or None for name in names):
+        if moved and theirs == (None, None):
+            raise Declined("the process runs on other CPUs and no OMP_NUM_THREADS says how many threads torch uses")
+        return
+    mkl = bool(getattr(torch.backends, "mkl", None) and torch.backends.mkl.is_available())
+    value = (theirs[0] if mkl else None) or theirs[1]
+    if value is None or not value.isdigit() or int(value) < 1:
+        raise Declined(
+            f"torch's thread count cannot be set from MKL_NUM_THREADS={theirs[0]} OMP_NUM_THREADS={theirs[1]} "
+            f"(the preloader's are {preloader_environ.get(names[0])} and {preloader_environ.get(names[1])})"
+        )
+    torch.set_num_threads(int(value))
 
 
 #: torch's default CPU generator as the preloader's imports left it, when one of them seeded it
@@ -313,6 +420,11 @@ def _reseed() -> None:
     with contextlib.suppress(Exception):
         if numpy is not None:
             numpy.random.seed()
+    for ref in IMPORT_READS.entropy_seeded if IMPORT_READS is not None else ():
+        generator = ref()  # sympy's, and any other a preloaded module seeded from the OS's entropy
+        if generator is not None:
+            with contextlib.suppress(Exception):
+                generator.seed()
     torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
         if torch is not None:
@@ -320,6 +432,13 @@ def _reseed() -> None:
                 torch.default_generator.set_state(_TORCH_GENERATOR_AFTER_IMPORTS)
             else:
                 torch.default_generator.seed()
+
+
+def _rebase_working_directory() -> None:
+    # What the preloaded modules made of the working directory they were imported in, made of the
+    # program's, as its own imports would have.
+    if IMPORT_READS is not None and WORKING_DIRECTORY_STRINGS is not None:
+        recording.replace_strings(WORKING_DIRECTORY_STRINGS, IMPORT_READS.cwd, os.getcwd())
 
 
 def _own_identity() -> None:
@@ -366,67 +485,35 @@ def _exec(code, main: types.ModuleType) -> None:
     exec(code, main.__dict__)
 
 
-_SIGINT_EXIT = -int(signal.SIGINT)  # _run_program: end by SIGINT, as an uncaught KeyboardInterrupt does
-
-
-def _run_program(mode: _Program) -> int:
-    """Run the program; its exit status, as the interpreter's top level would make it."""
+def _run_program(mode: _Program) -> None:
+    """Run the program; its outcome goes on to the interpreter's top level, as a new interpreter's
+    would: ``SystemExit`` as it is, any other exception printed there with the program's traceback
+    (see :func:`_trimmed_excepthook`), ``KeyboardInterrupt`` then ending the process by SIGINT."""
     try:
         _run(mode)
-        return 0
-    except SystemExit as exc:
-        return _exit_status(exc.code)
-    except BaseException as exc:
-        trimmed = _program_traceback(exc.__traceback__)
-        exc.__traceback__ = trimmed  # the hook prints the exception's own traceback, whatever it is given
-        sys.excepthook(type(exc), exc, trimmed)
-        return _SIGINT_EXIT if isinstance(exc, KeyboardInterrupt) else 1
+    except SystemExit:
+        raise
+    except BaseException:
+        sys.excepthook = _trimmed_excepthook(sys.excepthook)
+        raise
 
 
-def _exit_status(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    with contextlib.suppress(Exception):
-        print(code, file=sys.stderr)
-    return 1
+def _trimmed_excepthook(hook):
+    """``hook`` (the program's ``sys.excepthook``, whatever it set) given the traceback a plain run
+    prints: from the program's first frame, without the preloader's and this module's frames."""
 
+    def excepthook(kind, value, tb):
+        sys.excepthook = hook
+        trimmed = tb
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == __file__:
+                trimmed = tb.tb_next
+            tb = tb.tb_next
+        if value is not None:
+            value.__traceback__ = trimmed  # the hook prints the exception's own traceback, whatever it is given
+        hook(kind, value, trimmed)
 
-def _program_traceback(tb):
-    # The traceback a plain run prints starts at the program's frames, not at this module's.
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return tb
-
-
-def _end(status: int, conn: socket.socket) -> None:
-    import atexit
-    import gc
-    import threading
-
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]  # the program's non-daemon threads
-    atexit._run_exitfuncs()
-    # What module teardown would have flushed: files the program left open.
-    writable = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
-    for obj in gc.get_objects():
-        if issubclass(type(obj), writable):  # type(), not isinstance: no object's __class__ runs
-            with contextlib.suppress(BaseException):
-                if not obj.closed and obj.writable():
-                    obj.flush()
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(BaseException):
-            if stream is not None:
-                stream.flush()
-    # The process learns the status from here rather than from the preloader once the kernel has
-    # torn this address space down (tens of milliseconds for one that imported torch).
-    with contextlib.suppress(OSError):
-        wire.send(conn, {"signal": int(signal.SIGINT)} if status == _SIGINT_EXIT else {"exit": status})
-    if status == _SIGINT_EXIT:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(status)
+    return excepthook
 
 
 def _is_zip(path: str) -> bool:

@@ -92,6 +92,23 @@ def program_mode(argv: list[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
+def _unrunnable_script(path: str) -> str | None:
+    """Why a script is left to the interpreter itself: one it cannot open (its own message and exit
+    status 2), or compiled bytecode (which it runs as such)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except IsADirectoryError:
+        return None  # a directory with a __main__.py
+    except OSError:
+        return "the script cannot be opened"
+    import _frozen_importlib_external  # the interpreter's own, loaded already
+
+    if path.endswith(".pyc") or head[:2] == _frozen_importlib_external.MAGIC_NUMBER[:2]:
+        return "the script is compiled bytecode"
+    return None
+
+
 def has_controlling_terminal() -> bool:
     """Whether this process has a controlling terminal (a command typed at a shell). A forked child
     runs in a session of its own and could not open ``/dev/tty``: ``getpass`` would read a password
@@ -109,8 +126,13 @@ def _handover(path: str) -> str | None:
     import _socket
 
     argv = list(getattr(sys, "orig_argv", ()) or ())
-    if program_mode(argv) is None:
+    mode = program_mode(argv)
+    if mode is None:
         return "the program is interactive or read from stdin"
+    if mode[0] == "script":
+        unrunnable = _unrunnable_script(mode[1])
+        if unrunnable is not None:
+            return unrunnable
     if has_controlling_terminal():
         return "it has a controlling terminal, which a forked program could not open (/dev/tty)"
     try:
@@ -122,9 +144,14 @@ def _handover(path: str) -> str | None:
     child: list[int] = []
     previous: dict[int, object] = {}
 
+    # A process started as its own process group's leader (torchrun starts each rank so) is signalled
+    # with its group (torchrun stops its ranks with killpg): the program's own processes are in that
+    # group too in a plain run, and in the child's here.
+    group = os.getpgrp() == os.getpid()
+
     def forward(signum, _frame):
         if child:
-            _send_signal(_signal, child[0], signum)
+            _send_signal(_signal, child[0], signum, group)
         else:
             pending.append(signum)
 
@@ -141,7 +168,7 @@ def _handover(path: str) -> str | None:
     # From here the program is the child's: this process only waits.
     child.append(pidfd)
     for signum in pending:
-        _send_signal(_signal, child[0], signum)
+        _send_signal(_signal, child[0], signum, group)
     _release_fds(fds)
     sock.settimeout(None)
     _wait(_signal, sock, child[0])
@@ -171,17 +198,22 @@ def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict
             previous[signum] = _signal.signal(signum, forward)
         except (OSError, ValueError):
             pass
-    request = {
+    # What the preloader checks before it forks; the rest is read by its child alone, so that no
+    # program's data stays in the preloader for the next one to inherit.
+    check = {
         "op": "run",
         "protocol": wire.PROTOCOL,
         "fingerprint": fingerprint(),
+        "isolation": kernel_state.isolation(),
+    }
+    request = {
         "argv": argv,
         "cwd": cwd,
         "environ": dict(os.environ),
         "umask": _umask(),
         "rlimits": _rlimits(),
         "cgroup": _read("/proc/self/cgroup"),
-        "isolation": kernel_state.isolation(),
+        "isolation": check["isolation"],
         "placement": kernel_state.placement(),
         "start_ts": _start_ts(),
         "fds": fds,
@@ -190,6 +222,7 @@ def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict
         "blocked": sorted(int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])),
     }
     try:
+        wire.send(sock, check)
         wire.send(sock, request, fds)
         reply, reply_fds = wire.receive(sock)
     except (OSError, EOFError, ValueError) as exc:  # a timeout too: the preloader is busy or stopped
@@ -276,13 +309,27 @@ def _exit_now(code: int) -> None:
     os._exit(code)  # this process printed nothing and owns nothing: no interpreter shutdown
 
 
-def _send_signal(_signal, pidfd: int, signum: int) -> None:
-    if signum == getattr(_signal, "SIGTSTP", None):
-        # Stop the program, then this process, as ^Z at a terminal stops a process group.
+def _send_signal(_signal, pidfd: int, signum: int, group: bool = False) -> None:
+    if group:
+        # The child leads its own group, numbered as its pid (the pidfd's process, still unreaped:
+        # the preloader reaps it only after telling this process of its end).
+        try:
+            os.killpg(_pid_of(pidfd), signum)
+        except OSError:
+            pass
+    else:
         _try(_signal.pidfd_send_signal, pidfd, signum)
+    if signum == getattr(_signal, "SIGTSTP", None):
+        # Stopped the program; now this process, as ^Z at a terminal stops a process group.
         os.kill(os.getpid(), _signal.SIGSTOP)
-        return
-    _try(_signal.pidfd_send_signal, pidfd, signum)
+
+
+def _pid_of(pidfd: int) -> int:
+    with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"Pid:"):
+                return int(line.split()[1])
+    raise OSError("no pid for the program")
 
 
 def _try(fn, *args) -> None:
@@ -316,6 +363,9 @@ def _restore(_signal, previous: dict, pending: list[int]) -> None:
 
 
 def _open_fds(skip: int) -> list[int]:
+    """The descriptors the program inherited: those without close-on-exec. The interpreter opens its
+    own (``site`` reading this very ``.pth`` file, the listing here) close-on-exec, and a new
+    interpreter's program would not find them open."""
     names = os.listdir("/proc/self/fd")  # the listing's own descriptor is closed again when it returns
     fds = []
     for name in names:
@@ -323,7 +373,8 @@ def _open_fds(skip: int) -> list[int]:
         if fd == skip:
             continue
         try:
-            os.fstat(fd)
+            if not os.get_inheritable(fd):
+                continue
         except OSError:
             continue
         fds.append(fd)

@@ -15,7 +15,14 @@ from warmstart.preload.client import handover_allowed, has_controlling_terminal
 #: How long ``start`` waits for a new preloader to have imported everything and listen.
 START_TIMEOUT_S = 300.0
 
-_SERVER = "from warmstart.preload.server import main; main()"
+#: The preloader's command: ``-c`` puts the working directory first on ``sys.path``, which no module
+#: it imports and no program it runs may come from.
+_SERVER = "import sys; sys.path[:1] == [''] and sys.path.pop(0); from warmstart.preload.server import main; main()"
+
+#: Variables a preloader starts with besides the import-time ones (:mod:`warmstart.preload.environment`):
+#: warmstart's own (less its secrets) and PATH, for a module that runs a program when imported.
+_PRELOADER_NAMES = ("PATH",)
+_SECRETS = ("WARMSTART_SECRET", "WARMSTART_CACHE_URL")
 
 
 def start(
@@ -49,7 +56,7 @@ def start(
             "already_running": True,
             "missing_modules": [m for m in dict.fromkeys(wanted) if m not in tried],
         }
-    env = {**base, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
+    env = {**preloader_environment(base), "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     command = [sys.executable, "-c", _SERVER, path, ",".join(dict.fromkeys(wanted))]
     _private_dir(os.path.dirname(os.path.abspath(path)))
     if foreground:
@@ -78,6 +85,39 @@ def start(
             process.kill()
         raise WarmstartError(f"the preloader did not start; last lines of {log_path}:\n{_tail(log_path)}")
     return {**ready, "already_running": False, "log": log_path}
+
+
+def preloader_environment(environ: dict[str, str]) -> dict[str, str]:
+    """What a preloader for processes started with ``environ`` starts with: only what its imports may
+    read (the import-time variables, warmstart's settings less its secrets, ``PATH``). Every child
+    can read its preloader's start-up environment (``/proc/self/environ``): nothing else of the
+    environment it was started from may be there. And as a shell would pass it: see
+    :func:`as_started`."""
+    from warmstart.preload import environment
+
+    environ = as_started(environ)
+    kept = environment.import_time_environment(environ)
+    for name, value in environ.items():
+        if name in _PRELOADER_NAMES or (name.startswith("WARMSTART") and not name.startswith(_SECRETS)):
+            kept[name] = value
+    return kept
+
+
+def as_started(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` as the shell that started this process gave it: without the ``LC_CTYPE`` that
+    Python adds to its own environment when it coerces the C locale (a shell with no ``LANG``). A
+    process the shell starts has none; a preloader or probe started with it would not run in
+    UTF-8 mode, as that process does, and would never serve it."""
+    coerced = (
+        sys.flags.utf8_mode
+        and "PYTHONUTF8" not in environ
+        and "LC_ALL" not in environ
+        and environ.get("LC_CTYPE") in ("C.UTF-8", "C.utf8", "UTF-8")
+        and environ.get("LANG", "C") in ("", "C", "POSIX")
+    )
+    if not coerced:
+        return dict(environ)
+    return {name: value for name, value in environ.items() if name != "LC_CTYPE"}
 
 
 def status(socket_path: str | None = None) -> dict | None:
@@ -143,7 +183,7 @@ def this_environment_socket(environ: dict[str, str] | None = None) -> str:
     if base.get("WARMSTART_PRELOAD_SOCKET"):
         return base["WARMSTART_PRELOAD_SOCKET"]
     probe = "from warmstart.preload import environment as e; print(e.default_socket(fp=e.site_fingerprint))"
-    env = {**base, "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
+    env = {**as_started(base), "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     if out.returncode != 0 or not out.stdout.strip():
         raise WarmstartError(f"could not tell this environment's preloader socket: {out.stderr.strip()[-500:]}")
@@ -160,7 +200,7 @@ def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
         return False, f"WARMSTART_PRELOAD={environ['WARMSTART_PRELOAD']}"
     # Asked from a new interpreter, whose start-up hook sees what the process's would.
     probe = "from warmstart.preload.control import _print_verdict; _print_verdict()"
-    env = {**environ, "WARMSTART_PRELOAD_SERVE": "1"}
+    env = {**as_started(environ), "WARMSTART_PRELOAD_SERVE": "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     try:
         served, why = json.loads(out.stdout.strip().splitlines()[-1])

@@ -88,6 +88,16 @@ IMPORT_TIME_PREFIXES = (
     "PARTITIONER_",  # torch._functorch.config
     "COMPILE_STROBELIGHT_",  # torch._strobelight, imported by Dynamo
     "QUACK_",  # torch._vendor.quack
+    "LD_",  # the dynamic loader, when the process starts (LD_BIND_NOW, LD_AUDIT...)
+    "GLIBC_",
+    "MALLOC_",  # the C library's allocator, when the process starts (GLIBC_TUNABLES, MALLOC_ARENA_MAX...)
+    "NUMPY_",
+    "NPY_",  # numpy, at import
+    "SYMPY_",
+    "MPMATH_",  # sympy and mpmath, imported by torch's compiler
+    "NETWORKX_",
+    "TQDM_",  # networkx and tqdm, which read every variable with their prefix at import
+    "_PYTHON_",  # sysconfig
 )
 
 
@@ -116,15 +126,18 @@ RUNTIME_NAMES = (
 RUNTIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 
 
+def applied_in_child(name: str) -> bool:
+    """Whether a variable read at import is set again in each child from the program's value, or
+    read only later (see the two tables above): a child may differ from its preloader in it."""
+    return name in APPLIED_IN_CHILD or name in RUNTIME_NAMES or name.startswith(RUNTIME_PREFIXES)
+
+
 def import_time_environment(environ: dict[str, str] | os._Environ) -> dict[str, str]:
     """The variables of ``environ`` that modules read at import time (see the two tables above)."""
     return {
         name: value
         for name, value in environ.items()
-        if (name in IMPORT_TIME_NAMES or name.startswith(IMPORT_TIME_PREFIXES))
-        and name not in APPLIED_IN_CHILD
-        and name not in RUNTIME_NAMES
-        and not name.startswith(RUNTIME_PREFIXES)
+        if (name in IMPORT_TIME_NAMES or name.startswith(IMPORT_TIME_PREFIXES)) and not applied_in_child(name)
     }
 
 

@@ -55,6 +55,9 @@ _ISOLATION_NAMES = {
     "Seccomp": "another seccomp mode (a sandbox)",
     "Seccomp_filters": "other seccomp filters (a sandbox)",
     "label": "another security label (AppArmor or SELinux)",
+    "personality": "another execution domain (setarch)",
+    "loginuid": "another audit login id (a login after the preloader started)",
+    "sessionid": "another audit session id (a login after the preloader started)",
 }
 
 
@@ -78,6 +81,8 @@ def isolation() -> dict:
             found[field] = status[field]
     found["no_new_privs"] = status.get("NoNewPrivs", "0")
     found["label"] = _read("/proc/self/attr/current").strip("\0\n ")
+    for name in ("personality", "loginuid", "sessionid"):  # what the kernel fixes at exec or login
+        found[name] = _read(f"/proc/self/{name}").strip()
     return found
 
 
@@ -101,6 +106,7 @@ def placement() -> dict:
         "policy": os.sched_getscheduler(0),
         "priority": os.sched_getparam(0).sched_priority,
         "oom_score_adj": _read("/proc/self/oom_score_adj").strip(),
+        "timer_slack_ns": _read("/proc/self/timerslack_ns").strip(),
     }
 
 
@@ -120,6 +126,8 @@ def take_on(theirs: dict, isolated: dict, pid: int) -> bool:
         _permitted("scheduling policy", os.sched_setscheduler, 0, theirs["policy"], os.sched_param(theirs["priority"]))
     if theirs.get("oom_score_adj") and theirs["oom_score_adj"] != mine["oom_score_adj"]:
         _permitted("OOM score adjustment", _write, "/proc/self/oom_score_adj", theirs["oom_score_adj"])
+    if theirs.get("timer_slack_ns") and theirs["timer_slack_ns"] != mine["timer_slack_ns"]:
+        prctl(_PR_SET_TIMERSLACK, int(theirs["timer_slack_ns"]))
     if isolated.get("no_new_privs") == "1" and _status().get("NoNewPrivs") != "1":
         prctl(_PR_SET_NO_NEW_PRIVS, 1)
     _take_on_io_priority(pid)
@@ -137,6 +145,7 @@ def _permitted(what: str, call, *args) -> None:
 # -- I/O priority and NUMA memory policy: system calls of their own ------------------------------
 
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_TIMERSLACK = 29
 _IOPRIO_WHO_PROCESS = 1
 #: (ioprio_get, ioprio_set, get_mempolicy) by machine
 _SYSCALLS = {"x86_64": (252, 251, 239), "aarch64": (31, 30, 236)}

@@ -10,9 +10,12 @@ file, an installed package), when the process is of another user, or when its fi
 
 Started by ``warmstart preload start``, which runs::
 
-    python -c "from warmstart.preload.server import main; main()" SOCKET MODULES
+    python -c "import sys; ...; from warmstart.preload.server import main; main()" SOCKET MODULES
 
-with ``WARMSTART=1`` and ``WARMSTART_PRELOAD_SERVE=1`` in its environment.
+which first takes the working directory that ``-c`` put in front of ``sys.path`` off it (nothing it
+imports, and no program it runs, may come from there), with ``WARMSTART=1`` and
+``WARMSTART_PRELOAD_SERVE=1`` and only what its imports may read in its environment (see
+:func:`warmstart.preload.control.preloader_environment`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -168,17 +172,23 @@ CHILD_DECLINED = 213
 
 @dataclass
 class Request:
-    """A process's request to be run, as the forked child receives it."""
+    """A process's request to be run, as the forked child receives it: the connection to read the
+    rest from (the process's command line, environment and descriptors), and where to write why, if
+    the child cannot run it."""
 
-    message: dict
     conn: socket.socket
-    fds: list[int]
+    reason_fd: int
 
 
 @dataclass
 class _Child:
     conn: socket.socket
-    client_pid: int
+    client_pidfd: int  # readable once the process that handed itself over has ended
+    reason_fd: int  # why the child could not be set up, if it could not
+
+
+#: How long a connection may take to send its request, waiting among the others (never holding them up).
+REQUEST_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -201,13 +211,50 @@ class Preloader:
     isolation: dict = field(default_factory=kernel_state.isolation)
     _files: ImportedFiles | None = None
     _stopping: bool = False
+    #: connections whose first message is not whole yet, and until when they may take to send it
+    _pending: dict[socket.socket, float] = field(default_factory=dict)
+    #: the empty directory the imports ran in (removed when it stops)
+    _import_dir: str | None = None
     #: (device, inode) of the socket this preloader bound: what it unlinks, and what must still be
     #: at its path for anyone to reach it.
     _socket_id: tuple[int, int] | None = None
 
     def load(self) -> None:
         """Import the modules, then note every file they came from (to refuse once one changes)."""
+        from warmstart.preload import child, recording
+
         start = time.perf_counter()
+        seed_at_torch_import = None
+        before = set(sys.modules)
+        # in a directory of a name nothing else has: whatever the imports make of it can be told
+        # by its name, and made of each program's own directory (see warmstart.preload.recording)
+        self._import_dir = tempfile.mkdtemp(prefix="imports-", dir=os.path.dirname(os.path.abspath(self.path)))
+        os.chdir(self._import_dir)
+        with recording.recording() as reads:
+            seed_at_torch_import = self._import_all()
+        child.note_imports(reads, before)
+        # What every child runs first, to become the program: imported once here, not in each child.
+        child.note_generators(seed_at_torch_import)
+        self.imports_s = time.perf_counter() - start
+        _stop_blas_threads()
+        _skip_library_teardown()
+        files = _module_files()
+        files.update({path: stamp(path) for path in reads.files})  # data files read at import
+        if "torch._inductor.codecache" in sys.modules:
+            files.update(_hash_torch_sources())
+        # Python's advice for a process that forks without exec: what exists now is never touched by
+        # a child's garbage collector (its pages stay shared), and a child's gc.get_objects() holds
+        # only what its program made.
+        gc.collect()
+        gc.freeze()
+        # a package installed or removed in a sys.path directory; one that is not there yet is
+        # watched as a file in its parent directory: made later, it stales the preloader too
+        importable = {entry: importable_entries(entry) for entry in sys.path if os.path.isdir(entry)}
+        files.update({entry: stamp(entry) for entry in sys.path if entry and not os.path.exists(entry)})
+        self._files = ImportedFiles(files, importable)
+
+    def _import_all(self) -> int | None:
+        """Import the modules; torch's CPU seed right after ``import torch``, if it was imported."""
         seed_at_torch_import = None
         for name in self.modules:
             try:
@@ -219,10 +266,6 @@ class Preloader:
             except Exception as exc:  # a job's own module may raise anything: it is the job's to see
                 log.info("warmstart preload: %s not imported (%s: %s)", name, type(exc).__name__, exc)
                 self.skipped[name] = f"{type(exc).__name__}: {exc}"
-        # What every child runs first, to become the program: imported once here, not in each child.
-        from warmstart.preload import child
-
-        child.note_generators(seed_at_torch_import)
         with _root_logger_left_alone():
             if "torch._dynamo" in self.imported:
                 for name in COMPILER_MODULES:
@@ -233,20 +276,7 @@ class Preloader:
                 for name in STORE_MODULES:
                     with contextlib.suppress(ImportError):
                         importlib.import_module(name)
-        self.imports_s = time.perf_counter() - start
-        _stop_blas_threads()
-        _skip_library_teardown()
-        files = _module_files()
-        if "torch._inductor.codecache" in sys.modules:
-            files.update(_hash_torch_sources())
-        # Python's advice for a process that forks without exec: what exists now is never touched by
-        # a child's garbage collector (its pages stay shared), and a child's gc.get_objects() holds
-        # only what its program made.
-        gc.collect()
-        gc.freeze()
-        # a package installed or removed in a sys.path directory
-        importable = {entry: importable_entries(entry) for entry in sys.path if os.path.isdir(entry)}
-        self._files = ImportedFiles(files, importable)
+        return seed_at_torch_import
 
     def serve(self, listener: socket.socket) -> Request:
         """Serve requests on ``listener`` until stopped; returns only in a forked child, with its
@@ -263,7 +293,7 @@ class Preloader:
         selector.register(read_end, selectors.EVENT_READ, "signal")
         try:
             while not (self._stopping and not self.children):
-                events = selector.select(timeout=STALE_CHECK_S / 2)
+                events = selector.select(timeout=REQUEST_TIMEOUT_S / 4 if self._pending else STALE_CHECK_S / 2)
                 if not events:
                     # idle: read the change notifications queued meanwhile (all at once, rather than
                     # waking at each write a job makes in a watched directory), poll what is not watched
@@ -274,16 +304,19 @@ class Preloader:
                         if key.data == "signal":
                             self._on_signals(read_end, selector)
                         elif key.data == "listener":
-                            request = self._accept(listener, selector)
+                            self._accept(listener, selector)
+                        elif key.data == "request":
+                            request = self._on_request(key.fileobj, selector)  # type: ignore[arg-type]
                             if request is not None:  # in the child
                                 self._become_child(listener, selector, read_end, write_end)
                                 return request
-                        elif isinstance(key.fileobj, socket.socket):  # a served client; data: its child's pid
-                            self._on_client(key.fileobj, key.data, selector)
+                        else:  # a served process's pidfd; data: its child's pid
+                            self._on_client_end(key.fileobj, key.data, selector)  # type: ignore[arg-type]
                     except Exception:  # one request's trouble must not end the preloader
                         if os.getpid() != self.owner_pid:
                             raise
                         log.exception("warmstart preload: serving a request failed")
+                self._drop_idle(selector)
                 if self._stopping and listener.fileno() >= 0:
                     selector.unregister(listener)
                     listener.close()
@@ -291,6 +324,9 @@ class Preloader:
         finally:
             if os.getpid() == self.owner_pid:
                 _unlink_own(self.path, self._socket_id)
+                if self._import_dir is not None:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(self._import_dir)
         raise SystemExit(0)
 
     def status(self) -> dict:
@@ -318,21 +354,52 @@ class Preloader:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def _accept(self, listener: socket.socket, selector: selectors.BaseSelector) -> Request | None:
+    def _accept(self, listener: socket.socket, selector: selectors.BaseSelector) -> None:
         try:
             conn, _ = listener.accept()
         except OSError:
-            return None
-        conn.settimeout(5.0)  # a peer that connects and sends nothing must not hold the preloader
-        try:
-            if wire.peer_uid(conn) != os.getuid():
-                self.refused["another user"] += 1
+            return
+        if wire.peer_uid(conn) != os.getuid():
+            self.refused["another user"] += 1
+            conn.close()
+            return
+        # Read when its whole first message is there: a peer that connects and sends nothing, or
+        # little, waits among the others and never holds up another process's start.
+        conn.setblocking(False)
+        self._pending[conn] = time.monotonic() + REQUEST_TIMEOUT_S
+        selector.register(conn, selectors.EVENT_READ, "request")
+
+    def _drop_idle(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        for conn, deadline in list(self._pending.items()):
+            if now > deadline:
+                del self._pending[conn]
+                selector.unregister(conn)
                 conn.close()
-                return None
+
+    def _on_request(self, conn: socket.socket, selector: selectors.BaseSelector) -> Request | None:
+        """Answer ``conn``'s first message once it is whole: a status, a stop, or a process's request
+        to be run (its fingerprint and isolation only; its child reads the rest). Returns in the
+        forked child only."""
+        try:
+            ready = wire.message_ready(conn)
+        except OSError:
+            ready = True  # the receive fails the same way, and the connection is closed
+        if not ready:
+            return None
+        del self._pending[conn]
+        selector.unregister(conn)
+        conn.setblocking(True)
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        try:
+            if not wire.message_ready(conn):  # raises for one too long
+                raise wire.WireError("the connection ended")
             message, fds = wire.receive(conn)
         except OSError:
             conn.close()
             return None
+        for fd in fds:  # none belong in a first message
+            os.close(fd)
         op = message.get("op")
         if op == "status":
             _reply(conn, self.status())
@@ -342,19 +409,26 @@ class Preloader:
             _reply(conn, {"stopping": True, "running": len(self.children)})
             return None
         reason = self._refusal(message)
+        client_pidfd = -1
+        if reason is None:
+            try:
+                client_pidfd = os.pidfd_open(wire.peer_pid(conn))
+            except OSError as exc:
+                reason = f"the process could not be watched ({exc.strerror})"
         if reason is not None:
             self.refused[reason.split(" (")[0]] += 1
-            _reply(conn, {"declined": reason}, fds)
+            _reply(conn, {"declined": reason})
             return None
+        reason_read, reason_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         pid = os.fork()
         if pid == 0:
-            return Request(message, conn, fds)
-        for fd in fds:
-            os.close(fd)
-        conn.settimeout(None)
+            os.close(reason_read)
+            os.close(client_pidfd)
+            return Request(conn, reason_write)
+        os.close(reason_write)
         self.served += 1
-        self.children[pid] = _Child(conn, int(message.get("pid", 0)))
-        selector.register(conn, selectors.EVENT_READ, pid)
+        self.children[pid] = _Child(conn, client_pidfd, reason_read)
+        selector.register(client_pidfd, selectors.EVENT_READ, pid)
         return None
 
     def _refusal(self, message: dict) -> str | None:
@@ -401,19 +475,14 @@ class Preloader:
             log.info("warmstart preload: %s is no longer this preloader's socket; stopping", self.path)
             self._stopping = True
 
-    def _on_client(self, conn: socket.socket, pid: int, selector: selectors.BaseSelector) -> None:
-        # The only thing a client sends after its request is its end: it is gone (killed, perhaps
-        # with SIGKILL). Its program must not outlive it.
-        try:
-            data = conn.recv(1)
-        except OSError:
-            data = b""
-        if not data:
-            selector.unregister(conn)
-            # The child itself only: what it started fares as a killed process's children do. (It
-            # is this process's child until reaped here, so the pid is still its.)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    def _on_client_end(self, client_pidfd: int, pid: int, selector: selectors.BaseSelector) -> None:
+        # The process that handed itself over is gone (killed, perhaps with SIGKILL). Its program
+        # must not outlive it.
+        selector.unregister(client_pidfd)
+        # The child itself only: what it started fares as a killed process's children do. (It
+        # is this process's child until reaped here, so the pid is still its.)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
     def _on_signals(self, read_end: int, selector: selectors.BaseSelector) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -430,18 +499,21 @@ class Preloader:
             child = self.children.pop(pid, None)
             if child is None:
                 continue
-            if os.WIFSIGNALED(status):
-                outcome = {"signal": os.WTERMSIG(status)}
-            else:
-                code = os.WEXITSTATUS(status)
-                outcome = {"exit": code}
-                if code == CHILD_DECLINED:
-                    self.served -= 1
-                    self.refused["the child could not be set up"] += 1
+            declined = b""
             with contextlib.suppress(OSError):
-                wire.send(child.conn, outcome)
+                declined = os.read(child.reason_fd, 4096)
+            os.close(child.reason_fd)
             with contextlib.suppress(KeyError, ValueError):
-                selector.unregister(child.conn)  # its descriptor number is free for the next one
+                selector.unregister(child.client_pidfd)  # its descriptor number is free for the next one
+            os.close(child.client_pidfd)
+            if declined:  # it never ran the program; the process starts as usual
+                self.served -= 1
+                self.refused[declined.decode(errors="replace").split(" (")[0]] += 1
+            else:
+                ended = os.WIFSIGNALED(status)
+                outcome = {"signal": os.WTERMSIG(status)} if ended else {"exit": os.WEXITSTATUS(status)}
+                with contextlib.suppress(OSError):
+                    wire.send(child.conn, outcome)
             child.conn.close()
 
     def _become_child(
@@ -453,7 +525,12 @@ class Preloader:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for child in self.children.values():
             child.conn.close()
+            os.close(child.client_pidfd)
+            os.close(child.reason_fd)
         self.children.clear()
+        for conn in self._pending:
+            conn.close()
+        self._pending.clear()
         selector.close()
         if self._files is not None:
             self._files.close()

@@ -13,10 +13,11 @@ import marshal
 import os
 import struct
 
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_FDS = 200  # below the kernel's SCM_MAX_FD (253)
 _MAX_MESSAGE = 16 << 20
 _HEADER = struct.Struct("!I")
+_READY_LIMIT = 1 << 20  # a first message (a fingerprint) is a few KiB
 
 
 class WireError(OSError):
@@ -64,6 +65,33 @@ def peer_uid(sock) -> int:
     """The user id of the process at the other end (``SO_PEERCRED``)."""
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))
     return uid
+
+
+def peer_pid(sock) -> int:
+    """The process id of the process at the other end when it connected (``SO_PEERCRED``)."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))
+    return pid
+
+
+def message_ready(sock) -> bool:
+    """Whether a whole first message (or the end of the stream) waits on the non-blocking ``sock``:
+    what :func:`receive` would then read without waiting. Looked at, not read. Raises
+    :class:`WireError` for a message longer than a first message can be."""
+    try:
+        header = sock.recv(_HEADER.size, _socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # the receive says what is wrong
+    if len(header) < _HEADER.size:
+        return not header  # the end of the stream
+    (length,) = _HEADER.unpack(header)
+    if length > _READY_LIMIT:
+        raise WireError(f"a first message of {length} bytes")
+    try:
+        return len(sock.recv(_HEADER.size + length, _socket.MSG_PEEK)) == _HEADER.size + length
+    except OSError:
+        return True
 
 
 def _read_exactly(sock, n: int) -> bytes:
