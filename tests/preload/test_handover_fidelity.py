@@ -16,7 +16,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 import zipfile
@@ -182,7 +181,8 @@ def test_a_data_file_a_preloaded_module_read_at_import_is_watched(tmp_path):
     (project / "lib").mkdir(parents=True)
     (project / "lib" / "conf.json").write_text('{"width": 8}')
     (project / "confmod.py").write_text(
-        "import json, os\nWIDTH = json.load(open(os.path.join(os.path.dirname(__file__), 'lib', 'conf.json')))['width']\n"
+        "import json, os\n"
+        "WIDTH = json.load(open(os.path.join(os.path.dirname(__file__), 'lib', 'conf.json')))['width']\n"
     )
     node = Preloader(tmp_path / "p", PYTHONPATH=str(project), WARMSTART_PRELOAD_MODULES="confmod").start()
     try:
@@ -398,7 +398,7 @@ def test_a_signal_to_the_launchers_process_group_reaches_the_programs_children(n
         sleeper = int(proc.stdout.readline())
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == -signal.SIGTERM
-        until(lambda: not Path(f"/proc/{sleeper}").exists() or _zombie(sleeper), timeout=10)
+        until(lambda pid=sleeper: not Path(f"/proc/{pid}").exists() or _zombie(pid), timeout=10)
         proc.stdout.close()
 
 
@@ -441,3 +441,47 @@ def test_a_shell_with_no_locale_gets_a_preloader_that_serves_it(tmp_path):
         assert '"handed over' in doctor.stdout or "handed over" in doctor.stdout
     finally:
         subprocess.run([PY, "-m", "warmstart", "preload", "stop", "--socket", sock], env=env, timeout=60)
+
+
+def test_a_stopped_process_stops_its_program(node, tmp_path):
+    # SIGSTOP cannot be caught and passed on: the preloader sees the process stopped and stops its
+    # program within STOP_CHECK_S, and lets it go on with it.
+    from warmstart.preload.server import STOP_CHECK_S
+
+    program = "import time\nwhile True:\n    print(time.time(), flush=True)\n    time.sleep(0.005)\n"
+    (tmp_path / "p.py").write_text(program)
+    written = {}
+    for preload in (True, False):
+        log = tmp_path / f"log-{preload}"
+        env = node.client_env(**({} if preload else {"WARMSTART_PRELOAD": "0"}))
+        with open(log, "w") as out:
+            proc = subprocess.Popen([PY, "p.py"], env=env, cwd=tmp_path, stdout=out, start_new_session=True)
+            until(lambda log=log: log.stat().st_size > 0, timeout=60)
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(0.3)  # the last lines before the stop: written
+            stopped_at = time.time()
+            time.sleep(1.0)
+            resumed_at = time.time()
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.3)
+            proc.terminate()
+            proc.wait(timeout=30)
+        stamps = [float(line) for line in log.read_text().split()]
+        written[preload] = [t for t in stamps if stopped_at <= t <= resumed_at]
+        assert [t for t in stamps if t > resumed_at], "the program did not go on"
+    assert written[False] == []
+    assert written[True] == [], f"{len(written[True])} lines while stopped (checked every {STOP_CHECK_S} s)"
+
+
+def test_a_process_in_another_session_keyring_starts_as_usual(node, tmp_path):
+    # keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL): a new anonymous session keyring, then the program.
+    code = (
+        "import ctypes, os, sys; libc = ctypes.CDLL(None, use_errno=True); "
+        "assert libc.syscall({'x86_64': 250, 'aarch64': 219}[os.uname().machine], 1, None) > 0; "
+        "os.environ['WARMSTART_PRELOAD'] = '1'; "
+        "os.execv(sys.executable, [sys.executable, '-c', 'print(\"ran\")'])"
+    )
+    before = _counts(node)
+    out = node.run(["-c", code], preload=False, cwd=tmp_path)
+    assert out.stdout == "ran\n", out.stderr
+    assert _counts(node) == (before[0], before[1] + 1)

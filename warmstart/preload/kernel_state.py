@@ -58,6 +58,7 @@ _ISOLATION_NAMES = {
     "personality": "another execution domain (setarch)",
     "loginuid": "another audit login id (a login after the preloader started)",
     "sessionid": "another audit session id (a login after the preloader started)",
+    "session_keyring": "another session keyring (keyctl new_session, a login after the preloader started)",
 }
 
 
@@ -83,7 +84,19 @@ def isolation() -> dict:
     found["label"] = _read("/proc/self/attr/current").strip("\0\n ")
     for name in ("personality", "loginuid", "sessionid"):  # what the kernel fixes at exec or login
         found[name] = _read(f"/proc/self/{name}").strip()
+    found["session_keyring"] = _session_keyring()
     return found
+
+
+def _session_keyring() -> int:
+    # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING, 0): a child has its preloader's, and
+    # would read (or fail to read) the secrets kept there instead of the process's.
+    number = _KEYCTL.get(os.uname().machine)
+    if number is None:
+        return 0
+    ctypes, libc = _libc()
+    found = libc.syscall(number, 0, -3, 0)
+    return int(found) if found >= 0 else -ctypes.get_errno()
 
 
 def isolation_difference(theirs: dict, mine: dict) -> str | None:
@@ -147,12 +160,14 @@ def _permitted(what: str, call, *args) -> None:
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_TIMERSLACK = 29
 _IOPRIO_WHO_PROCESS = 1
+#: keyctl by machine
+_KEYCTL = {"x86_64": 250, "aarch64": 219}
 #: (ioprio_get, ioprio_set, get_mempolicy) by machine
 _SYSCALLS = {"x86_64": (252, 251, 239), "aarch64": (31, 30, 236)}
 
 
 def _libc():
-    import ctypes  # already imported where it is called: by torch, in a preloader's children
+    import ctypes  # imported by torch in a preloader's children; in a process only where one serves
 
     return ctypes, ctypes.CDLL(None, use_errno=True)
 

@@ -183,8 +183,15 @@ class Request:
 @dataclass
 class _Child:
     conn: socket.socket
+    client_pid: int
     client_pidfd: int  # readable once the process that handed itself over has ended
     reason_fd: int  # why the child could not be set up, if it could not
+    stopped: bool = False  # stopped here because its process was stopped
+
+
+#: How often the processes of running programs are looked at for a stop (SIGSTOP, which no process
+#: can catch to pass on): a stopped process's program is stopped within this long.
+STOP_CHECK_S = 0.02
 
 
 #: How long a connection may take to send its request, waiting among the others (never holding them up).
@@ -293,7 +300,9 @@ class Preloader:
         selector.register(read_end, selectors.EVENT_READ, "signal")
         try:
             while not (self._stopping and not self.children):
-                events = selector.select(timeout=REQUEST_TIMEOUT_S / 4 if self._pending else STALE_CHECK_S / 2)
+                idle = STOP_CHECK_S if self.children else REQUEST_TIMEOUT_S / 4 if self._pending else STALE_CHECK_S / 2
+                events = selector.select(timeout=idle)
+                self._follow_stops()
                 if not events:
                     # idle: read the change notifications queued meanwhile (all at once, rather than
                     # waking at each write a job makes in a watched directory), poll what is not watched
@@ -412,7 +421,8 @@ class Preloader:
         client_pidfd = -1
         if reason is None:
             try:
-                client_pidfd = os.pidfd_open(wire.peer_pid(conn))
+                client_pid = wire.peer_pid(conn)
+                client_pidfd = os.pidfd_open(client_pid)
             except OSError as exc:
                 reason = f"the process could not be watched ({exc.strerror})"
         if reason is not None:
@@ -427,7 +437,7 @@ class Preloader:
             return Request(conn, reason_write)
         os.close(reason_write)
         self.served += 1
-        self.children[pid] = _Child(conn, client_pidfd, reason_read)
+        self.children[pid] = _Child(conn, client_pid, client_pidfd, reason_read)
         selector.register(client_pidfd, selectors.EVENT_READ, pid)
         return None
 
@@ -474,6 +484,18 @@ class Preloader:
         if not self._stopping and _identity(self.path) != self._socket_id:
             log.info("warmstart preload: %s is no longer this preloader's socket; stopping", self.path)
             self._stopping = True
+
+    def _follow_stops(self) -> None:
+        """Stop a program whose process is stopped (SIGSTOP: it cannot pass that on), and let it go
+        on when the process does: the program, or its process group where the process leads its own
+        (as its signals are passed on)."""
+        for pid, child in self.children.items():
+            state, group = _process_state(child.client_pid)
+            if (state in ("T", "t")) == child.stopped or state is None:
+                continue
+            child.stopped = not child.stopped
+            with contextlib.suppress(OSError):
+                (os.killpg if group else os.kill)(pid, signal.SIGSTOP if child.stopped else signal.SIGCONT)
 
     def _on_client_end(self, client_pidfd: int, pid: int, selector: selectors.BaseSelector) -> None:
         # The process that handed itself over is gone (killed, perhaps with SIGKILL). Its program
@@ -587,6 +609,16 @@ def _listen(path: str) -> socket.socket:
         os.umask(old)
     listener.listen(64)
     return listener
+
+
+def _process_state(pid: int) -> tuple[str | None, bool]:
+    """A process's state letter (``T``: stopped) and whether it leads its process group."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None, False
+    return fields[0].decode(), int(fields[2]) == pid
 
 
 def _identity(path: str) -> tuple[int, int] | None:
