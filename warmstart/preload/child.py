@@ -9,9 +9,8 @@ signal dispositions); a failure there is reported to the process, which then sta
 once the process knows the child runs its program, the interpreter state a fresh interpreter would
 have had (``sys.argv``, ``sys.path[0]``, a new ``__main__``, standard streams on the process's
 descriptors, fresh random seeds, warmstart's settings from the process's environment), and the
-program, run as ``python`` runs it. It ends as the interpreter ends: the program's outcome reaches
-the interpreter's top level, which shuts down as in any process (threads joined, ``atexit``, module
-teardown and finalizers, buffered files flushed) and exits with the program's status.
+program, run as ``python`` runs it, and the end of the interpreter in what the program can observe
+(see :mod:`warmstart.preload.shutdown`).
 """
 
 from __future__ import annotations
@@ -26,9 +25,9 @@ import signal
 import socket
 import sys
 import types
-from typing import Any
+from typing import Any, NoReturn
 
-from warmstart.preload import kernel_state, recording, wire
+from warmstart.preload import kernel_state, recording, shutdown, wire
 from warmstart.preload.client import HANDOVER_TIMEOUT_S, _read, program_mode
 from warmstart.preload.server import CHILD_DECLINED, Request
 
@@ -37,10 +36,9 @@ _PR_SET_PDEATHSIG = 1
 _Program = tuple[str, str, list[str]]  # program_mode's (mode, target, args)
 
 
-def become(request: Request) -> None:
-    """Read the rest of ``request``'s process, set up this child as it would have started, and run
-    its program. Returns (or raises ``SystemExit`` or the program's exception) to the interpreter's
-    top level, which ends the process as it ends any: never returns when the child is declined."""
+def become(request: Request) -> NoReturn:
+    """Read the rest of ``request``'s process, set up this child as it would have started, run its
+    program and end as the interpreter ends one (never returns)."""
     conn = request.conn
     try:
         conn.settimeout(HANDOVER_TIMEOUT_S)
@@ -60,8 +58,9 @@ def become(request: Request) -> None:
         os._exit(CHILD_DECLINED)
     wire.send(conn, {"running": os.getpid()}, [pidfd])
     os.close(pidfd)
-    conn.close()  # the preloader reports the program's end: nothing of the handover stays open in it
+    conn.close()  # the preloader passes the program's end on: nothing of the handover stays open in it
     os.close(request.reason_fd)
+    shutdown.report_to(request.preloader_socket)
     _interpreter_state(message, mode)
     _run_program(mode)
 
@@ -485,35 +484,24 @@ def _exec(code, main: types.ModuleType) -> None:
     exec(code, main.__dict__)
 
 
-def _run_program(mode: _Program) -> None:
-    """Run the program; its outcome goes on to the interpreter's top level, as a new interpreter's
-    would: ``SystemExit`` as it is, any other exception printed there with the program's traceback
-    (see :func:`_trimmed_excepthook`), ``KeyboardInterrupt`` then ending the process by SIGINT."""
+def _run_program(mode: _Program) -> NoReturn:
+    """Run the program and end as the interpreter would (:mod:`warmstart.preload.shutdown`)."""
     try:
         _run(mode)
-    except SystemExit:
-        raise
-    except BaseException:
-        sys.excepthook = _trimmed_excepthook(sys.excepthook)
-        raise
+        outcome: BaseException | None = None
+    except BaseException as exc:
+        outcome = exc
+    status = shutdown.outcome_status(outcome, _program_traceback(outcome))
+    del outcome
+    shutdown.end(status)
 
 
-def _trimmed_excepthook(hook):
-    """``hook`` (the program's ``sys.excepthook``, whatever it set) given the traceback a plain run
-    prints: from the program's first frame, without the preloader's and this module's frames."""
-
-    def excepthook(kind, value, tb):
-        sys.excepthook = hook
-        trimmed = tb
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == __file__:
-                trimmed = tb.tb_next
-            tb = tb.tb_next
-        if value is not None:
-            value.__traceback__ = trimmed  # the hook prints the exception's own traceback, whatever it is given
-        hook(kind, value, trimmed)
-
-    return excepthook
+def _program_traceback(exc: BaseException | None):
+    # The traceback a plain run prints starts at the program's frames, not at this module's.
+    tb = exc.__traceback__ if exc is not None else None
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
 
 
 def _is_zip(path: str) -> bool:

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from warmstart.preload import environment, kernel_state, wire
+from warmstart.preload import environment, kernel_state, shutdown, wire
 from warmstart.preload.watch import ImportedFiles, importable_entries, stamp
 
 log = logging.getLogger("warmstart.preload")
@@ -178,6 +178,7 @@ class Request:
 
     conn: socket.socket
     reason_fd: int
+    preloader_socket: str
 
 
 @dataclass
@@ -187,6 +188,7 @@ class _Child:
     client_pidfd: int  # readable once the process that handed itself over has ended
     reason_fd: int  # why the child could not be set up, if it could not
     stopped: bool = False  # stopped here because its process was stopped
+    told: bool = False  # its process was told of its end, which the child reported as it exited
 
 
 #: How often the processes of running programs are looked at for a stop (SIGSTOP, which no process
@@ -254,6 +256,7 @@ class Preloader:
         # only what its program made.
         gc.collect()
         gc.freeze()
+        shutdown.note_preloaded()
         # a package installed or removed in a sys.path directory; one that is not there yet is
         # watched as a file in its parent directory: made later, it stales the preloader too
         importable = {entry: importable_entries(entry) for entry in sys.path if os.path.isdir(entry)}
@@ -410,6 +413,10 @@ class Preloader:
         for fd in fds:  # none belong in a first message
             os.close(fd)
         op = message.get("op")
+        if op == "ended":
+            self._on_ended(wire.peer_pid(conn), message)
+            conn.close()
+            return None
         if op == "status":
             _reply(conn, self.status())
             return None
@@ -434,7 +441,7 @@ class Preloader:
         if pid == 0:
             os.close(reason_read)
             os.close(client_pidfd)
-            return Request(conn, reason_write)
+            return Request(conn, reason_write, self.path)
         os.close(reason_write)
         self.served += 1
         self.children[pid] = _Child(conn, client_pid, client_pidfd, reason_read)
@@ -485,6 +492,16 @@ class Preloader:
             log.info("warmstart preload: %s is no longer this preloader's socket; stopping", self.path)
             self._stopping = True
 
+    def _on_ended(self, pid: int, message: dict) -> None:
+        # A child's own report of its program's end, as it exits: passed on at once.
+        child = self.children.get(pid)
+        outcome = {k: int(message[k]) for k in ("exit", "signal") if isinstance(message.get(k), int)}
+        if child is None or child.told or len(outcome) != 1:
+            return
+        child.told = True
+        with contextlib.suppress(OSError):
+            wire.send(child.conn, outcome)
+
     def _follow_stops(self) -> None:
         """Stop a program whose process is stopped (SIGSTOP: it cannot pass that on), and let it go
         on when the process does: the program, or its process group where the process leads its own
@@ -531,7 +548,7 @@ class Preloader:
             if declined:  # it never ran the program; the process starts as usual
                 self.served -= 1
                 self.refused[declined.decode(errors="replace").split(" (")[0]] += 1
-            else:
+            elif not child.told:
                 ended = os.WIFSIGNALED(status)
                 outcome = {"signal": os.WTERMSIG(status)} if ended else {"exit": os.WEXITSTATUS(status)}
                 with contextlib.suppress(OSError):
