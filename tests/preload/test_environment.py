@@ -82,3 +82,41 @@ def test_every_variable_the_preloaded_modules_read_at_import_is_compared():
             if name not in APPLIED_IN_CHILD and not import_time_environment({name: "x"}):
                 uncovered.setdefault(name, path)
     assert uncovered == {}, "read at import but not part of the fingerprint (environment.py)"
+
+
+def test_every_variable_the_preloaders_imports_read_is_compared_by_the_fingerprint(tmp_path):
+    # What a preloader's imports read, recorded as they run (the child compares these with the
+    # program's anyway); each must be in the fingerprint's table too, so that `preload start` passes
+    # it on to the preloader and a process whose value differs is sent to another preloader.
+    import json
+    import os
+    import subprocess
+
+    probe = (
+        "import contextlib, importlib, json, os\n"
+        "os.chdir(os.environ['PROBE_DIR'])\n"
+        "from warmstart.preload.recording import recording\n"
+        "from warmstart.preload.server import COMPILER_MODULES, DEFAULT_MODULES, STORE_MODULES\n"
+        "with recording() as r:\n"
+        "    for m in DEFAULT_MODULES + COMPILER_MODULES + STORE_MODULES:\n"
+        "        with contextlib.suppress(Exception):\n"
+        "            importlib.import_module(m)\n"
+        "print(json.dumps({'names': sorted(r.environ), 'scans': sorted(r.environ_scans)}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "PROBE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    reads = json.loads(out.stdout.splitlines()[-1])
+    assert len(reads["names"]) > 100  # the recording works
+    from warmstart.preload.environment import SCANNED_PREFIXES, applied_in_child
+
+    uncovered = [n for n in reads["names"] if not import_time_environment({n: "x"}) and not applied_in_child(n)]
+    assert uncovered == []
+    assert [m for m in reads["scans"] if m not in SCANNED_PREFIXES] == []
+    assert all(import_time_environment({prefix + "X": "x"}) for prefix in SCANNED_PREFIXES.values())

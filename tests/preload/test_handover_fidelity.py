@@ -485,3 +485,62 @@ def test_a_process_in_another_session_keyring_starts_as_usual(node, tmp_path):
     out = node.run(["-c", code], preload=False, cwd=tmp_path)
     assert out.stdout == "ran\n", out.stderr
     assert _counts(node) == (before[0], before[1] + 1)
+
+
+def test_what_differs_is_what_is_documented(node, tmp_path):
+    # Each row of docs/preload.md's "What differs" table, as it says.
+    from warmstart.preload import environment
+
+    program = """
+        import ctypes, json, os, resource, sys
+        libc = ctypes.CDLL(None, use_errno=True)
+        sig = ctypes.c_int()
+        libc.prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+        environ = [e.split(b"=", 1) for e in open("/proc/self/environ", "rb").read().split(b"\\0") if e]
+        print(json.dumps({
+            "pid": os.getpid(), "sid": os.getsid(0), "pgrp": os.getpgrp(), "ppid": os.getppid(),
+            "cmdline": open("/proc/self/cmdline", "rb").read().decode(errors="replace"),
+            "environ": {k.decode(): v.decode(errors="replace") for k, v in environ},
+            "pdeathsig": sig.value, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "hash": hash("warmstart"),
+        }))
+        import time
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+    """
+    (tmp_path / "p.py").write_text(textwrap.dedent(program))
+    import json
+
+    seen = {}
+    for preload in (True, True, False):
+        env = node.client_env(**({} if preload else {"WARMSTART_PRELOAD": "0"}))
+        proc = subprocess.Popen(
+            [PY, "p.py"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        out = json.loads(proc.stdout.readline())
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.stdout.close()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        assert proc.returncode == 0
+        out["launcher"], out["cpu_s"] = proc.pid, usage.ru_utime + usage.ru_stime
+        seen.setdefault(preload, []).append(out)
+    preloader_pid = node.status()["pid"]
+    preloader_cmdline = Path(f"/proc/{preloader_pid}/cmdline").read_bytes().decode(errors="replace")
+    for over in seen[True]:
+        assert over["pid"] == over["sid"] == over["pgrp"] != over["launcher"]
+        assert over["ppid"] == preloader_pid
+        assert over["cmdline"] == preloader_cmdline
+        assert over["pdeathsig"] == signal.SIGKILL
+        assert over["maxrss_kib"] > 200_000  # the preloader's size, torch imported
+        assert over["cpu_s"] < 0.2  # the launcher's own, not the program's 0.3 s
+        for name, value in over["environ"].items():
+            ours = name == "PATH" or name.startswith("WARMSTART")
+            assert ours or environment.import_time_environment({name: value}), name
+            if not ours:
+                assert value == node.client_env().get(name), name  # the program's own value
+        assert "PRELOADER_ONLY_SECRET" not in over["environ"]
+    fresh = seen[False][0]
+    assert fresh["pid"] == fresh["launcher"] and fresh["ppid"] == os.getpid()
+    assert fresh["pdeathsig"] == 0 and fresh["cpu_s"] >= 0.25
+    assert seen[True][0]["hash"] == seen[True][1]["hash"]  # one PYTHONHASHSEED for the preloader's children

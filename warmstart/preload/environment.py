@@ -57,7 +57,27 @@ IMPORT_TIME_NAMES = (
     "WINDOWS_CUDA_HOME",  # torch.utils.cpp_extension and its helpers
     "IS_FBCODE",  # torch.utils.hipify
     "debug_extract_compiled_graph",  # torch._lazy
+    "LOGLEVEL",  # torch.distributed.elastic's logging
+    "FX_NET_ACC_SPLITTER_TRACKER_DUMP_PATH",
+    "FX_NET_ACC_SPLITTER_TRACKER_MODE",  # torch.fx.passes.splitter_base
+    "LNAME",
+    "USERNAME",  # getpass, after LOGNAME and USER
+    # tensordict (under TorchRec), at import
+    "LAZY_LEGACY_OP",
+    "CAPTURE_NONTENSOR_STACK",
+    "LIST_TO_STACK",
+    "DISPATCH_TDNN_MODULES",
+    "COMPOSITE_LP_AGGREGATE",
+    "EXCLUDE_TD_FROM_PYTREE",
+    "SAGE_ROOT",  # mpmath
+    "SETUPTOOLS_USE_DISTUTILS",
+    "DISTUTILS_DEBUG",  # setuptools, under torch.utils.cpp_extension
+    "_NETWORKX_BUILDING_DOCS_",
 )
+
+#: Modules that read every variable when they are imported (``os.environ.items()``) and use those
+#: with a prefix below: what their scan depends on.
+SCANNED_PREFIXES = {"tqdm.utils": "TQDM_", "networkx.utils.backends": "NETWORKX_"}
 
 #: Prefixes of the same (every variable that starts with one).
 IMPORT_TIME_PREFIXES = (
@@ -98,6 +118,7 @@ IMPORT_TIME_PREFIXES = (
     "NETWORKX_",
     "TQDM_",  # networkx and tqdm, which read every variable with their prefix at import
     "_PYTHON_",  # sysconfig
+    "TD_",  # tensordict
 )
 
 
