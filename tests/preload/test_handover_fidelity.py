@@ -153,6 +153,17 @@ def test_a_module_beside_the_script_that_would_shadow_a_preloaded_one_starts_as_
     assert over[:2] == fresh[:2]
 
 
+def test_a_zipapp_holding_a_module_that_would_shadow_a_preloaded_one_starts_as_usual(node, tmp_path):
+    archive = tmp_path / "app.pyz"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("__main__.py", "import typing_extensions\nprint(typing_extensions.WHO)\n")
+        z.writestr("typing_extensions.py", "WHO = 'the zipapp'\n")
+    before = _counts(node)
+    over, fresh = (node.run([str(archive)], preload=p, cwd=tmp_path) for p in (True, False))
+    assert _counts(node)[0] == before[0]
+    assert (over.returncode, over.stdout) == (fresh.returncode, fresh.stdout) == (0, "the zipapp\n")
+
+
 def test_a_module_where_a_preloaded_import_looked_in_vain_starts_as_usual(node, tmp_path):
     # sympy looks for gmpy2 when it is imported (the preloader imported it); a new interpreter
     # importing sympy would find this one.
@@ -502,7 +513,7 @@ def test_what_differs_is_what_is_documented(node, tmp_path):
             "cmdline": open("/proc/self/cmdline", "rb").read().decode(errors="replace"),
             "environ": {k.decode(): v.decode(errors="replace") for k, v in environ},
             "pdeathsig": sig.value, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "hash": hash("warmstart"),
+            "hash": hash("warmstart"), "frozen": __import__("gc").get_freeze_count(),
         }))
         import time
         end = time.process_time() + 0.3
@@ -540,7 +551,8 @@ def test_what_differs_is_what_is_documented(node, tmp_path):
             if not ours:
                 assert value == node.client_env().get(name), name  # the program's own value
         assert "PRELOADER_ONLY_SECRET" not in over["environ"]
+        assert over["frozen"] > 100_000
     fresh = seen[False][0]
     assert fresh["pid"] == fresh["launcher"] and fresh["ppid"] == os.getpid()
-    assert fresh["pdeathsig"] == 0 and fresh["cpu_s"] >= 0.25
+    assert fresh["pdeathsig"] == 0 and fresh["cpu_s"] >= 0.25 and fresh["frozen"] == 0
     assert seen[True][0]["hash"] == seen[True][1]["hash"]  # one PYTHONHASHSEED for the preloader's children

@@ -108,15 +108,24 @@ def _first_path_entry(program: _Program, cwd: str) -> str | None:
         return None
     mode, target, _ = program
     if mode == "script":
-        entry = _script_path_entry(os.path.join(cwd, target))
-        return entry if os.path.isdir(entry) else None  # a zip file's modules are checked when it is run
+        return _script_path_entry(os.path.join(cwd, target))
     return cwd
 
 
-def _module_names(directory: str) -> set[str]:
+def _module_names(entry: str) -> set[str]:
+    """The top-level names a ``sys.path`` entry offers: a directory's modules and packages, or those
+    at the top of a zip file (a zipapp)."""
     from warmstart.preload.watch import importable_entries
 
-    return {name.partition(".")[0] for name in importable_entries(directory)}
+    if os.path.isdir(entry):
+        return {name.partition(".")[0] for name in importable_entries(entry)}
+    if not _is_zip(entry):
+        return set()
+    import zipfile
+
+    with zipfile.ZipFile(entry) as archive:
+        tops = {name.split("/", 1)[0] for name in archive.namelist()}
+    return {name.partition(".")[0] for name in tops if name.partition(".")[0].isidentifier()}
 
 
 #: What the preloader's imports read (:mod:`warmstart.preload.recording`), and the top-level names a
