@@ -556,3 +556,29 @@ def test_what_differs_is_what_is_documented(node, tmp_path):
     assert fresh["pid"] == fresh["launcher"] and fresh["ppid"] == os.getpid()
     assert fresh["pdeathsig"] == 0 and fresh["cpu_s"] >= 0.25 and fresh["frozen"] == 0
     assert seen[True][0]["hash"] == seen[True][1]["hash"]  # one PYTHONHASHSEED for the preloader's children
+
+
+def test_doctor_says_what_only_a_child_can_tell(node, tmp_path):
+    # A variable the preloaded modules read (LOGLEVEL, read by torch.distributed.elastic) is only
+    # compared in the child: doctor asks a child, and says what the next process would get.
+    env = {**node.client_env(), "LOGLEVEL": "INFO"}
+    doctor = subprocess.run(
+        [PY, "-m", "warmstart", "cache", "doctor"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "preloader: not handed over" in doctor.stdout and "LOGLEVEL" in doctor.stdout, doctor.stdout
+    before = _counts(node)
+    out = subprocess.run(
+        [PY, "-c", "print('ran')"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert out.stdout == "ran\n" and _counts(node) == (before[0], before[1] + 1)

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from warmstart.preload import kernel_state, recording, shutdown, wire
 from warmstart.preload.client import HANDOVER_TIMEOUT_S, _read, program_mode
-from warmstart.preload.server import CHILD_DECLINED, Request
+from warmstart.preload.server import CHILD_DECLINED, DRY_RUN_ENDED, Request
 
 _PR_SET_PDEATHSIG = 1
 
@@ -40,6 +40,7 @@ def become(request: Request) -> NoReturn:
     """Read the rest of ``request``'s process, set up this child as it would have started, run its
     program and end as the interpreter ends one (never returns)."""
     conn = request.conn
+    message: dict = {}
     try:
         conn.settimeout(HANDOVER_TIMEOUT_S)
         message, fds = wire.receive(conn)  # the process's data: read here, never in the preloader
@@ -48,14 +49,18 @@ def become(request: Request) -> NoReturn:
             raise ValueError("the command line is not one a preloader runs")
         _check_imports(message, mode)
         conn = _setup(message, conn, fds)
+        if message.get("dry_run"):  # `cache doctor` asking whether such a process would be run
+            wire.send(conn, {"would_run": True})
+            os._exit(DRY_RUN_ENDED)
         pidfd = os.pidfd_open(os.getpid())
     except Exception as exc:  # anything: the process then starts as usual
         reason = str(exc) if isinstance(exc, Declined) else f"the child could not be set up ({_named(exc)})"
         with contextlib.suppress(OSError):
             wire.send(conn, {"declined": reason})
         with contextlib.suppress(OSError):
-            os.write(request.reason_fd, reason.encode()[:4000])
-        os._exit(CHILD_DECLINED)
+            if not message.get("dry_run"):
+                os.write(request.reason_fd, reason.encode()[:4000])
+        os._exit(DRY_RUN_ENDED if message.get("dry_run") else CHILD_DECLINED)
     wire.send(conn, {"running": os.getpid()}, [pidfd])
     os.close(pidfd)
     conn.close()  # the preloader passes the program's end on: nothing of the handover stays open in it

@@ -200,27 +200,10 @@ def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict
             pass
     # What the preloader checks before it forks; the rest is read by its child alone, so that no
     # program's data stays in the preloader for the next one to inherit.
-    check = {
-        "op": "run",
-        "protocol": wire.PROTOCOL,
-        "fingerprint": fingerprint(),
-        "isolation": kernel_state.isolation(),
-    }
-    request = {
-        "argv": argv,
-        "cwd": cwd,
-        "environ": dict(os.environ),
-        "umask": _umask(),
-        "rlimits": _rlimits(),
-        "cgroup": _read("/proc/self/cgroup"),
-        "isolation": check["isolation"],
-        "placement": kernel_state.placement(),
-        "start_ts": _start_ts(),
-        "fds": fds,
-        "pid": os.getpid(),
-        "ignored": [s for s, h in previous.items() if h == _signal.SIG_IGN],
-        "blocked": sorted(int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])),
-    }
+    isolation = kernel_state.isolation()
+    check = {"op": "run", "protocol": wire.PROTOCOL, "fingerprint": fingerprint(), "isolation": isolation}
+    ignored = [s for s, h in previous.items() if h == _signal.SIG_IGN]
+    request = request_message(argv, cwd, fds, ignored, isolation)
     try:
         wire.send(sock, check)
         wire.send(sock, request, fds)
@@ -232,6 +215,31 @@ def _request(sock, path: str, argv: list[str], cwd: str, forward, previous: dict
     for fd in reply_fds:
         os.close(fd)
     return str(reply.get("declined", "the preloader's answer was not understood"))
+
+
+def request_message(argv: list[str], cwd: str, fds: list[int], ignored: list[int], isolation: dict) -> dict:
+    """What a preloader's child becomes the program from: this process's command line ``argv``,
+    working directory, environment, umask, limits, cgroups, placement, the descriptors ``fds`` (sent
+    with it), the signals it ignores and blocks."""
+    import _signal
+
+    from warmstart.preload import kernel_state
+
+    return {
+        "argv": argv,
+        "cwd": cwd,
+        "environ": dict(os.environ),
+        "umask": _umask(),
+        "rlimits": _rlimits(),
+        "cgroup": _read("/proc/self/cgroup"),
+        "isolation": isolation,
+        "placement": kernel_state.placement(),
+        "start_ts": _start_ts(),
+        "fds": fds,
+        "pid": os.getpid(),
+        "ignored": ignored,
+        "blocked": sorted(int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])),
+    }
 
 
 def _wait(_signal, sock, pidfd: int) -> None:

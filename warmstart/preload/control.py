@@ -230,6 +230,8 @@ def _print_verdict() -> None:
             f"the preloader at {path} is not fork-safe: {answer.get('threads')} threads, "
             f"CUDA {'on' if answer.get('cuda_initialized') else 'off'}",
         ]
+    elif (declined := _declined_by_a_child(path, fingerprint)) is not None:
+        verdict = [False, f"not handed over to the preloader at {path}: {declined}"]
     elif has_controlling_terminal():
         verdict = [
             False,
@@ -240,6 +242,32 @@ def _print_verdict() -> None:
     else:
         verdict = [True, f"the preloader at {path} (pid {answer.get('pid')}) serves this environment"]
     print(json.dumps(verdict))
+
+
+def _declined_by_a_child(path: str, fingerprint: dict) -> str | None:
+    """Ask the preloader at ``path`` to fork a child that checks this process (``python -c`` in this
+    directory, with this environment) as it would check one to run, and ends: why it would refuse
+    it, or ``None``. What only the child can tell (a variable the preloaded modules read, a module
+    here that would shadow one of theirs, the stack limit...) is then what ``doctor`` says too."""
+    from warmstart.preload import client, kernel_state, wire
+
+    isolation = kernel_state.isolation()
+    check = {"op": "run", "protocol": wire.PROTOCOL, "fingerprint": fingerprint, "isolation": isolation}
+    request = {
+        **client.request_message([sys.executable, "-c", "pass"], os.getcwd(), [], [], isolation),
+        "dry_run": True,
+    }
+    try:
+        with _connect(path) as sock:
+            sock.settimeout(client.HANDOVER_TIMEOUT_S)
+            wire.send(sock, check)
+            wire.send(sock, request)
+            reply, fds = wire.receive(sock)
+    except OSError as exc:
+        return f"the preloader did not answer ({exc})"
+    for fd in fds:
+        os.close(fd)
+    return None if reply.get("would_run") else str(reply.get("declined", "no answer"))
 
 
 def _connect(path: str):

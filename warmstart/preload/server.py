@@ -168,6 +168,8 @@ STALE_CHECK_S = 1.0
 #: A child that could not become the program (its setup failed) ends with this status before
 #: running any of it, after telling its process why.
 CHILD_DECLINED = 213
+#: A child asked only whether it would run its process (``cache doctor``) ends with this status.
+DRY_RUN_ENDED = 214
 
 
 @dataclass
@@ -545,9 +547,11 @@ class Preloader:
             with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(child.client_pidfd)  # its descriptor number is free for the next one
             os.close(child.client_pidfd)
-            if declined:  # it never ran the program; the process starts as usual
+            dry_run = os.WIFEXITED(status) and os.WEXITSTATUS(status) == DRY_RUN_ENDED
+            if declined or dry_run:  # it never ran the program; the process starts as usual
                 self.served -= 1
-                self.refused[declined.decode(errors="replace").split(" (")[0]] += 1
+                if declined:
+                    self.refused[declined.decode(errors="replace").split(" (")[0]] += 1
             elif not child.told:
                 ended = os.WIFSIGNALED(status)
                 outcome = {"signal": os.WTERMSIG(status)} if ended else {"exit": os.WEXITSTATUS(status)}
