@@ -582,3 +582,17 @@ def test_doctor_says_what_only_a_child_can_tell(node, tmp_path):
         start_new_session=True,
     )
     assert out.stdout == "ran\n" and _counts(node) == (before[0], before[1] + 1)
+
+
+def test_the_launchers_timer_slack_is_the_programs(node, tmp_path):
+    import ctypes
+
+    def slack():
+        ctypes.CDLL(None, use_errno=True).prctl(29, 123_456, 0, 0, 0)  # PR_SET_TIMERSLACK
+
+    program = "import ctypes\nprint(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))\n"  # PR_GET_TIMERSLACK
+    (tmp_path / "p.py").write_text(program)
+    before = _counts(node)
+    over, fresh = (node.run(["p.py"], preload=p, cwd=tmp_path, preexec_fn=slack) for p in (True, False))
+    assert _counts(node)[0] == before[0] + 1
+    assert over.stdout == fresh.stdout == "123456\n", (over.stderr, fresh.stderr)
