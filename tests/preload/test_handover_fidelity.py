@@ -508,12 +508,20 @@ def test_what_differs_is_what_is_documented(node, tmp_path):
         sig = ctypes.c_int()
         libc.prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
         environ = [e.split(b"=", 1) for e in open("/proc/self/environ", "rb").read().split(b"\\0") if e]
+
+        def setsid():
+            try:
+                os.setsid()
+                return "ok"
+            except OSError as exc:
+                return exc.strerror
         print(json.dumps({
             "pid": os.getpid(), "sid": os.getsid(0), "pgrp": os.getpgrp(), "ppid": os.getppid(),
             "cmdline": open("/proc/self/cmdline", "rb").read().decode(errors="replace"),
             "environ": {k.decode(): v.decode(errors="replace") for k, v in environ},
             "pdeathsig": sig.value, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "hash": hash("warmstart"), "frozen": __import__("gc").get_freeze_count(),
+            "setsid": setsid(), "started": int(open("/proc/self/stat").read().rpartition(")")[2].split()[19]),
         }))
         import time
         end = time.process_time() + 0.3
@@ -529,12 +537,14 @@ def test_what_differs_is_what_is_documented(node, tmp_path):
         proc = subprocess.Popen(
             [PY, "p.py"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True, start_new_session=True
         )
+        launcher_started = int(Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[19])
         out = json.loads(proc.stdout.readline())
         _, status, usage = os.wait4(proc.pid, 0)
         proc.stdout.close()
         proc.returncode = os.waitstatus_to_exitcode(status)
         assert proc.returncode == 0
         out["launcher"], out["cpu_s"] = proc.pid, usage.ru_utime + usage.ru_stime
+        out["launcher_started"] = launcher_started
         seen.setdefault(preload, []).append(out)
     preloader_pid = node.status()["pid"]
     preloader_cmdline = Path(f"/proc/{preloader_pid}/cmdline").read_bytes().decode(errors="replace")
@@ -552,9 +562,12 @@ def test_what_differs_is_what_is_documented(node, tmp_path):
                 assert value == node.client_env().get(name), name  # the program's own value
         assert "PRELOADER_ONLY_SECRET" not in over["environ"]
         assert over["frozen"] > 100_000
+        assert over["setsid"] == "Operation not permitted" and over["started"] > over["launcher_started"]
     fresh = seen[False][0]
     assert fresh["pid"] == fresh["launcher"] and fresh["ppid"] == os.getpid()
     assert fresh["pdeathsig"] == 0 and fresh["cpu_s"] >= 0.25 and fresh["frozen"] == 0
+    assert fresh["setsid"] == "Operation not permitted"  # started as torchrun starts a rank: leading its group
+    assert fresh["started"] == fresh["launcher_started"]
     assert seen[True][0]["hash"] == seen[True][1]["hash"]  # one PYTHONHASHSEED for the preloader's children
 
 
