@@ -652,3 +652,113 @@ def reads_frozen_dataclass(x):
 def _(cond):
     helper.FROZEN = helper.Frozen(2.0 if cond == "x" else 3.0)
     return Case(reads_frozen_dataclass, (_x(),), teardown=lambda: setattr(helper, "FROZEN", helper.Frozen()))
+
+
+# -- classes by content: what a class holds may differ where its name does not -----------------------
+
+
+def _doubles(self, x):
+    return x * 2.0
+
+
+def _triples(self, x):
+    return x * 3.0
+
+
+class Op:
+    apply = _doubles  # chosen at import: another machine may choose the other
+
+
+def calls_op(x, op):
+    return op.apply(x) + 1.0
+
+
+@case("class_method_chosen_at_import", "classes")
+def _(cond):
+    Op.apply = _doubles if cond == "x" else _triples
+    return Case(calls_op, (_x(), Op()), teardown=lambda: setattr(Op, "apply", _doubles))
+
+
+class GlobalOp:
+    apply = _doubles
+
+
+GLOBAL_OP = GlobalOp()
+
+
+def calls_global_op(x):
+    return GLOBAL_OP.apply(x) - 1.0
+
+
+@case("global_instance_method_chosen_at_import", "classes")
+def _(cond):
+    GlobalOp.apply = _doubles if cond == "x" else _triples
+    return Case(calls_global_op, (_x(),), teardown=lambda: setattr(GlobalOp, "apply", _doubles))
+
+
+class ChosenForward(nn.Module):
+    forward = _doubles
+
+
+class HoldsChosen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = ChosenForward()
+
+    def forward(self, x):
+        return self.sub(x) + 1.0
+
+
+@case("submodule_forward_chosen_at_import", "classes")
+def _(cond):
+    ChosenForward.forward = _doubles if cond == "x" else _triples
+    return Case(HoldsChosen(), (_x(),), teardown=lambda: setattr(ChosenForward, "forward", _doubles))
+
+
+class BaseOffset:
+    OFFSET = 1.0
+
+
+class ChildOffset(BaseOffset):
+    pass
+
+
+def reads_inherited_offset(x):
+    return x + ChildOffset.OFFSET
+
+
+@case("inherited_attribute_overridden", "classes")
+def _(cond):
+    if cond != "x":
+        ChildOffset.OFFSET = 5.0
+    return Case(
+        reads_inherited_offset,
+        (_x(),),
+        teardown=lambda: ChildOffset.__dict__.get("OFFSET") and delattr(ChildOffset, "OFFSET"),
+    )
+
+
+def folds_int_table_in_order(x):
+    for key, value in helper.INT_TABLE_ORDER.items():
+        x = x * value + key
+    return x
+
+
+@case("other_module_int_dict_order", "classes")
+def _(cond):
+    helper.INT_TABLE_ORDER = {1: 2.0, 2: 3.0} if cond == "x" else {2: 3.0, 1: 2.0}
+    return Case(
+        folds_int_table_in_order, (_x(),), teardown=lambda: setattr(helper, "INT_TABLE_ORDER", {1: 2.0, 2: 3.0})
+    )
+
+
+def folds_int_table_keys(x):
+    for key, value in helper.INT_TABLE_KEYS.items():
+        x = x * value + key
+    return x
+
+
+@case("other_module_int_dict_key", "classes")
+def _(cond):
+    helper.INT_TABLE_KEYS = {1: 2.0, 2: 3.0} if cond == "x" else {1: 2.0, 3: 3.0}
+    return Case(folds_int_table_keys, (_x(),), teardown=lambda: setattr(helper, "INT_TABLE_KEYS", {1: 2.0, 2: 3.0}))

@@ -35,3 +35,6 @@ class Frozen:
 
 
 FROZEN = Frozen()
+
+INT_TABLE_ORDER = {1: 2.0, 2: 3.0}
+INT_TABLE_KEYS = {1: 2.0, 2: 3.0}

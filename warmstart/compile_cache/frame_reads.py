@@ -30,6 +30,7 @@ import functools
 import hashlib
 import pickle
 import types
+import weakref
 from typing import Any
 
 from warmstart.compile_cache.dynamo_identity import global_identity, named
@@ -54,11 +55,21 @@ _MAX_REPR = 400
 _BY_VALUE = frozenset({"EQUALS_MATCH", "CONSTANT_MATCH"})
 
 
+class NotDescribable(Exception):
+    """What a guard pins cannot be described exactly, the same in every process: its frame is not
+    packaged (traced on every new machine)."""
+
+
 def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
     """What a guard can see of ``value``, the same in every process: constants by value, tensors by
     their metadata, containers by their length (and keys, in order, or items where those are
-    constants), objects with a name (modules, classes, functions) by that name, and anything else by
-    its type, or, for a guard that compares values (``by_value``), by its own ``repr``."""
+    constants), classes by their name and what their bodies and their bases' bodies hold
+    (:func:`class_content`), other objects with a name (modules, functions) by that name, and anything
+    else by its type, or, for a guard that compares values (``by_value``), by its own ``repr``.
+
+    Raises:
+        NotDescribable: a value compared by its ``repr`` whose ``repr`` is too long to keep whole.
+    """
     import numpy
     import torch
 
@@ -82,8 +93,8 @@ def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
         return f"{kind} [" + ", ".join(describe(v, depth + 1) for v in value) + "]"
     if isinstance(value, dict):
         keys = list(value)
-        if len(keys) <= _MAX_ITEMS and all(isinstance(k, str) for k in keys):
-            return f"{kind} keys {keys}"  # in order: Dynamo's loops over a dict follow it
+        if len(keys) <= _MAX_ITEMS and all(isinstance(k, _CONSTANTS) for k in keys):
+            return f"{kind} keys {keys!r}"  # in order: Dynamo's loops over a dict follow it
         return f"{kind} len {len(keys)}"
     if isinstance(value, (set, frozenset)):
         if len(value) <= _MAX_ITEMS and all(isinstance(v, _CONSTANTS) for v in value):
@@ -93,11 +104,87 @@ def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
         return f"module {value.__name__}"
     identity = global_identity(value)
     if identity is not None:
-        return identity
+        return f"{identity} {class_content(value)}" if isinstance(value, type) else identity
     if by_value and type(value).__repr__ is not object.__repr__:
-        with contextlib.suppress(Exception):
-            return f"object {kind} {repr(value)[:_MAX_REPR]}"
+        try:
+            text = repr(value)
+        except Exception:
+            return f"object {kind}"
+        if len(text) > _MAX_REPR:
+            raise NotDescribable(f"the repr of a {kind} is {len(text)} characters long")
+        return f"object {kind} {text}"
     return f"object {kind}"
+
+
+def class_content(cls: type) -> str:
+    """A digest of what ``cls`` and its bases hold, the same in every process: every name of their
+    bodies, with functions (methods, static and class methods, properties' functions) by their code
+    and defaults, classes and modules by name, constants and containers as :func:`describe` gives
+    them, other objects by their type. Within one process a class's identity pins its body; across
+    processes only its name does, and a class of the same name may hold another method, chosen when
+    it was imported, or override what a base holds."""
+    h = hashlib.sha256()
+    for klass in cls.__mro__:
+        if klass is object or getattr(klass, "__module__", None) == "builtins":
+            continue
+        h.update(f"{klass.__module__}.{klass.__qualname__}\0{_body(klass)}\0".encode())
+    return h.hexdigest()[:32]
+
+
+#: class -> (what its body holds, by identity; its digest): a body is hashed again only once it changed.
+_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _body(klass: type) -> str:
+    members = [(name, member) for name, member in list(vars(klass).items()) if name not in _CLASS_CACHES]
+    identity = tuple((name, id(m), id(getattr(m, "__code__", None))) for name, m in members)
+    known = _BODIES.get(klass)
+    if known is not None and known[0] == identity:
+        return known[1]
+    h = hashlib.sha256()
+    for name, member in members:
+        h.update(f"{name}={_member(member)}\0".encode())
+    digest = h.hexdigest()
+    with contextlib.suppress(TypeError):
+        _BODIES[klass] = (identity, digest)
+    return digest
+
+
+#: What is added to a class as it is used, not part of what it holds: copyreg's cache (when an
+#: instance is first pickled), and the mark Dynamo leaves on ``nn.Module`` when it wraps its
+#: ``__init__`` and ``__setstate__`` at a process's first compile (``torch._dynamo.mutation_guard``).
+_CLASS_CACHES = frozenset({"__slotnames__", "___needs_generation_tag_patch"})
+#: Where the wrappers come from that Dynamo puts in place of a class's methods as it runs: each is
+#: described as the method it wraps (the function its closure holds).
+_DYNAMO_WRAPPERS = "torch._dynamo.mutation_guard"
+
+
+def _member(member: Any) -> str:
+    from warmstart.compile_cache.dynamo_identity import code_digest
+
+    if isinstance(member, (staticmethod, classmethod)):
+        return f"{type(member).__name__} {_member(member.__func__)}"
+    if isinstance(member, property):
+        return "property " + " ".join(_member(f) for f in (member.fget, member.fset, member.fdel))
+    if isinstance(member, types.FunctionType):
+        if member.__module__ == _DYNAMO_WRAPPERS and member.__closure__:
+            wrapped = [c.cell_contents for c in member.__closure__ if isinstance(c.cell_contents, types.FunctionType)]
+            if len(wrapped) == 1:
+                return _member(wrapped[0])
+        defaults = _described(member.__defaults__), _described(member.__kwdefaults__)
+        return f"function {code_digest(member.__code__)} {defaults}"
+    if isinstance(member, type):
+        return global_identity(member) or f"class {member.__qualname__}"  # by name: no walk into it
+    if isinstance(member, types.ModuleType):
+        return f"module {member.__name__}"
+    return _described(member)
+
+
+def _described(value: Any) -> str:
+    try:
+        return describe(value, depth=1)
+    except Exception:
+        return f"object {type(value).__module__}.{type(value).__qualname__}"
 
 
 def _checked(guard: Any) -> bool:
@@ -112,12 +199,21 @@ def guard_values(builder: Any, guards: list) -> list[tuple[str, str]]:
     for guard in guards:
         if not _checked(guard):
             continue
+        kind = guard.create_fn_name()
         try:
-            kind = guard.create_fn_name()
-            found.append((f"{kind} {guard.name}", describe(builder.get(guard), by_value=kind in _BY_VALUE)))
+            found.append((f"{kind} {guard.name}", _guarded(kind, builder.get(guard))))
+        except NotDescribable:
+            raise
         except Exception:
             continue  # nothing to compare: torch's own guard is all there is
     return found
+
+
+def _guarded(kind: str, value: Any) -> str:
+    described = describe(value, by_value=kind in _BY_VALUE)
+    if kind == "TYPE_MATCH":  # it pins the value's class too, by identity in its process: by content here
+        return f"{described} of {describe(type(value))}"
+    return described
 
 
 def changed_value(expected: list[tuple[str, str]], guards_state: Any) -> str | None:
@@ -136,9 +232,8 @@ def changed_value(expected: list[tuple[str, str]], guards_state: Any) -> str | N
         if guard is None:
             return f"{name.partition(' ')[2]} is not guarded here"
         try:
-            now = describe(
-                guard.originating_source.get_value(scope, _get_closure_vars(), cache),
-                by_value=guard.create_fn_name() in _BY_VALUE,
+            now = _guarded(
+                guard.create_fn_name(), guard.originating_source.get_value(scope, _get_closure_vars(), cache)
             )
         except Exception as exc:
             now = f"unreadable ({type(exc).__name__})"

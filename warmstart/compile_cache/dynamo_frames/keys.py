@@ -14,7 +14,7 @@ from warmstart.compile_cache.dynamo_identity import code_digest, code_qualname, 
 
 KIND = "dynamo_frames"
 #: The layout of a stored entry; part of every key.
-FORMAT = 2
+FORMAT = 3
 
 
 def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynamic: Any, fullgraph: bool) -> str:
