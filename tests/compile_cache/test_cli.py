@@ -7,6 +7,7 @@ import json
 import redis
 from click.testing import CliRunner
 
+from _isolation import short_tmpdir
 from _redis import closed_port_url
 from warmstart.cli import cli
 from warmstart.compile_cache import open_store

@@ -275,6 +275,10 @@ def test_a_dir_others_can_write_is_made_private_with_one_warning(server_dir, cap
     assert len(warned) == 1 and "mode 777" in warned[0], warned
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="giving the key to another user (chown) needs root; the key others can write is refused in the next test",
+)
 def test_a_dir_holding_a_key_another_user_planted_is_refused(server_dir):
     """In a directory others could write, another user replaced the signing key: adopting it would
     let that user sign entries every job accepts."""
@@ -283,6 +287,19 @@ def test_a_dir_holding_a_key_another_user_planted_is_refused(server_dir):
     server_dir.mkdir(mode=0o700)
     generate_key_pair(server_dir / "signing.key", server_dir / "verify.pub")
     os.chown(server_dir / "signing.key", 65534, 65534)  # nobody
+    result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(free_port_block(1))])
+    assert result.exit_code == 2, result.output
+    assert "holds signing.key, which another user owns or can write" in result.output
+    assert not (server_dir / "state.json").exists()  # nothing was started
+
+
+def test_a_dir_holding_a_key_others_can_write_is_refused(server_dir):
+    """The same refusal for any user: a key that others could have replaced is never adopted."""
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    server_dir.mkdir(mode=0o700)
+    generate_key_pair(server_dir / "signing.key", server_dir / "verify.pub")
+    os.chmod(server_dir / "signing.key", 0o666)
     result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(free_port_block(1))])
     assert result.exit_code == 2, result.output
     assert "holds signing.key, which another user owns or can write" in result.output
