@@ -304,3 +304,27 @@ def test_a_dir_holding_a_key_others_can_write_is_refused(server_dir):
     assert result.exit_code == 2, result.output
     assert "holds signing.key, which another user owns or can write" in result.output
     assert not (server_dir / "state.json").exists()  # nothing was started
+
+
+def test_the_export_lines_start_prints_turn_warmstart_on(server_dir):
+    """A job run with exactly the settings ``server start`` prints uses the cache: the lines
+    include ``WARMSTART=1``, and the writer's reach the server with its key."""
+    result = _run("start", "--dir", str(server_dir), "--port", str(free_port_block(1)))
+    assert result.exit_code == 0, result.output
+    exports = [line.strip() for line in result.output.splitlines() if line.strip().startswith("export ")]
+    assert len(exports) == 2, result.output
+    probe = (
+        "from warmstart.config import Settings; s = Settings.from_env(); "
+        "print(s.enabled, s.cache_url.startswith('redis://'), s.key_file)"
+    )
+    for line, key in zip(exports, ("signing.key", "verify.pub")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
+        done = subprocess.run(
+            ["bash", "-c", f'{line}; exec "$0" -c "$1"', sys.executable, probe],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["True", "True", str(server_dir / key)], (line, done.stdout)
