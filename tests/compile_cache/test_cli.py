@@ -153,3 +153,45 @@ def test_clear_remote_with_a_verify_only_key_deletes_nothing(redis_node, tmp_pat
     cleared = _invoke(["cache", "clear", "--remote"], env)
     assert cleared.exit_code == 0 and "remote: removed" in cleared.output, cleared.output
     assert list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*:p:*")) == []
+
+
+def test_doctor_with_a_url_of_another_scheme_says_so_in_one_message_and_exits_2(tmp_path):
+    """Text the user gave ("[...]" in a URL's expected forms included) is printed as text, never read as markup."""
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": "http://localhost:6379", "WARMSTART_CACHE_DIR": str(tmp_path)}
+    result = _invoke(["cache", "doctor"], env)
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output and "MarkupError" not in result.output
+    text = " ".join(result.output.split())
+    assert text.startswith("FAIL settings: WARMSTART_CACHE_URL='http://localhost:6379' is not valid")
+    assert "redis://[user:pass@]host:port[/db]" in text and text.count("FAIL") == 1
+
+
+def _fits(output: str, width: int) -> bool:
+    return max(len(line.rstrip()) for line in output.splitlines()) <= width
+
+
+def test_stats_and_doctor_fit_the_width_they_are_given(redis_node, tmp_path, monkeypatch):
+    """COLUMNS, or 80 columns when stdout is not a terminal: cells and lines wrap, nothing overflows."""
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "runs"))
+    env = _env(redis_node.url, tmp_path / ("a-long-cache-directory-name-" + "x" * 40))
+    store = open_store(Settings.from_env(env))
+    for kind in ("cpp_object", "header_digest", "fx_graph"):
+        store.put(kind, "k", b"x" * 123_456, sync=True, cost_s=12.5)
+        store.get(kind, "k")
+        store.get(kind, "missing")
+    store.close()
+    for columns, width in ((None, 80), ("80", 80), ("60", 60)):
+        with_columns = {**env, "COLUMNS": columns} if columns else {k: v for k, v in env.items() if k != "COLUMNS"}
+        stats = _invoke(["cache", "stats"], with_columns)
+        assert stats.exit_code == 0, stats.output
+        assert _fits(stats.output, width), stats.output
+        if width == 80:  # cells wrap at spaces, words stay whole
+            assert {"preprocessed", "header", "digest", "compiled", "C++", "object"} <= set(stats.output.split())
+        doctor = _invoke(["cache", "doctor"], with_columns)
+        assert doctor.exit_code == 0, doctor.output
+        assert _fits(doctor.output, width) or all(
+            len(line) <= width or " " not in line.strip() for line in doctor.output.splitlines()
+        ), doctor.output
+    wide = _invoke(["cache", "stats"], {**env, "COLUMNS": "200"})
+    assert any(len(line.rstrip()) > 80 for line in wide.output.splitlines())  # a wide terminal gets one line per row

@@ -317,7 +317,7 @@ def test_the_export_lines_start_prints_turn_warmstart_on(server_dir):
         "from warmstart.config import Settings; s = Settings.from_env(); "
         "print(s.enabled, s.cache_url.startswith('redis://'), s.key_file)"
     )
-    for line, key in zip(exports, ("signing.key", "verify.pub")):
+    for line, key in zip(exports, ("signing.key", "verify.pub"), strict=True):
         env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
         done = subprocess.run(
             ["bash", "-c", f'{line}; exec "$0" -c "$1"', sys.executable, probe],

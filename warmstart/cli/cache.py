@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from warmstart.cli._output import emit_json, json_option, print_table
+from warmstart.cli._output import emit_json, json_option, print_lines, print_table, terminal_console
 
 
 @click.group()
@@ -87,17 +87,18 @@ def stats(as_json: bool) -> None:
     else:
         print_table(
             f"warmstart cache ({settings.cache_dir})",
-            ["tier", "kind", "hits", "misses", "hit rate", "errors", "rejected", "read", "written", "saved s"],
+            ["tier", "kind", "hits", "misses", "hit rate", "errors", "rejected", "bytes in", "bytes out", "saved s"],
             rows,
+            justify=["left", "left", "right", "right", "right", "right", "right", "right", "right", "right"],
         )
-    click.echo(
-        f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of {_human_bytes(local['limit'])}"
+    print_lines(
+        "", f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of {_human_bytes(local['limit'])}"
     )
     counters = counts.counters_dict()
     if counters.get("recompiles"):
-        click.echo(f"recompilations: {counters['recompiles']}")
+        print_lines("", f"recompilations: {counters['recompiles']}")
     if counters.get("leases") or counters.get("waits"):
-        click.echo(_single_flight_line(counters))
+        print_lines("", _single_flight_line(counters), indent=2)
 
 
 def _local_usage(settings) -> dict[str, int]:
@@ -210,15 +211,13 @@ def doctor(as_json: bool) -> None:
 
 
 def _print_checks(checks) -> None:
-    from rich.console import Console
-
     from warmstart.compile_cache.doctor import FAIL, OK
 
-    marks = {OK: "[green]  ok[/]", FAIL: "[red]FAIL[/]"}
-    console = Console(soft_wrap=True)
+    marks = {OK: "  ok", FAIL: "FAIL"}
     for check in checks:
-        mark = marks.get(check.status, "[yellow]warn[/]")
-        console.print(f"{mark}  [bold]{check.name}[/]: {check.detail}", highlight=False)
+        # Plain text, wrapped to the terminal: a detail quotes what the user gave (a URL, a path),
+        # which is never read as markup.
+        print_lines(f"{marks.get(check.status, 'warn')}  ", f"{check.name}: {check.detail}")
 
 
 @group.command()
@@ -287,13 +286,15 @@ def explain(run_dir: Path | None, as_json: bool) -> None:
 
 
 def _print_explanation(result) -> None:
-    from rich.console import Console
+    from rich.markup import escape
 
     from warmstart.compile_cache import KINDS
 
-    console = Console(soft_wrap=True)
+    console = terminal_console()
     total = len(result.misses)
-    console.print(f"[bold]{total}[/] misses in {result.run_dir}; server: {result.server}", highlight=False)
+    console.print(
+        f"[bold]{total}[/] misses in {escape(str(result.run_dir))}; server: {escape(result.server)}", highlight=False
+    )
     if total:
         by_kind = result.by_kind()
         reasons = result.columns()  # the reasons the misses gave (by_kind adds skipped, their sum)
@@ -316,9 +317,9 @@ def _print_explanation(result) -> None:
         ]
         print_table("namespaces on the server", columns, rows, justify=["left"] * len(columns))
     if result.namespace_diff:
-        console.print(f"this machine differs in: [bold]{', '.join(result.namespace_diff)}[/]", highlight=False)
+        console.print(f"this machine differs in: [bold]{escape(', '.join(result.namespace_diff))}[/]", highlight=False)
     for line in result.advice():
-        console.print(f"- {line}", highlight=False)
+        console.print(f"- {escape(line)}", highlight=False)
 
 
 def _short(text: str, width: int = 40) -> str:
