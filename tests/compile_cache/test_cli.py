@@ -195,3 +195,20 @@ def test_stats_and_doctor_fit_the_width_they_are_given(redis_node, tmp_path, mon
         ), doctor.output
     wide = _invoke(["cache", "stats"], {**env, "COLUMNS": "200"})
     assert any(len(line.rstrip()) > 80 for line in wide.output.splitlines())  # a wide terminal gets one line per row
+
+
+def test_doctor_with_a_key_pair_speaks_of_keys_not_secrets(redis_node, tmp_path):
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    generate_key_pair(tmp_path / "old.key", tmp_path / "old.pub")
+    generate_key_pair(tmp_path / "signing.key", tmp_path / "verify.pub")
+    env = {**_env(redis_node.url, tmp_path / "a"), "WARMSTART_KEY_FILE": str(tmp_path / "old.key")}
+    del env["WARMSTART_SECRET"]
+    old = open_store(Settings.from_env(env), persist_stats=False)
+    old.put("fx_graph", "k", b"graph", sync=True)
+    old.close()
+    result = _invoke(["cache", "doctor"], {**env, "WARMSTART_KEY_FILE": str(tmp_path / "signing.key")})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "key in use" in text and "1 under other keys" in text and "signing.key" in text
+    assert "secret" not in text.lower(), result.output
