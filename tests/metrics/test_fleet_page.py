@@ -88,7 +88,8 @@ def test_html_leaves_the_other_outputs_unchanged(tmp_path):
 def test_unwritable_page_is_a_one_line_error(tmp_path):
     _write_fleet(tmp_path / "runs")
     result = _invoke("ett", "fleet", str(tmp_path / "runs"), "--html", str(tmp_path / "missing" / "fleet.html"))
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input, as an unwritable server --dir
+    assert result.stderr.startswith("warmstart: --html ") and len(result.stderr.splitlines()) == 1
     assert "cannot write" in result.stderr and "Traceback" not in result.stderr
 
 

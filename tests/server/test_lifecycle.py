@@ -81,6 +81,7 @@ def test_start_status_stop(server_dir):
         redis.Redis(port=port, socket_connect_timeout=0.5).ping()
     down = _run("status", "--dir", str(server_dir), "--json")
     assert down.exit_code == 1 and json.loads(down.stdout)["up"] is False
+    assert json.loads(down.stdout)["error"].startswith(f"1 of 1 nodes do not answer (127.0.0.1:{port}: ")
     again = _run("stop", "--dir", str(server_dir))
     assert again.exit_code == 0 and "no server was running" in again.stdout
 
