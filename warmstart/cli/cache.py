@@ -83,7 +83,12 @@ def stats(as_json: bool) -> None:
             ]
         )
     if not rows:
-        click.echo(f"No cache activity recorded in {settings.cache_dir} yet.")
+        print_lines(
+            "",
+            f"No cache activity recorded in {settings.cache_dir} yet (artifacts torch finds in its own "
+            "cache on this machine, TORCHINDUCTOR_CACHE_DIR, never reach warmstart).",
+            indent=2,
+        )
     else:
         print_table(
             f"warmstart cache ({settings.cache_dir})",
@@ -277,9 +282,13 @@ def explain(run_dir: Path | None, as_json: bool) -> None:
         emit_json(result.to_dict())
         return
     if result.run_dir is None:
-        click.echo(
+        print_lines(
+            "",
             f"no misses: no job has logged a cache miss in {settings.cache_dir} (a job whose every "
-            "lookup hit logs none)"
+            "lookup hit logs none; so does one whose artifacts all came from torch's own cache on this "
+            "machine, TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>, which warmstart neither sees "
+            "nor copies to the shared cache)",
+            indent=2,
         )
         return
     _print_explanation(result)
