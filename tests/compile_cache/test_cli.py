@@ -212,3 +212,22 @@ def test_doctor_with_a_key_pair_speaks_of_keys_not_secrets(redis_node, tmp_path)
     text = " ".join(result.output.split())
     assert "key in use" in text and "1 under other keys" in text and "signing.key" in text
     assert "secret" not in text.lower(), result.output
+
+
+def test_stats_counts_a_nested_hit_once_in_the_wall_time_saved(tmp_path, monkeypatch):
+    """An AOTAutograd entry's compile time includes its FX graph's, which includes its C++ object's:
+    the per-kind column sums all three, the wall time saved counts the outermost one."""
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "runs"))
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}
+    store = open_store(Settings.from_env(env))
+    for kind, cost in (("aot_autograd", 20.0), ("fx_graph", 15.0), ("cpp_object", 10.0), ("pgo", 1.0)):
+        store.put(kind, "k", b"x" * 100, sync=True, cost_s=cost)
+        assert store.get(kind, "k").value is not None
+    store.close()
+    data = json.loads(_invoke(["cache", "stats", "--json"], env).stdout)
+    per_kind = sum(c["saved_s"] for c in data["tiers"]["local"].values())
+    assert per_kind == data["totals"]["local"]["saved_s"] and 45.9 < per_kind <= 46.0
+    assert 20.9 < data["totals"]["local"]["saved_wall_s"] <= 21.0  # aot autograd's and pgo's
+    text = " ".join(_invoke(["cache", "stats"], env).output.split())
+    assert "so the column adds up to more than the time saved" in text
+    assert f"local {data['totals']['local']['saved_wall_s']:.1f} s" in text

@@ -53,7 +53,7 @@ def stats(as_json: bool) -> None:
         for (t, _kind), c in counts.items():
             if t == tier:
                 total = total + c
-        totals[tier] = total.to_dict()
+        totals[tier] = {**total.to_dict(), "saved_wall_s": stats_mod.wall_saved_estimate(counts, tier)}
     if as_json:
         emit_json(
             {
@@ -96,6 +96,17 @@ def stats(as_json: bool) -> None:
             rows,
             justify=["left", "left", "right", "right", "right", "right", "right", "right", "right", "right"],
         )
+        saved = {t: v["saved_wall_s"] for t, v in totals.items() if v["hits"]}
+        if saved:
+            print_lines(
+                "",
+                "saved s: per kind, what producing the entries that hit cost their producers, less the "
+                "reads; kinds nest (an AOTAutograd entry's time includes its FX graphs', an FX graph's "
+                "its C++ objects'), so the column adds up to more than the time saved. Wall time saved, "
+                "estimated from each hit's outermost kind: "
+                + ", ".join(f"{tier} {s:.1f} s" for tier, s in saved.items()),
+                indent=2,
+            )
     print_lines(
         "", f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of {_human_bytes(local['limit'])}"
     )
