@@ -16,6 +16,9 @@ from pathlib import Path
 ROOT_VARIABLE = "WS_TESTS_ROOT"
 """Names the run's root; set by the pytest process that made it, inherited by the others."""
 
+BASETEMP_VARIABLE = "WS_TESTS_BASETEMP"
+"""pytest's base directory when the run chose it (no ``--basetemp`` given)."""
+
 _owned = False
 
 # Each variable and its directory under the root. XDG_RUNTIME_DIR is left alone: it must be the

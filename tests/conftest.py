@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Before anything reads HOME or TMPDIR: the run's own short root (see _isolation.py).
-from _isolation import isolate_session, owns_root, run_root, short_tmpdir
+from _isolation import BASETEMP_VARIABLE, isolate_session, owns_root, run_root, short_tmpdir
 
 isolate_session()
 
@@ -41,6 +41,7 @@ def pytest_configure(config) -> None:
     sockets under it can pass the 107-byte AF_UNIX limit. xdist's workers get ``<basetemp>/popen-gw<k>``."""
     if config.option.basetemp is None and not hasattr(config, "workerinput"):
         config.option.basetemp = str(run_root() / "p")
+        os.environ[BASETEMP_VARIABLE] = config.option.basetemp  # for xdist's workers, which it starts after
 
 
 def pytest_unconfigure(config) -> None:

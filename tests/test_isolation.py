@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _isolation import ROOT_VARIABLE, run_root
+from _isolation import BASETEMP_VARIABLE, ROOT_VARIABLE, run_root
 
 from warmstart.config import Settings
 
@@ -32,7 +32,8 @@ def test_every_default_directory_is_in_the_run_root(tmp_path):
     root = run_root()
     assert len(os.fsencode(root)) <= len("/tmp/ws-XXXXXXXX")  # short by construction
     assert Path.home() == root / "home" and Path(tempfile.gettempdir()).is_relative_to(root)
-    assert tmp_path.is_relative_to(root)  # pytest's base directory too
+    if os.environ.get(BASETEMP_VARIABLE):  # pytest's base directory too, unless --basetemp named one
+        assert tmp_path.is_relative_to(os.environ[BASETEMP_VARIABLE]) and tmp_path.is_relative_to(root)
     for variable in ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         assert Path(os.environ[variable]).is_relative_to(root), variable
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
@@ -52,7 +53,8 @@ def test_a_run_leaves_the_users_home_and_tmp_untouched(tmp_path):
     env = {
         k: v
         for k, v in os.environ.items()
-        if k != ROOT_VARIABLE and not k.startswith(("XDG_", "WARMSTART", "TORCHINDUCTOR", "TRITON", "PYTEST_XDIST"))
+        if k not in (ROOT_VARIABLE, BASETEMP_VARIABLE)
+        and not k.startswith(("XDG_", "WARMSTART", "TORCHINDUCTOR", "TRITON", "PYTEST_XDIST"))
     }
     env.update(HOME=str(home), TMPDIR="/tmp")
     before = set(Path("/tmp").glob("ws-*"))
