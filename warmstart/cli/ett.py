@@ -225,7 +225,15 @@ def _write_page(path: Path, page: str) -> None:
         raise _BadInput(
             f"--html {path}: cannot write it ({exc.strerror}): expected a path to a writable file"
         ) from None
-    click.echo(f"warmstart: wrote {path}", err=True)
+    from plotly.offline import get_plotlyjs
+
+    # Most of a page is plotly.js (about 4.6 MB), inlined once so that the page opens without a network.
+    size, library = len(page.encode()), len(get_plotlyjs().encode())
+    click.echo(
+        f"warmstart: wrote {path} ({size / 1e6:.1f} MB, of which {library / 1e6:.1f} MB is plotly.js, "
+        "inlined once so that the page opens without a network)",
+        err=True,
+    )
 
 
 @group.command("interval")
