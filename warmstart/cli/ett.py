@@ -227,7 +227,7 @@ def _write_page(path: Path, page: str) -> None:
         ) from None
     from plotly.offline import get_plotlyjs
 
-    # Most of a page is plotly.js (about 4.6 MB), inlined once so that the page opens without a network.
+    # Most of a page is plotly.js (4.8 MB with plotly 7.1), inlined once so that it opens without a network.
     size, library = len(page.encode()), len(get_plotlyjs().encode())
     click.echo(
         f"warmstart: wrote {path} ({size / 1e6:.1f} MB, of which {library / 1e6:.1f} MB is plotly.js, "
