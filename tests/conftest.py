@@ -56,6 +56,19 @@ def pytest_report_header(config) -> str:
     return "redis-server: not found; tests that need it " + ("fail (CI is set)" if in_ci() else "are skipped")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cwd_in_run_root():
+    """The tests run in a directory of the run's root, so that what a job writes relative to its
+    working directory (``./warmstart-runs/<job id>`` without ``WARMSTART_RUN_DIR``) stays out of the
+    checkout. Set after collection: the command line's test paths are relative to where pytest started."""
+    previous = os.getcwd()
+    work = run_root() / "cwd"
+    work.mkdir(exist_ok=True)
+    os.chdir(work)
+    yield
+    os.chdir(previous)
+
+
 @pytest.fixture
 def redis_node(tmp_path_factory):
     """A fresh single-node redis-server on a free port; stopped after the test."""

@@ -23,15 +23,21 @@ from warmstart.compile_cache import open_store
 from warmstart.config import Settings
 store = open_store(Settings.from_env(os.environ))
 store.put("fx_graph", "isolation", b"entry", sync=True)
+store.get("fx_graph", "never-stored")  # a miss: logged under ./warmstart-runs/<job id>
 store.close()
 print(Settings.from_env(os.environ).cache_dir)
 """
+
+
+def _runs_in_checkout() -> set[Path]:
+    return {p for p in (REPO / "warmstart-runs", *(REPO / "tests").rglob("warmstart-runs")) if p.exists()}
 
 
 def test_every_default_directory_is_in_the_run_root(tmp_path):
     root = run_root()
     assert len(os.fsencode(root)) <= len("/tmp/ws-XXXXXXXX")  # short by construction
     assert Path.home() == root / "home" and Path(tempfile.gettempdir()).is_relative_to(root)
+    assert Path.cwd().is_relative_to(root)  # ./warmstart-runs of jobs without WARMSTART_RUN_DIR
     if os.environ.get(BASETEMP_VARIABLE):  # pytest's base directory too, unless --basetemp named one
         assert tmp_path.is_relative_to(os.environ[BASETEMP_VARIABLE]) and tmp_path.is_relative_to(root)
     for variable in ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
@@ -44,6 +50,7 @@ def test_every_default_directory_is_in_the_run_root(tmp_path):
     cache_dir = Path(done.stdout.strip())
     assert cache_dir == Settings.from_env(env).cache_dir and cache_dir.is_relative_to(root)
     assert any(cache_dir.iterdir())
+    assert list((Path.cwd() / "warmstart-runs").glob("*/cache-misses/*.ndjson"))
 
 
 def test_a_run_leaves_the_users_home_and_tmp_untouched(tmp_path):
@@ -58,6 +65,7 @@ def test_a_run_leaves_the_users_home_and_tmp_untouched(tmp_path):
     }
     env.update(HOME=str(home), TMPDIR="/tmp")
     before = set(Path("/tmp").glob("ws-*"))
+    runs_before = _runs_in_checkout()
     done = subprocess.run(
         [
             sys.executable,
@@ -78,4 +86,5 @@ def test_a_run_leaves_the_users_home_and_tmp_untouched(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert list(home.iterdir()) == []
+    assert _runs_in_checkout() == runs_before  # nothing in the checkout either
     assert set(Path("/tmp").glob("ws-*")) - before == set()  # its root was removed
