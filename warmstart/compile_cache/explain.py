@@ -44,7 +44,10 @@ COMPONENT_ADVICE: dict[str, str] = {
 }
 
 _REASON_ADVICE = {
-    ABSENT: "never compiled against this cache: expected on a first start or after a code change",
+    ABSENT: "never compiled against this cache: expected on a first start or after a code change; "
+    "what torch found in its own cache on this machine (TORCHINDUCTOR_CACHE_DIR) it neither looked up "
+    "nor stored here, so a job after a plain torch run of the same model fills the shared cache only "
+    "with an empty TORCHINDUCTOR_CACHE_DIR",
     EVICTED: "the server evicted these blobs for memory: raise its --maxmemory (`warmstart server status` "
     "shows evictions)",
     OTHER_KEY_ID: "entries exist signed with another key: give this job the writers' verify.pub (or their "
