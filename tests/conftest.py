@@ -3,6 +3,10 @@ prometheus servers (``_prometheus.py``) on free ports,
 a fresh "machine" (empty HOME, TMPDIR and cache directories) per test, and process-wide state
 (the compile-cache store, the recorder, the warn-once causes) reset after every test.
 
+The whole run is isolated from the user running it (``_isolation.py``): HOME, the XDG directories,
+TMPDIR, torch's caches and pytest's base directory lie under one short root in /tmp, removed at the
+end, so the suite never touches the user's own caches and socket paths fit whatever the user name.
+
 Ports, nodes and clusters come from ``_redis.py``. A test that needs ``redis-server`` is skipped,
 with the reason, where it is not installed (and fails under CI); every other test runs anyway."""
 
@@ -17,12 +21,32 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _redis import RedisCluster, RedisNode, in_ci
+# Before anything reads HOME or TMPDIR: the run's own short root (see _isolation.py).
+from _isolation import BASETEMP_VARIABLE, isolate_session, owns_root, run_root, short_tmpdir
+
+isolate_session()
+
+from _redis import RedisCluster, RedisNode, in_ci  # noqa: E402 (after the isolation above)
 
 # A preloader the developer runs must not run the suite's programs: tests of the preloader start
 # their own and say so in their processes' environment.
 os.environ["WARMSTART_PRELOAD"] = "0"
-from _prometheus import PrometheusServer
+from _prometheus import PrometheusServer  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config) -> None:
+    """pytest's base directory under the run's short root (unless ``--basetemp`` is given): the
+    default, ``/tmp/pytest-of-<user>/pytest-<n>/popen-gw<k>/<test>``, grows with the user name, and
+    sockets under it can pass the 107-byte AF_UNIX limit. xdist's workers get ``<basetemp>/popen-gw<k>``."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = str(run_root() / "p")
+        os.environ[BASETEMP_VARIABLE] = config.option.basetemp  # for xdist's workers, which it starts after
+
+
+def pytest_unconfigure(config) -> None:
+    if owns_root() and not hasattr(config, "workerinput"):
+        shutil.rmtree(run_root(), ignore_errors=True)
 
 
 def pytest_report_header(config) -> str:
@@ -30,6 +54,19 @@ def pytest_report_header(config) -> str:
     if path is not None:
         return f"redis-server: {path}"
     return "redis-server: not found; tests that need it " + ("fail (CI is set)" if in_ci() else "are skipped")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cwd_in_run_root():
+    """The tests run in a directory of the run's root, so that what a job writes relative to its
+    working directory (``./warmstart-runs/<job id>`` without ``WARMSTART_RUN_DIR``) stays out of the
+    checkout. Set after collection: the command line's test paths are relative to where pytest started."""
+    previous = os.getcwd()
+    work = run_root() / "cwd"
+    work.mkdir(exist_ok=True)
+    os.chdir(work)
+    yield
+    os.chdir(previous)
 
 
 @pytest.fixture
@@ -88,10 +125,11 @@ def _reset_process_state():
 
 @pytest.fixture
 def fresh_machine(tmp_path, monkeypatch):
-    """Environment of a brand-new machine: empty HOME, TMPDIR, Inductor, Triton and warmstart dirs."""
+    """Environment of a brand-new machine: empty HOME, TMPDIR, Inductor, Triton and warmstart dirs
+    (TMPDIR short whatever the base directory, for the sockets made under it)."""
     env = {
         "HOME": tmp_path / "home",
-        "TMPDIR": tmp_path / "tmp",
+        "TMPDIR": short_tmpdir(),
         "TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor",
         "TRITON_CACHE_DIR": tmp_path / "triton",
         "WARMSTART_CACHE_DIR": tmp_path / "warmstart",

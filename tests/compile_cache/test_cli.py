@@ -7,6 +7,7 @@ import json
 import redis
 from click.testing import CliRunner
 
+from _isolation import short_tmpdir
 from _redis import closed_port_url
 from warmstart.cli import cli
 from warmstart.compile_cache import open_store
@@ -115,8 +116,8 @@ def test_doctor_warns_when_tmpdir_is_too_long_for_dataloader_sockets(tmp_path):
     assert f"is {len(str(long_tmp))} bytes" in text and f"up to {longest_socket_path(long_tmp)} bytes" in text
     assert f"{AF_UNIX_PATH_MAX}-byte AF_UNIX limit" in text and f"at most {MAX_TMPDIR_BYTES} bytes" in text
 
-    short_tmp = tmp_path / "t"
-    short_tmp.mkdir()
+    short_tmp = short_tmpdir()  # short by construction, whatever pytest's base directory
+    assert longest_socket_path(short_tmp) <= AF_UNIX_PATH_MAX
     result = _invoke(["cache", "doctor"], {**env, "TMPDIR": str(short_tmp)})
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "TMPDIR" in line)
@@ -152,3 +153,81 @@ def test_clear_remote_with_a_verify_only_key_deletes_nothing(redis_node, tmp_pat
     cleared = _invoke(["cache", "clear", "--remote"], env)
     assert cleared.exit_code == 0 and "remote: removed" in cleared.output, cleared.output
     assert list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*:p:*")) == []
+
+
+def test_doctor_with_a_url_of_another_scheme_says_so_in_one_message_and_exits_2(tmp_path):
+    """Text the user gave ("[...]" in a URL's expected forms included) is printed as text, never read as markup."""
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_URL": "http://localhost:6379", "WARMSTART_CACHE_DIR": str(tmp_path)}
+    result = _invoke(["cache", "doctor"], env)
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output and "MarkupError" not in result.output
+    text = " ".join(result.output.split())
+    assert text.startswith("FAIL settings: WARMSTART_CACHE_URL='http://localhost:6379' is not valid")
+    assert "redis://[user:pass@]host:port[/db]" in text and text.count("FAIL") == 1
+
+
+def _fits(output: str, width: int) -> bool:
+    return max(len(line.rstrip()) for line in output.splitlines()) <= width
+
+
+def test_stats_and_doctor_fit_the_width_they_are_given(redis_node, tmp_path, monkeypatch):
+    """COLUMNS, or 80 columns when stdout is not a terminal: cells and lines wrap, nothing overflows."""
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "runs"))
+    env = _env(redis_node.url, tmp_path / ("a-long-cache-directory-name-" + "x" * 40))
+    store = open_store(Settings.from_env(env))
+    for kind in ("cpp_object", "header_digest", "fx_graph"):
+        store.put(kind, "k", b"x" * 123_456, sync=True, cost_s=12.5)
+        store.get(kind, "k")
+        store.get(kind, "missing")
+    store.close()
+    for columns, width in ((None, 80), ("80", 80), ("60", 60)):
+        with_columns = {**env, "COLUMNS": columns} if columns else {k: v for k, v in env.items() if k != "COLUMNS"}
+        stats = _invoke(["cache", "stats"], with_columns)
+        assert stats.exit_code == 0, stats.output
+        assert _fits(stats.output, width), stats.output
+        if width == 80:  # cells wrap at spaces, words stay whole
+            assert {"preprocessed", "header", "digest", "compiled", "C++", "object"} <= set(stats.output.split())
+        doctor = _invoke(["cache", "doctor"], with_columns)
+        assert doctor.exit_code == 0, doctor.output
+        assert _fits(doctor.output, width) or all(
+            len(line) <= width or " " not in line.strip() for line in doctor.output.splitlines()
+        ), doctor.output
+    wide = _invoke(["cache", "stats"], {**env, "COLUMNS": "200"})
+    assert any(len(line.rstrip()) > 80 for line in wide.output.splitlines())  # a wide terminal gets one line per row
+
+
+def test_doctor_with_a_key_pair_speaks_of_keys_not_secrets(redis_node, tmp_path):
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    generate_key_pair(tmp_path / "old.key", tmp_path / "old.pub")
+    generate_key_pair(tmp_path / "signing.key", tmp_path / "verify.pub")
+    env = {**_env(redis_node.url, tmp_path / "a"), "WARMSTART_KEY_FILE": str(tmp_path / "old.key")}
+    del env["WARMSTART_SECRET"]
+    old = open_store(Settings.from_env(env), persist_stats=False)
+    old.put("fx_graph", "k", b"graph", sync=True)
+    old.close()
+    result = _invoke(["cache", "doctor"], {**env, "WARMSTART_KEY_FILE": str(tmp_path / "signing.key")})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "key in use" in text and "1 under other keys" in text and "signing.key" in text
+    assert "secret" not in text.lower(), result.output
+
+
+def test_stats_counts_a_nested_hit_once_in_the_wall_time_saved(tmp_path, monkeypatch):
+    """An AOTAutograd entry's compile time includes its FX graph's, which includes its C++ object's:
+    the per-kind column sums all three, the wall time saved counts the outermost one."""
+    monkeypatch.setenv("WARMSTART_RUN_DIR", str(tmp_path / "runs"))
+    env = {"WARMSTART": "1", "WARMSTART_CACHE_DIR": str(tmp_path / "cache")}
+    store = open_store(Settings.from_env(env))
+    for kind, cost in (("aot_autograd", 20.0), ("fx_graph", 15.0), ("cpp_object", 10.0), ("pgo", 1.0)):
+        store.put(kind, "k", b"x" * 100, sync=True, cost_s=cost)
+        assert store.get(kind, "k").value is not None
+    store.close()
+    data = json.loads(_invoke(["cache", "stats", "--json"], env).stdout)
+    per_kind = sum(c["saved_s"] for c in data["tiers"]["local"].values())
+    assert per_kind == data["totals"]["local"]["saved_s"] and 45.9 < per_kind <= 46.0
+    assert 20.9 < data["totals"]["local"]["saved_wall_s"] <= 21.0  # aot autograd's and pgo's
+    text = " ".join(_invoke(["cache", "stats"], env).output.split())
+    assert "so the column adds up to more than the time saved" in text
+    assert f"local {data['totals']['local']['saved_wall_s']:.1f} s" in text

@@ -147,6 +147,8 @@ def test_no_misses_is_an_answer(tmp_path, monkeypatch):
     out = CliRunner().invoke(cli, ["cache", "explain"])
     assert out.exit_code == 0, out.output
     assert out.output.startswith("no misses: no job has logged a cache miss in") and "Usage" not in out.output
+    # A job served by torch's own cache on the machine never asks warmstart: the answer says so.
+    assert "came from torch's own cache on this machine, TORCHINDUCTOR_CACHE_DIR" in " ".join(out.output.split())
     data = json.loads(CliRunner().invoke(cli, ["cache", "explain", "--json"]).stdout)
     assert (data["reasons"], data["misses"], data["namespace_diff"], data["run_dir"]) == ({}, [], [], None)
     assert data["namespace"]["id"] and data["server"] == "not asked: no misses to explain"
@@ -244,3 +246,26 @@ def test_a_log_from_before_the_split_still_reads_as_skipped(tmp_path):
     assert result.reasons == {TIMEOUT: 1, SKIPPED: 2}
     assert result.columns() == [TIMEOUT, SKIPPED]
     assert [line.split(":", 1)[0] for line in result.advice()] == ["timeout (1)", "skipped (1)"]
+
+
+def test_an_entry_every_job_misses_is_told_from_a_first_miss(redis_node, tmp_path, monkeypatch):
+    """Four identical jobs, each missing the same entries that nothing stores (a forward-only
+    script's AOTAutograd backward): the fourth job's misses are not "expected on a first start"."""
+    env = _env(redis_node.url, tmp_path / "cache")
+    for job in range(4):
+        settings = _second_machine(env, tmp_path / f"job-{job}", monkeypatch)
+        time.sleep(0.01)  # each job's misses after the previous job's
+    first = explain(settings, tmp_path / "job-0")
+    assert first.reasons == {ABSENT: len(KEYS)} and not any(m.get("earlier") for m in first.misses)
+    assert any("expected on a first start" in line for line in first.advice())
+    fourth = explain(settings, tmp_path / "job-3")
+    assert fourth.reasons == {ABSENT: len(KEYS)}  # the reason keeps its name in --json
+    assert [m["detail"] for m in fourth.misses] == ["missed in 3 earlier jobs of this cache too: never stored"] * 5
+    advice = fourth.advice()
+    assert not any("expected on a first start" in line for line in advice), advice
+    assert any(line.startswith(f"absent, every time ({len(KEYS)}): ") and "first backward" in line for line in advice)
+    # A key stored in between hits afterwards: only what still misses is marked.
+    _fill(env, {KEYS[0]: b"now stored"})
+    _second_machine(env, tmp_path / "job-4", monkeypatch, all_miss=False)
+    fifth = explain(settings, tmp_path / "job-4")
+    assert len(fifth.misses) == len(KEYS) - 1 and all(m["earlier"] == 4 for m in fifth.misses)

@@ -104,6 +104,43 @@ def test_hit_across_processes_with_fresh_local_dirs(shared_cache, tmp_path):
     assert result["aot_autograd"].get("autograd_cache_hit") == 1
 
 
+def test_seconds_saved_count_a_hit_once_and_stay_under_the_cold_compile(shared_cache, tmp_path):
+    """The per-kind ``saved_s`` counts nested artifacts again (AOTAutograd > FX graph > C++ object);
+    the wall time saved counts each hit's outermost kind, and stays within the cold compile's time."""
+    from warmstart.compile_cache.stats import Stats, wall_saved_estimate
+
+    node, produced = shared_cache
+    result, _ = run_job(tmp_path, "tiny", url=node.url)
+    stats = Stats()
+    for kind, counts in result["store"]["remote"].items():
+        stats.add("remote", kind, **{k: v for k, v in counts.items() if k in ("hits", "saved_s")})
+    nested = total(result, "remote", "saved_s")
+    wall = wall_saved_estimate(stats, "remote")
+    assert 0 < wall < nested  # the C++ objects' time is inside the FX graph's, counted once
+    assert wall <= produced["compile_s"], (wall, produced["compile_s"])
+
+
+def test_a_job_served_by_torchs_own_local_cache_fills_no_shared_cache(redis_node, tmp_path):
+    """As the docs say: torch looks in its own cache on the machine first, so a WARMSTART=1 job after
+    a plain one of the same model on that machine asks warmstart nothing and pushes nothing."""
+    machine = tmp_path / "machine"
+    run_job(machine, "tiny", warmstart=False)
+    result, _ = run_job(machine, "tiny", url=redis_node.url)  # the same TORCHINDUCTOR_CACHE_DIR
+    assert result["inductor"].get("fxgraph_cache_hit", 0) >= 1  # torch's own local cache served it
+    assert remote(result, "fx_graph").get("writes", 0) == 0 and remote(result, "fx_graph").get("hits", 0) == 0
+    assert not list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*:p:*fx_graph*"))
+    explained = subprocess.run(
+        [sys.executable, "-m", "warmstart", "cache", "explain", "--json"],
+        env={**os.environ, "WARMSTART_CACHE_DIR": str(machine / "warmstart"), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert explained.returncode == 0, explained.stderr
+    advice = json.loads(explained.stdout)["advice"]  # what it missed, torch's own cache aside: said so
+    assert any("found in its own cache on this machine (TORCHINDUCTOR_CACHE_DIR)" in line for line in advice), advice
+
+
 @pytest.mark.slow
 def test_precompiled_header_is_never_fetched_on_a_full_hit(redis_node, tmp_path):
     produced, _ = run_job(tmp_path / "a", "tiny2", url=redis_node.url, pch=True)

@@ -45,6 +45,10 @@ window.addEventListener("load", function () {
     pre.id = "chart-boxes";
     pre.textContent = JSON.stringify(out);
     document.body.appendChild(pre);
+    var tables = document.createElement("pre");
+    tables.id = "table-boxes";
+    tables.textContent = JSON.stringify(Array.from(document.querySelectorAll("table, p.note")).map(box));
+    document.body.appendChild(tables);
   }, 1000);
 });
 </script>"""
@@ -60,6 +64,7 @@ class Plots(HTMLParser):
         self.bar_traces = 0
         self.points = 0
         self.tables: dict[str, list[list[str]]] = {}  # class -> rows of cell text
+        self.table_boxes: list[list[float]] = []  # each table's and note's box, set by load()
         self._table: str | None = None
         self._cell: list[str] | None = None
 
@@ -126,6 +131,8 @@ def load(page: Path, tmp_path: Path, width: int = 1400) -> tuple[Plots, list[str
     plots.feed(proc.stdout)
     found = re.search(r'<pre id="chart-boxes">(.*?)</pre>', proc.stdout, re.S)
     boxes = json.loads(html.unescape(found.group(1))) if found else []
+    tables = re.search(r'<pre id="table-boxes">(.*?)</pre>', proc.stdout, re.S)
+    plots.table_boxes = json.loads(html.unescape(tables.group(1))) if tables else []
     return plots, problems, boxes
 
 

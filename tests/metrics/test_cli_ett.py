@@ -146,14 +146,14 @@ def test_interval_json_and_formula():
 @pytest.mark.parametrize(
     "args, named",
     [
-        (["--blocking", "0", "--failures-per-day", "2"], "--blocking=0.0"),
+        (["--blocking", "0", "--failures-per-day", "2"], "'--blocking': '0' is not a duration"),
         (["--blocking", "5", "--failures-per-day", "-1"], "--failures-per-day=-1.0"),
     ],
 )
 def test_interval_rejects_bad_values_with_exit_2(args, named):
     result = CliRunner().invoke(cli, ["ett", "interval", *args])
     assert result.exit_code == 2
-    assert named in result.stderr and "expected a positive number" in result.stderr
+    assert named in result.stderr and "expected a positive" in result.stderr
 
 
 # -- inputs that are not runs -----------------------------------------------------------------------------
@@ -307,3 +307,31 @@ def test_report_names_forked_attempts(tmp_path):
     runs = data if isinstance(data, list) else data.get("runs", [data])
     assert [a["forked"] for a in runs[0]["attempts"]] == [False, True]
     assert runs[0]["buckets"]["process_launch"] == 2.0
+
+
+def test_interval_takes_durations_as_every_does():
+    as_number = json.loads(_invoke("ett", "interval", "--blocking", "30", "--failures-per-day", "2", "--json").stdout)
+    as_duration = _invoke(
+        "ett", "interval", "--blocking", "30s", "--failures-per-day", "2", "--current", "1h", "--json"
+    )
+    assert as_duration.exit_code == 0, as_duration.output
+    out = json.loads(as_duration.stdout)
+    assert out["interval_s"] == as_number["interval_s"] and out["current_interval_s"] == 3600
+    bad = _invoke("ett", "interval", "--blocking", "thirty", "--failures-per-day", "2")
+    assert bad.exit_code == 2
+    assert bad.stderr.startswith("warmstart: Invalid value for '--blocking': 'thirty' is not a duration: expected")
+
+
+def test_every_command_s_errors_begin_with_warmstart(tmp_path):
+    """One prefix for every error, click's usage errors and ett's bad input included."""
+    (tmp_path / "empty").mkdir()
+    for args in (
+        ("ett", "report", str(tmp_path / "empty")),
+        ("ett", "interval", "--blocking", "-1", "--failures-per-day", "2"),
+        ("ett", "report", "--since", "yesterday", str(tmp_path / "empty")),
+        ("cache", "no-such-command"),
+    ):
+        result = _invoke(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert result.stderr.startswith("warmstart: ") and "Error:" not in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)

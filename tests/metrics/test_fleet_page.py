@@ -83,12 +83,14 @@ def test_html_leaves_the_other_outputs_unchanged(tmp_path):
         assert plain.exit_code == with_page.exit_code == 0
         assert with_page.stdout == plain.stdout
         assert f"wrote {page}" in with_page.stderr and page.stat().st_size > 0
+        assert f"({page.stat().st_size / 1e6:.1f} MB, of which " in with_page.stderr  # mostly plotly.js, said so
 
 
 def test_unwritable_page_is_a_one_line_error(tmp_path):
     _write_fleet(tmp_path / "runs")
     result = _invoke("ett", "fleet", str(tmp_path / "runs"), "--html", str(tmp_path / "missing" / "fleet.html"))
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input, as an unwritable server --dir
+    assert result.stderr.startswith("warmstart: --html ") and len(result.stderr.splitlines()) == 1
     assert "cannot write" in result.stderr and "Traceback" not in result.stderr
 
 

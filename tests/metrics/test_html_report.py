@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,52 @@ def test_windows_chart_counts_seconds_since_the_start_like_the_timeline(tmp_path
     assert fig.layout.xaxis.type != "date"
     assert fig.layout.xaxis.title.text == "seconds since the first attempt_start"
     assert [round(x, 6) for x in fig.data[-1].x] == [2.5 + 5 * k for k in range(8)]
+
+
+# -- four ranks, one straggling: the slow steps, the ranks and their layout ---------------------------------
+
+
+def _four_ranks(run_dir: Path, *, slow: bool):
+    """Four ranks stepping every 0.6 s; with ``slow``, a 2.5 s step every 50 and rank 3 late by
+    0.3 s every 10th step."""
+    files = []
+    for rank in range(4):
+        events = [ev(0, "attempt_start", rank=rank, devices=4), *span(0, 3, "compile", rank=rank)]
+        t = 4.0
+        for step in range(120):
+            late = 0.3 if slow and rank == 3 and step % 10 == 0 else 0.0
+            events.append(ev(t + late, "step", rank=rank, step=step))
+            t += 2.5 if slow and step % 50 == 7 else 0.6
+        files.append([*events, ev(t, "train_end", rank=rank), ev(t + 1, "attempt_end", rank=rank)])
+    return run_of(run_dir, *files)
+
+
+def test_nothing_slow_shows_no_empty_table_and_says_none(tmp_path):
+    steady = _four_ranks(tmp_path / "run", slow=False)
+    page = render_html([steady])
+    slow = page[page.index('<div class="slow">') :].split("</div>", 1)[0]
+    assert "none slower than" in slow and "<table" not in slow and " 0 slower than" not in slow
+
+
+def test_ranks_what_and_summed_lag_read_as_the_text_does(tmp_path):
+    from warmstart.metrics.formatting import LAG_NOTE
+
+    result = _four_ranks(tmp_path / "run", slow=True)
+    page = tmp_path / "report.html"
+    page.write_text(render_html([result]))
+    plots, problems, boxes = load(page, tmp_path)
+    assert problems == []
+    text = page.read_text()
+    assert "<h3>Ranks</h3>" in text  # the text report's per-rank table has its counterpart
+    ranks = text[text.index("<h3>Ranks</h3>") :].split("</table>", 1)[0]
+    assert ranks.count("<tr>") == 5 and '<td class="l">compile ' in ranks  # a header and four ranks
+    assert '<th class="l">what</th>' in text and '<td class="l">training steps that count</td>' in text
+    assert "<th>lag, summed</th>" in text and html.escape(LAG_NOTE) in text
+    # Tables and notes end well above the toolbar of the chart under them, never over it.
+    bars = [b["modebar"] for b in boxes if b["modebar"]]
+    assert bars and plots.table_boxes
+    for table in plots.table_boxes:
+        for bar in bars:
+            assert not overlaps(table, bar), (table, bar)
+            if bar[1] >= table[1]:  # a toolbar below this table
+                assert bar[1] - table[3] >= 16, (table, bar)

@@ -427,7 +427,7 @@ def test_cli_json_keys_and_side_by_side_table(tmp_path):
         (["--days", "0"], "--days=0.0"),
         (["--days", "-3"], "--days=-3.0"),
         (["--mtbf-h", "0"], "--mtbf-h=0.0"),
-        (["--checkpoint-interval", "-10"], "--checkpoint-interval=-10.0"),
+        (["--checkpoint-interval", "-10"], "'--checkpoint-interval': '-10' is not a duration"),
     ],
 )
 def test_cli_bad_values_are_one_line_usage_errors(tmp_path, args, named):

@@ -397,7 +397,7 @@ def test_bad_window_options_are_usage_errors(tmp_path, command, args, named, acc
     _write_job(tmp_path)
     result = CliRunner().invoke(cli, ["ett", command, str(tmp_path), *args])
     assert result.exit_code == 2, result.output
-    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    error = [line for line in result.stderr.splitlines() if line.startswith("warmstart: ")]
     assert len(error) == 1 and named in error[0] and accepted in error[0], result.stderr
     assert "Traceback" not in result.output
 

@@ -1045,7 +1045,14 @@ def test_doctor_says_whether_a_process_would_be_handed_over(preloader):
             timeout=120,
             start_new_session=True,
         )
-        return next(line for line in out.stdout.splitlines() if "preloader:" in line)
+        lines = out.stdout.splitlines()
+        first = next(i for i, line in enumerate(lines) if "preloader:" in line)
+        check = [lines[first]]
+        for line in lines[first + 1 :]:  # the check's lines wrapped to the width, indented under its text
+            if not line.startswith("      "):
+                break
+            check.append(line.strip())
+        return " ".join(check)
 
     assert f"handed over: the preloader at {preloader.socket}" in doctor()
     line = doctor(TORCHINDUCTOR_MAX_AUTOTUNE="1")

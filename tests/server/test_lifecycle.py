@@ -81,6 +81,7 @@ def test_start_status_stop(server_dir):
         redis.Redis(port=port, socket_connect_timeout=0.5).ping()
     down = _run("status", "--dir", str(server_dir), "--json")
     assert down.exit_code == 1 and json.loads(down.stdout)["up"] is False
+    assert json.loads(down.stdout)["error"].startswith(f"1 of 1 nodes do not answer (127.0.0.1:{port}: ")
     again = _run("stop", "--dir", str(server_dir))
     assert again.exit_code == 0 and "no server was running" in again.stdout
 
@@ -275,6 +276,10 @@ def test_a_dir_others_can_write_is_made_private_with_one_warning(server_dir, cap
     assert len(warned) == 1 and "mode 777" in warned[0], warned
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="giving the key to another user (chown) needs root; the key others can write is refused in the next test",
+)
 def test_a_dir_holding_a_key_another_user_planted_is_refused(server_dir):
     """In a directory others could write, another user replaced the signing key: adopting it would
     let that user sign entries every job accepts."""
@@ -287,3 +292,40 @@ def test_a_dir_holding_a_key_another_user_planted_is_refused(server_dir):
     assert result.exit_code == 2, result.output
     assert "holds signing.key, which another user owns or can write" in result.output
     assert not (server_dir / "state.json").exists()  # nothing was started
+
+
+def test_a_dir_holding_a_key_others_can_write_is_refused(server_dir):
+    """The same refusal for any user: a key that others could have replaced is never adopted."""
+    from warmstart.compile_cache.signing import generate_key_pair
+
+    server_dir.mkdir(mode=0o700)
+    generate_key_pair(server_dir / "signing.key", server_dir / "verify.pub")
+    os.chmod(server_dir / "signing.key", 0o666)
+    result = CliRunner().invoke(cli, ["server", "start", "--dir", str(server_dir), "--port", str(free_port_block(1))])
+    assert result.exit_code == 2, result.output
+    assert "holds signing.key, which another user owns or can write" in result.output
+    assert not (server_dir / "state.json").exists()  # nothing was started
+
+
+def test_the_export_lines_start_prints_turn_warmstart_on(server_dir):
+    """A job run with exactly the settings ``server start`` prints uses the cache: the lines
+    include ``WARMSTART=1``, and the writer's reach the server with its key."""
+    result = _run("start", "--dir", str(server_dir), "--port", str(free_port_block(1)))
+    assert result.exit_code == 0, result.output
+    exports = [line.strip() for line in result.output.splitlines() if line.strip().startswith("export ")]
+    assert len(exports) == 2, result.output
+    probe = (
+        "from warmstart.config import Settings; s = Settings.from_env(); "
+        "print(s.enabled, s.cache_url.startswith('redis://'), s.key_file)"
+    )
+    for line, key in zip(exports, ("signing.key", "verify.pub"), strict=True):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
+        done = subprocess.run(
+            ["bash", "-c", f'{line}; exec "$0" -c "$1"', sys.executable, probe],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["True", "True", str(server_dir / key)], (line, done.stdout)

@@ -15,6 +15,17 @@ class _Root(click.Group):
     def invoke(self, ctx: click.Context):  # one line per error, never a traceback unless -v
         try:
             return super().invoke(ctx)
+        except click.exceptions.Exit:
+            raise
+        except click.UsageError as exc:
+            # Every command's errors begin "warmstart:", click's usage errors too (not "Error:"),
+            # and say where the accepted forms are.
+            where = exc.ctx.command_path if exc.ctx is not None else "warmstart"
+            click.echo(f"warmstart: {exc.format_message()} (see '{where} --help')", err=True)
+            ctx.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"warmstart: {exc.format_message()}", err=True)
+            ctx.exit(exc.exit_code)
         except ConfigError as exc:
             if ctx.obj and ctx.obj.get("verbose"):
                 raise

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from warmstart.cli._output import emit_json, json_option, print_table
+from warmstart.cli._output import emit_json, json_option, print_lines, print_table, terminal_console
 
 
 @click.group()
@@ -53,7 +53,7 @@ def stats(as_json: bool) -> None:
         for (t, _kind), c in counts.items():
             if t == tier:
                 total = total + c
-        totals[tier] = total.to_dict()
+        totals[tier] = {**total.to_dict(), "saved_wall_s": stats_mod.wall_saved_estimate(counts, tier)}
     if as_json:
         emit_json(
             {
@@ -83,21 +83,38 @@ def stats(as_json: bool) -> None:
             ]
         )
     if not rows:
-        click.echo(f"No cache activity recorded in {settings.cache_dir} yet.")
+        print_lines(
+            "",
+            f"No cache activity recorded in {settings.cache_dir} yet (artifacts torch finds in its own "
+            "cache on this machine, TORCHINDUCTOR_CACHE_DIR, never reach warmstart).",
+            indent=2,
+        )
     else:
         print_table(
             f"warmstart cache ({settings.cache_dir})",
-            ["tier", "kind", "hits", "misses", "hit rate", "errors", "rejected", "read", "written", "saved s"],
+            ["tier", "kind", "hits", "misses", "hit rate", "errors", "rejected", "bytes in", "bytes out", "saved s"],
             rows,
+            justify=["left", "left", "right", "right", "right", "right", "right", "right", "right", "right"],
         )
-    click.echo(
-        f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of {_human_bytes(local['limit'])}"
+        saved = {t: v["saved_wall_s"] for t, v in totals.items() if v["hits"]}
+        if saved:
+            print_lines(
+                "",
+                "saved s: per kind, what producing the entries that hit cost their producers, less the "
+                "reads; kinds nest (an AOTAutograd entry's time includes its FX graphs', an FX graph's "
+                "its C++ objects'), so the column adds up to more than the time saved. Wall time saved, "
+                "estimated from each hit's outermost kind: "
+                + ", ".join(f"{tier} {s:.1f} s" for tier, s in saved.items()),
+                indent=2,
+            )
+    print_lines(
+        "", f"local tier: {local['entries']} entries, {_human_bytes(local['bytes'])} of {_human_bytes(local['limit'])}"
     )
     counters = counts.counters_dict()
     if counters.get("recompiles"):
-        click.echo(f"recompilations: {counters['recompiles']}")
+        print_lines("", f"recompilations: {counters['recompiles']}")
     if counters.get("leases") or counters.get("waits"):
-        click.echo(_single_flight_line(counters))
+        print_lines("", _single_flight_line(counters), indent=2)
 
 
 def _local_usage(settings) -> dict[str, int]:
@@ -210,15 +227,13 @@ def doctor(as_json: bool) -> None:
 
 
 def _print_checks(checks) -> None:
-    from rich.console import Console
-
     from warmstart.compile_cache.doctor import FAIL, OK
 
-    marks = {OK: "[green]  ok[/]", FAIL: "[red]FAIL[/]"}
-    console = Console(soft_wrap=True)
+    marks = {OK: "  ok", FAIL: "FAIL"}
     for check in checks:
-        mark = marks.get(check.status, "[yellow]warn[/]")
-        console.print(f"{mark}  [bold]{check.name}[/]: {check.detail}", highlight=False)
+        # Plain text, wrapped to the terminal: a detail quotes what the user gave (a URL, a path),
+        # which is never read as markup.
+        print_lines(f"{marks.get(check.status, 'warn')}  ", f"{check.name}: {check.detail}")
 
 
 @group.command()
@@ -278,22 +293,28 @@ def explain(run_dir: Path | None, as_json: bool) -> None:
         emit_json(result.to_dict())
         return
     if result.run_dir is None:
-        click.echo(
+        print_lines(
+            "",
             f"no misses: no job has logged a cache miss in {settings.cache_dir} (a job whose every "
-            "lookup hit logs none)"
+            "lookup hit logs none; so does one whose artifacts all came from torch's own cache on this "
+            "machine, TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>, which warmstart neither sees "
+            "nor copies to the shared cache)",
+            indent=2,
         )
         return
     _print_explanation(result)
 
 
 def _print_explanation(result) -> None:
-    from rich.console import Console
+    from rich.markup import escape
 
     from warmstart.compile_cache import KINDS
 
-    console = Console(soft_wrap=True)
+    console = terminal_console()
     total = len(result.misses)
-    console.print(f"[bold]{total}[/] misses in {result.run_dir}; server: {result.server}", highlight=False)
+    console.print(
+        f"[bold]{total}[/] misses in {escape(str(result.run_dir))}; server: {escape(result.server)}", highlight=False
+    )
     if total:
         by_kind = result.by_kind()
         reasons = result.columns()  # the reasons the misses gave (by_kind adds skipped, their sum)
@@ -316,9 +337,9 @@ def _print_explanation(result) -> None:
         ]
         print_table("namespaces on the server", columns, rows, justify=["left"] * len(columns))
     if result.namespace_diff:
-        console.print(f"this machine differs in: [bold]{', '.join(result.namespace_diff)}[/]", highlight=False)
+        console.print(f"this machine differs in: [bold]{escape(', '.join(result.namespace_diff))}[/]", highlight=False)
     for line in result.advice():
-        console.print(f"- {line}", highlight=False)
+        console.print(f"- {escape(line)}", highlight=False)
 
 
 def _short(text: str, width: int = 40) -> str:

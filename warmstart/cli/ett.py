@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from warmstart.cli._output import emit_json, json_option
-from warmstart.cli._windows import every_usage_errors, time_filter, window_options
+from warmstart.cli._windows import DURATION, every_usage_errors, time_filter, window_options
 from warmstart.metrics.advisor import advise_interval
 from warmstart.metrics.calculator import RunResult, compute, load_runs
 from warmstart.metrics.event_files import event_files
@@ -220,19 +220,37 @@ def _write_page(path: Path, page: str) -> None:
     try:
         path.write_text(page, encoding="utf-8")
     except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
-    click.echo(f"warmstart: wrote {path}", err=True)
+        # A path the user gave that cannot be written is bad input (exit 2), as an unwritable
+        # server --dir is.
+        raise _BadInput(
+            f"--html {path}: cannot write it ({exc.strerror}): expected a path to a writable file"
+        ) from None
+    from plotly.offline import get_plotlyjs
+
+    # Most of a page is plotly.js (4.8 MB with plotly 7.1), inlined once so that it opens without a network.
+    size, library = len(page.encode()), len(get_plotlyjs().encode())
+    click.echo(
+        f"warmstart: wrote {path} ({size / 1e6:.1f} MB, of which {library / 1e6:.1f} MB is plotly.js, "
+        "inlined once so that the page opens without a network)",
+        err=True,
+    )
 
 
 @group.command("interval")
-@click.option("--blocking", "blocking_s", type=float, required=True, help="Seconds one checkpoint blocks training.")
+@click.option(
+    "--blocking",
+    "blocking_s",
+    type=DURATION,
+    required=True,
+    help="How long one checkpoint blocks training: 30s, 2m, 1h30m (a bare number is seconds).",
+)
 @click.option("--failures-per-day", type=float, required=True, help="Failures (any kind) per day of training.")
 @click.option(
     "--current",
     "current_s",
-    type=float,
+    type=DURATION,
     default=None,
-    help="The checkpoint interval in use (seconds), to compare its waste.",
+    help="The checkpoint interval in use (30m, 1h; a bare number is seconds), to compare its waste.",
 )
 @json_option
 def interval(blocking_s: float, failures_per_day: float, current_s: float | None, as_json: bool) -> None:
@@ -243,7 +261,7 @@ def interval(blocking_s: float, failures_per_day: float, current_s: float | None
 
     \b
     Example:
-      warmstart ett interval --blocking 30 --failures-per-day 2
+      warmstart ett interval --blocking 30s --failures-per-day 2 --current 1h
     """
     advice = advise_interval(blocking_s, failures_per_day, current_s)
     if as_json:
@@ -266,9 +284,9 @@ def interval(blocking_s: float, failures_per_day: float, current_s: float | None
 @click.option(
     "--checkpoint-interval",
     "interval_s",
-    type=float,
+    type=DURATION,
     default=None,
-    help="Its checkpoint interval, seconds (default: the advisor's optimum).",
+    help="Its checkpoint interval: 30m, 1h (a bare number is seconds; default: the advisor's optimum).",
 )
 @json_option
 def project_cmd(

@@ -38,9 +38,11 @@ def group() -> None:
       warmstart server start --dir /srv/warmstart --maxmemory 8GiB --bind 0.0.0.0 \\
           --tls-cert /etc/warmstart/cert.pem --tls-key /etc/warmstart/key.pem
       # a job that fills the cache (CI):
-      export WARMSTART_CACHE_URL="$(cat /srv/warmstart/writer.url)" WARMSTART_KEY_FILE=/srv/warmstart/signing.key
+      export WARMSTART=1 WARMSTART_CACHE_URL="$(cat /srv/warmstart/writer.url)" \\
+          WARMSTART_KEY_FILE=/srv/warmstart/signing.key
       # every other job:
-      export WARMSTART_CACHE_URL="$(cat /srv/warmstart/reader.url)" WARMSTART_KEY_FILE=/srv/warmstart/verify.pub
+      export WARMSTART=1 WARMSTART_CACHE_URL="$(cat /srv/warmstart/reader.url)" \\
+          WARMSTART_KEY_FILE=/srv/warmstart/verify.pub
     """
 
 
@@ -355,10 +357,10 @@ def _print_started(state, as_json: bool, show_secrets: bool = False) -> None:
         q = shlex.quote
         click.echo(
             "Jobs that fill the cache (CI, trusted pipelines):\n"
-            f'  export WARMSTART_CACHE_URL="$(cat {q(info["writer_url_file"])})" '
+            f'  export WARMSTART=1 WARMSTART_CACHE_URL="$(cat {q(info["writer_url_file"])})" '
             f"WARMSTART_KEY_FILE={q(info['signing_key_file'])}\n"
             "Every other job (copy verify.pub to it; it cannot sign, so it never writes):\n"
-            f'  export WARMSTART_CACHE_URL="$(cat {q(info["reader_url_file"])})" '
+            f'  export WARMSTART=1 WARMSTART_CACHE_URL="$(cat {q(info["reader_url_file"])})" '
             f"WARMSTART_KEY_FILE={q(info['verify_key_file'])}"
         )
     sys.stdout.flush()  # --foreground keeps running: whoever reads stdout needs the file names now

@@ -200,7 +200,7 @@ def _check_remote(settings, diagnosis: Diagnosis) -> None:
         return
     try:
         _check_round_trip(settings, tier, diagnosis)
-        _check_key_ids(tier, diagnosis)
+        _check_key_ids(tier, diagnosis, keys.scheme)
     finally:
         tier.close()
 
@@ -269,32 +269,42 @@ def _check_round_trip(settings, tier, diagnosis: Diagnosis) -> None:
     )
 
 
-def _check_key_ids(tier, diagnosis: Diagnosis) -> None:
+def _check_key_ids(tier, diagnosis: Diagnosis, scheme: str) -> None:
+    # Worded for what the job holds: an Ed25519 key pair (WARMSTART_KEY_FILE) or a shared secret.
+    if scheme == "ed25519":
+        check, held, others = "key in use", "this key", "other keys"
+        advice = (
+            "give every job of the team the keys of the same server: its signing.key to jobs that fill "
+            "the cache, its verify.pub to the others (WARMSTART_KEY_FILE)"
+        )
+    else:
+        check, held, others = "secret in use", "this secret", "other secrets"
+        advice = "give every job of the team the same WARMSTART_SECRET_FILE"
     try:
         counts = tier.key_ids()
     except Exception as exc:
         if type(exc).__name__ == "NoPermissionError":  # the reader role, as warmstart server sets it up
             diagnosis._add(
-                "secret in use",
+                check,
                 OK,
                 "not counted: this URL's user (a reader) may read entries but "
                 "not list them; the writer URL counts the entries under each key id",
             )
         else:
-            diagnosis._add("secret in use", WARN, f"could not list entries ({type(exc).__name__}: {exc})")
+            diagnosis._add(check, WARN, f"could not list entries ({type(exc).__name__}: {exc})")
         return
     ours = counts.pop(tier.key_id, 0)
     diagnosis.key_id_entries, diagnosis.other_key_ids = ours, counts
     if not counts:
-        diagnosis._add("secret in use", OK, f"{ours} entries under this secret's key id {tier.key_id}")
+        diagnosis._add(check, OK, f"{ours} entries under {held}'s key id {tier.key_id}")
         return
     names = ", ".join(f"{kid} ({n})" for kid, n in sorted(counts.items(), key=lambda kv: -kv[1])[:3])
     diagnosis._add(
-        "secret in use",
+        check,
         WARN,
-        f"{ours} entries under this secret's key id {tier.key_id}; {sum(counts.values())} under other "
-        f"secrets: {names}. Jobs never read entries signed with another secret: give every job of the "
-        "team the same WARMSTART_SECRET_FILE (old key ids fade out by LRU after a rotation)",
+        f"{ours} entries under {held}'s key id {tier.key_id}; {sum(counts.values())} under {others}: "
+        f"{names}. Jobs never read entries signed with another key: {advice} (old key ids fade out by "
+        "LRU after a rotation)",
     )
 
 

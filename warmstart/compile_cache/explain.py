@@ -15,7 +15,7 @@ import collections
 import dataclasses
 from pathlib import Path
 
-from warmstart.compile_cache.miss_log import last_run_dir, read_misses
+from warmstart.compile_cache.miss_log import last_run_dir, read_misses, recent_run_dirs
 from warmstart.compile_cache.storage import (
     ABSENT,
     BREAKER_OPEN,
@@ -44,7 +44,10 @@ COMPONENT_ADVICE: dict[str, str] = {
 }
 
 _REASON_ADVICE = {
-    ABSENT: "never compiled against this cache: expected on a first start or after a code change",
+    ABSENT: "never compiled against this cache: expected on a first start or after a code change; "
+    "what torch found in its own cache on this machine (TORCHINDUCTOR_CACHE_DIR) it neither looked up "
+    "nor stored here, so a job after a plain torch run of the same model fills the shared cache only "
+    "with an empty TORCHINDUCTOR_CACHE_DIR",
     EVICTED: "the server evicted these blobs for memory: raise its --maxmemory (`warmstart server status` "
     "shows evictions)",
     OTHER_KEY_ID: "entries exist signed with another key: give this job the writers' verify.pub (or their "
@@ -62,7 +65,14 @@ _REASON_ADVICE = {
     SKIPPED: "the remote tier was not asked (its breaker was open after a failure, or lookups failed): "
     "`warmstart cache doctor` checks the connection",
 }
-_ADVICE_ORDER = (OTHER_KEY_ID, EVICTED, REJECTED, BREAKER_OPEN, TIMEOUT, ERROR, SKIPPED, ABSENT)
+_NEVER_STORED = "never_stored"
+"""Advice for ``absent`` misses that earlier jobs of this cache missed too (the reason stays ``absent``)."""
+_REASON_ADVICE[_NEVER_STORED] = (
+    "missed by earlier jobs of this cache too, so never stored: torch writes some entries only later "
+    "(an AOTAutograd entry at the graph's first backward, which a forward-only script never runs), "
+    "or every job ran with WARMSTART_CACHE_MODE=ro; the first needs no change"
+)
+_ADVICE_ORDER = (OTHER_KEY_ID, EVICTED, REJECTED, BREAKER_OPEN, TIMEOUT, ERROR, SKIPPED, _NEVER_STORED, ABSENT)
 """Most telling first; ``skipped`` here is only what a log from before the three were told apart holds."""
 _MAX_CHECKED = 5000  # misses asked about on the server; a bigger log is sampled from its start
 
@@ -109,13 +119,16 @@ class Explanation:
         """What to change, one line each, most telling first."""
         lines = []
         counts = collections.Counter(str(m["reason"]) for m in self.misses)
+        counts[_NEVER_STORED] = sum(1 for m in self.misses if m["reason"] == ABSENT and m.get("earlier"))
+        counts[ABSENT] -= counts[_NEVER_STORED]
         if counts[OTHER_NAMESPACE] or (
             self.namespace_diff and not any(o["namespace"] == self.namespace for o in self.others)
         ):
             lines += [f"{name}: {COMPONENT_ADVICE.get(name, 'differs')}" for name in self.namespace_diff]
         for reason in _ADVICE_ORDER:
             if counts[reason]:
-                lines.append(f"{reason} ({counts[reason]}): {_REASON_ADVICE[reason]}")
+                name = f"{ABSENT}, every time" if reason == _NEVER_STORED else reason
+                lines.append(f"{name} ({counts[reason]}): {_REASON_ADVICE[reason]}")
         return lines
 
     def to_dict(self) -> dict[str, object]:
@@ -166,12 +179,38 @@ def explain(settings: Settings, run_dir: Path | None = None) -> Explanation:
     url = settings.cache_url
     if not url:
         result.server = "no remote tier (WARMSTART_CACHE_URL is unset)"
-        return result
-    try:
-        _ask_server(settings, url, result)
-    except Exception as exc:  # an unreachable server leaves the job's own reasons
-        result.server = f"{redact_url(url)} could not be asked ({type(exc).__name__}: {exc})"
+    else:
+        try:
+            _ask_server(settings, url, result)
+        except Exception as exc:  # an unreachable server leaves the job's own reasons
+            result.server = f"{redact_url(url)} could not be asked ({type(exc).__name__}: {exc})"
+    _mark_missed_before(settings, result)
     return result
+
+
+def _mark_missed_before(settings: Settings, result: Explanation) -> None:
+    """Each ``absent`` miss that earlier jobs of this cache directory missed as well gets ``earlier``
+    (how many of them) and a detail saying so: an entry every job misses is one nothing stores."""
+    absent = [m for m in result.misses if m["reason"] == ABSENT]
+    if not absent or result.run_dir is None:
+        return
+    start = min(_number(m.get("ts", 0)) for m in result.misses)
+    this_run = Path(result.run_dir).resolve()
+    seen: collections.Counter[tuple[str, str]] = collections.Counter()
+    for run_dir in recent_run_dirs(settings.cache_dir):
+        if not run_dir.is_dir() or run_dir.resolve() == this_run:
+            continue
+        earlier = {
+            (str(m["kind"]), str(m["key"]))
+            for m in read_misses(run_dir)
+            if m["reason"] == ABSENT and _number(m.get("ts", 0)) < start
+        }
+        seen.update(earlier)
+    for miss in absent:
+        runs = seen[(str(miss["kind"]), str(miss["key"]))]
+        if runs:
+            miss["earlier"] = runs
+            miss["detail"] = f"missed in {runs} earlier job{'s' if runs > 1 else ''} of this cache too: never stored"
 
 
 def _ask_server(settings: Settings, url: str, result: Explanation) -> None:

@@ -4,7 +4,9 @@ A :class:`MissLog` observes the process's store and appends one JSON line per mi
 ``<run dir>/cache-misses/<host>-<pid>.ndjson`` (not ``*.jsonl``: the run directory's ETT readers
 never see it), in every process of the job, compile workers included. The local cache directory
 keeps the path of the last run directory it logged to (``last-run``), so ``explain`` without an
-argument finds the last job. Writing costs one ``write`` per miss and never raises.
+argument finds the last job, and the last few (``runs``), so ``explain`` can tell an entry missed for
+the first time from one that every earlier job missed too (one torch never stores). Writing costs
+one ``write`` per miss and never raises.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ log = logging.getLogger("warmstart.cache")
 
 MISSES_DIR = "cache-misses"
 LAST_RUN_FILE = "last-run"
+RUNS_FILE = "runs"
+_RUNS_KEPT = 20  # run directories remembered in RUNS_FILE, newest last
 _MAX_FIELD = 400  # a key or detail longer than this is cut: the log is for reading, not replaying
 
 
@@ -99,8 +103,18 @@ def _remember(cache_dir: Path, run_dir: Path) -> None:
     pointer = cache_dir / LAST_RUN_FILE
     try:
         write_file(pointer, str(run_dir) + "\n", 0o644)
+        runs = [r for r in recent_run_dirs(cache_dir) if r != run_dir][-(_RUNS_KEPT - 1) :]
+        write_file(cache_dir / RUNS_FILE, "".join(f"{r}\n" for r in (*runs, run_dir)), 0o644)
     except OSError:
         log.debug("warmstart: cannot remember the last run directory in %s", cache_dir)
+
+
+def recent_run_dirs(cache_dir: Path) -> list[Path]:
+    """The last run directories that jobs using ``cache_dir`` logged misses to, oldest first."""
+    try:
+        return [Path(line) for line in (cache_dir / RUNS_FILE).read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
 
 
 def last_run_dir(cache_dir: Path) -> Path | None:

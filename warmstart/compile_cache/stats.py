@@ -129,6 +129,37 @@ class Stats:
             write_file(path, json.dumps({"tiers": total.to_dict(), "counters": total.counters_dict()}, indent=1), 0o644)
 
 
+#: The kind whose producer's compile time includes this kind's: an AOTAutograd entry's time
+#: includes its FX graphs', an FX graph's its C++ objects' and kernels', a C++ object's its header's.
+NESTED_IN: dict[str, str] = {
+    "aot_autograd": "dynamo_frames",
+    "fx_graph": "aot_autograd",
+    "autotune": "fx_graph",
+    "triton_kernel": "fx_graph",
+    "cpp_object": "fx_graph",
+    "isa_probe": "fx_graph",
+    "header_digest": "cpp_object",
+}
+
+
+def wall_saved_estimate(stats: Stats, tier: str) -> float:
+    """Seconds of wall time the hits of ``tier`` saved, estimated: each kind's ``saved_s`` counts
+    only when no kind it nests in (:data:`NESTED_IN`) had hits there, so a hit is not counted again
+    inside the entry that contains it. Still an estimate: producers' times are their own (threads
+    compiling at once each count theirs), and a nested hit may belong to an outer miss."""
+    hit_kinds = {kind for (t, kind), c in stats.items() if t == tier and c.hits}
+
+    def contained(kind: str) -> bool:
+        outer = NESTED_IN.get(kind)
+        while outer is not None:
+            if outer in hit_kinds:
+                return True
+            outer = NESTED_IN.get(outer)
+        return False
+
+    return sum(c.saved_s for (t, kind), c in stats.items() if t == tier and not contained(kind))
+
+
 def load(path: Path) -> Stats:
     """Read a stats file written by :meth:`Stats.merge_into`; missing or unreadable means empty."""
     stats = Stats()

@@ -51,11 +51,37 @@ def step_time(seconds: float) -> str:
 
 def slow_summary(slow: SlowSteps, ideal_s: float, slow_above_s: float, e2e_s: float) -> str:
     """The slow-steps diagnostic in one sentence (its parts separated by ``"; "``)."""
+    ideal = f"ideal step {step_time(ideal_s)} (trimmed median of {slow.measured_steps:,} steps of rank {slow.rank})"
+    if not slow.slow_count:
+        return f"slow steps: none slower than {step_time(slow_above_s)}; {ideal}"
     return (
-        f"slow steps: ideal step {step_time(ideal_s)} (trimmed median of {slow.measured_steps:,} "
-        f"steps of rank {slow.rank}); {slow.slow_count:,} slower than {step_time(slow_above_s)} "
+        f"slow steps: {ideal}; {slow.slow_count:,} slower than {step_time(slow_above_s)} "
         f"lost {format_duration(slow.lost_s)} ({pct_text(slow.lost_s, e2e_s)} of end-to-end)"
     )
+
+
+#: The stragglers table's columns, and what its lag is.
+STRAGGLER_COLUMNS = ("rank", "lagged steps", "lag, summed", "worst (attempt/step: lag)")
+LAG_NOTE = (
+    "lag: how long after every other rank's a rank's step ended, summed over the steps it lagged; "
+    "the other ranks waited that long at their next collective"
+)
+
+
+def rank_rows(ranks: dict, effective: str) -> list[tuple[str, str, str]]:
+    """One row per rank: the rank, its ETT% and its largest bucket other than ``effective``."""
+    rows = []
+    for rank, data in sorted(ranks.items()):
+        others = {k: v for k, v in data.buckets.items() if k != effective and v > 0}
+        worst = max(others, key=others.__getitem__) if others else None
+        rows.append(
+            (
+                str(rank),
+                ett_text(data.ett_pct).rstrip("%"),
+                f"{worst} {pct_text(others[worst], data.e2e_s)}" if worst else "-",
+            )
+        )
+    return rows
 
 
 SWITCH_TITLE = "background compiles: when each rank switched from eager to compiled"

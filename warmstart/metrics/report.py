@@ -24,12 +24,15 @@ from warmstart.metrics.projection import Projection
 from warmstart.metrics.windows import FleetWindow, Window
 from warmstart.metrics.formatting import (
     L1_LABELS,
+    LAG_NOTE,
+    STRAGGLER_COLUMNS,
     SWITCH_COLUMNS,
     SWITCH_TITLE,
     ett_grade,
     ett_text,
     format_duration,
     pct_text,
+    rank_rows,
     slow_summary,
     step_time,
     switch_row,
@@ -170,18 +173,13 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
     if forked:
         out.print(f"[dim]forked from a preloader (no new interpreter): attempt {', '.join(forked)}[/]")
     if len(result.ranks) > 1:
-        rank_rows = []
-        for rank, data in sorted(result.ranks.items()):
-            others = {k: v for k, v in data.buckets.items() if k != EFFECTIVE and v > 0}
-            worst = max(others, key=others.__getitem__) if others else None
-            rank_rows.append(
-                (
-                    str(rank),
-                    ett_text(data.ett_pct).rstrip("%"),
-                    f"{worst} {pct_text(others[worst], data.e2e_s)}" if worst else "-",
-                )
-            )
-        _table(out, "ranks", (("rank", "left"), ("ETT%", "right"), ("largest other bucket", "left")), rank_rows, free=2)
+        _table(
+            out,
+            "ranks",
+            (("rank", "left"), ("ETT%", "right"), ("largest other bucket", "left")),
+            rank_rows(result.ranks, EFFECTIVE),
+            free=2,
+        )
     if result.slow_steps is not None and result.slow_steps.measured_steps:
         print_slow_steps(result, out)
     if result.compile_switches:
@@ -265,7 +263,7 @@ def print_slow_steps(result: RunResult, console: Console | None = None, top: int
     _table(
         out,
         "stragglers: ranks whose step ended after every other rank's",
-        (("rank", "right"), ("lagged steps", "right"), ("total lag", "right"), ("worst (attempt/step: lag)", "left")),
+        tuple(zip(STRAGGLER_COLUMNS, ("right", "right", "right", "left"), strict=True)),
         [
             (
                 str(r.rank),
@@ -277,6 +275,7 @@ def print_slow_steps(result: RunResult, console: Console | None = None, top: int
         ],
         free=3,
     )
+    out.print(f"[dim]{LAG_NOTE}[/]")
 
 
 def print_fleet(fleet: FleetResult, console: Console | None = None, top: int = 20) -> None:

@@ -33,6 +33,9 @@ from warmstart.metrics.formatting import (
     ett_text,
     format_duration,
     pct_text,
+    LAG_NOTE,
+    STRAGGLER_COLUMNS,
+    rank_rows,
     slow_summary,
     step_time,
     switch_row,
@@ -366,9 +369,18 @@ def _windows_figure(
     return fig
 
 
-def _html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], css_class: str = "") -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+def _html_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], css_class: str = "", *, text: Sequence[int] = ()
+) -> str:
+    """A table whose first column and the ``text`` columns are aligned left (words read from their
+    start, next to what they describe), the others right (numbers)."""
+
+    def cell(tag: str, i: int, value: Any) -> str:
+        align = ' class="l"' if i in text else ""
+        return f"<{tag}{align}>{html.escape(str(value))}</{tag}>"
+
+    head = "".join(cell("th", i, h) for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
     attr = f' class="{css_class}"' if css_class else ""
     return f"<table{attr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -377,16 +389,25 @@ def _slow_steps_html(result: RunResult) -> str:
     slow = result.slow_steps
     if slow is None or slow.ideal_step_s is None or slow.slow_above_s is None:
         return ""
-    steps = _html_table(
-        ("attempt", "step", "duration", "over ideal"),
-        [(s.attempt, f"{s.step:,}", step_time(s.duration_s), step_time(s.excess_s)) for s in slow.slowest_steps],
-    )
+    steps = ""
+    if slow.slowest_steps:  # none when no step was slow: the summary says so
+        steps = (
+            "<div>"
+            + _html_table(
+                ("attempt", "step", "duration", "over ideal"),
+                [
+                    (s.attempt, f"{s.step:,}", step_time(s.duration_s), step_time(s.excess_s))
+                    for s in slow.slowest_steps
+                ],
+            )
+            + "</div>"
+        )
     ranks = ""
     if slow.slowest_ranks:
         ranks = (
             "<div><h3>Stragglers</h3>"
             + _html_table(
-                ("rank", "lagged steps", "total lag", "worst steps"),
+                STRAGGLER_COLUMNS,
                 [
                     (
                         r.rank,
@@ -396,14 +417,20 @@ def _slow_steps_html(result: RunResult) -> str:
                     )
                     for r in slow.slowest_ranks
                 ],
+                text=(3,),
             )
-            + "</div>"
+            + f'<p class="note">{html.escape(LAG_NOTE)}.</p></div>'
         )
     summary = slow_summary(slow, slow.ideal_step_s, slow.slow_above_s, result.e2e_s)
-    return (
-        f'<div class="slow"><h3>Slow steps</h3><p>{html.escape(summary)}</p>'
-        f'<div class="tables"><div>{steps}</div>{ranks}</div></div>'
-    )
+    tables = f'<div class="tables">{steps}{ranks}</div>' if steps or ranks else ""
+    return f'<div class="slow"><h3>Slow steps</h3><p>{html.escape(summary)}</p>{tables}</div>'
+
+
+def _ranks_html(result: RunResult) -> str:
+    if len(result.ranks) < 2:
+        return ""
+    rows = rank_rows(result.ranks, EFFECTIVE)
+    return f"<div><h3>Ranks</h3>{_html_table(('rank', 'ETT%', 'largest other bucket'), rows, text=(2,))}</div>"
 
 
 def _switches_html(result: RunResult) -> str:
@@ -440,7 +467,8 @@ def _run_section(result: RunResult, index: int) -> str:
     <span class="facts">end-to-end {format_duration(e2e)} · {result.devices} device(s) ·
     {len(result.attempts)} attempt(s) · {result.l1["failures"]} failure(s)</span></div>
   <div class="tables"><div><h3>L1</h3>{_html_table(("figure", "time", "% of e2e"), l1_rows)}</div>
-  <div><h3>L2 buckets</h3>{_html_table(("bucket", "seconds", "% of e2e", "what"), l2_rows)}</div></div>
+  <div><h3>L2 buckets</h3>{_html_table(("bucket", "seconds", "% of e2e", "what"), l2_rows, text=(3,))}</div>
+  {_ranks_html(result)}</div>
   {_slow_steps_html(result)}
   {_switches_html(result)}
   {breakdown}
@@ -492,7 +520,7 @@ def render_fleet_html(
         " fleet ETT "
         f'<span class="facts">{html.escape(facts)}</span></div>',
         f'<div class="tables"><div><h3>Buckets</h3>'
-        f"{_html_table(('bucket', 'device-hours', '% of total', 'what'), bucket_rows)}</div></div>",
+        f"{_html_table(('bucket', 'device-hours', '% of total', 'what'), bucket_rows, text=(3,))}</div></div>",
     ]
     if windows:
         every = windows[0].until - windows[0].since
@@ -611,7 +639,8 @@ h2 small {{ color: #888; font-weight: normal; font-size: 0.6em; }}
 .facts {{ color: #666; margin-left: 1em; }}
 .tables {{ display: flex; gap: 3em; flex-wrap: wrap; }}
 table {{ border-collapse: collapse; }} th, td {{ padding: 2px 10px; text-align: right; }}
-th:first-child, td:first-child {{ text-align: left; }} thead {{ border-bottom: 1px solid #aaa; }}
+th:first-child, td:first-child, th.l, td.l {{ text-align: left; }} thead {{ border-bottom: 1px solid #aaa; }}
+.tables, .slow, .switches {{ margin-bottom: 2em; }}
 table.intro {{ margin-bottom: 1.5em; }} table.jobs td {{ white-space: nowrap; }}
 .warnings {{ color: #a60; }} section.run {{ border-top: 2px solid #eee; padding-top: 1em; }}
 </style>

@@ -98,6 +98,19 @@ class ServerStatus:
         return self._sum("connected_clients")
 
     @property
+    def error(self) -> str | None:
+        """Why the server is not up, in one line; ``None`` when it is."""
+        if self.up:
+            return None
+        down = [n for n in self.nodes if not n.up]
+        if not down:  # every node answers, but a Cluster does not serve every slot
+            states = sorted({n.cluster_state for n in self.nodes if n.cluster_state})
+            return f"every node answers but the cluster is not ok (cluster_state: {', '.join(states) or 'unknown'})"
+        first = down[0]
+        where = f"{first.host}:{first.port}: {first.error or 'down'}"
+        return f"{len(down)} of {len(self.nodes)} nodes do not answer ({where})"
+
+    @property
     def hit_rate(self) -> float | None:
         """Key lookups that found their key, over all lookups since start; ``None`` before any."""
         total = self.keyspace_hits + self.keyspace_misses
@@ -108,6 +121,7 @@ class ServerStatus:
         return {
             "dir": self.dir,
             "up": self.up,
+            "error": self.error,
             "mode": self.mode,
             "tls": self.tls,
             "nodes_up": self.nodes_up,
