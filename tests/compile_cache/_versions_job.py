@@ -3,7 +3,8 @@ as two frames, and one ``RESULT`` JSON line with its losses and what warmstart s
 
 Options, applied before torch is imported (warmstart's hooks run as torch's modules are imported):
 ``--checked V1,V2`` makes warmstart take those as the torch versions it was checked against (an
-unchecked torch, here); ``--force-autotune`` makes warmstart take torch's autotune caches as usable
+unchecked torch, here); ``--frames-checked V1,V2`` the versions compiled frames were checked against;
+``--force-autotune`` makes warmstart take torch's autotune caches as usable
 on this machine (a precondition that turned out wrong), so that torch itself raises in them.
 """
 
@@ -16,6 +17,10 @@ if "--checked" in sys.argv:
     from warmstart.compile_cache import torch_support
 
     torch_support.TORCH_VERSIONS_CHECKED = tuple(sys.argv[sys.argv.index("--checked") + 1].split(","))
+if "--frames-checked" in sys.argv:
+    from warmstart.compile_cache import torch_support
+
+    torch_support.FRAMES_VERSIONS_CHECKED = tuple(sys.argv[sys.argv.index("--frames-checked") + 1].split(","))
 if "--force-autotune" in sys.argv:
     from warmstart.compile_cache import torch_hooks
 

@@ -79,6 +79,12 @@ def test_the_running_torch_is_a_checked_one():
     assert torch_support.is_checked(torch.__version__), (torch.__version__, torch_support.TORCH_VERSIONS_CHECKED)
 
 
+def test_compiled_frames_are_checked_on_a_subset_of_the_checked_versions():
+    assert set(torch_support.FRAMES_VERSIONS_CHECKED) <= set(torch_support.TORCH_VERSIONS_CHECKED)
+    assert torch_support.frames_checked("2.13.0+cpu")
+    assert not torch_support.frames_checked("2.15.0+cu132")  # CompilePackage.bypass_current_entry is gone
+
+
 def test_the_warning_names_the_version_and_what_is_off():
     line = torch_support.unchecked_warning("2.99.0+cu140")
     assert "torch 2.99.0+cu140" in line and "compiled frames (WARMSTART_DYNAMO) are off" in line
@@ -124,10 +130,22 @@ def test_an_unchecked_torch_gives_one_warning_and_plain_torch_results(tmp_path, 
     assert result["fx_graph_remote_cache"] is True  # the caches behind a stable hook stay on
 
 
-def test_a_checked_torch_gives_no_warning_and_frames_on(tmp_path, plain):
+def test_a_checked_torch_runs_compiled_frames_only_where_they_were_checked(tmp_path, plain):
+    """The torch of this venv, compiled frames asked for: on where they were checked (2.13), else off
+    with one warning that says so (2.15, which removed a call of Dynamo's they make)."""
     result = _job(tmp_path / "m", WARMSTART_DYNAMO="1")
-    assert result["warnings"] == []
-    assert result["frames"] is True
+    frames = torch_support.frames_checked(result["torch"])
+    assert result["frames"] is frames
+    assert result["warnings"] == ([] if frames else [torch_support.frames_off_warning(result["torch"])])
+    assert result["losses"] == plain["losses"]
+
+
+def test_compiled_frames_not_checked_on_this_torch_are_off_with_one_warning(tmp_path, plain):
+    result = _job(tmp_path / "m", "--frames-checked", "0.0.1", WARMSTART_DYNAMO="1")
+    assert result["frames"] is False
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert f"compiled frames (WARMSTART_DYNAMO) are off: torch {result['torch']}" in result["warnings"][0]
+    assert "(0.0.1)" in result["warnings"][0]
     assert result["losses"] == plain["losses"]
 
 

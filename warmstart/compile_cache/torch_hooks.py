@@ -215,8 +215,10 @@ def install() -> None:
 
 def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -> None:
     checked = torch_support.checked_here()  # the first call on an unchecked torch warns, once
-    if not checked and name in FRAMES_ONLY_MODULES:
-        _hooked[name] = False  # compiled frames rest on Dynamo's internals: off, as the warning said
+    if name in FRAMES_ONLY_MODULES and not torch_support.frames_checked_here():
+        # Compiled frames rest on Dynamo's internals: off, said by the version's warning or where
+        # they are asked for (dynamo_frames.state).
+        _hooked[name] = False
         return
     try:
         check_internals(name, module)
@@ -345,7 +347,7 @@ def _switch_on_flags(config: ModuleType) -> None:
         if module_name == config.__name__:
             _switch_on(config, attr)
     # Bundling serves compiled frames only, which are off on a torch nobody checked.
-    if _bundle_autograd and config.__name__ == "torch._functorch.config" and torch_support.checked_here():
+    if _bundle_autograd and config.__name__ == "torch._functorch.config" and torch_support.frames_checked_here():
         _set_default(config, "bundled_autograd_cache", True)  # a value the user set in code still wins
 
 
@@ -1208,7 +1210,7 @@ for _module_name, _hook in _FRAME_HOOKS.items():
 #: Every module whose patch compiled frames rely on: with one of them unhooked, they are off.
 FRAMES_MODULES = (*_FRAME_HOOKS, "torch._dynamo.guards", "torch._dynamo.convert_frame")
 #: Modules whose patch serves compiled frames (the guards' also times them): left unpatched on a torch
-#: nobody checked, where compiled frames are off. ``convert_frame``'s also serves single-flight leases.
+#: compiled frames were not checked on, where they are off. ``convert_frame``'s also serves single-flight leases.
 FRAMES_ONLY_MODULES = frozenset(FRAMES_MODULES) - {"torch._dynamo.convert_frame"}
 
 

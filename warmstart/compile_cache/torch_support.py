@@ -21,7 +21,11 @@ log = logging.getLogger("warmstart.cache")
 
 #: torch releases the test suite ran against, each with every hook in place (the local part of a
 #: version, ``+cpu`` or ``+cu132``, is not compared: the hooks are the same Python code in each build).
-TORCH_VERSIONS_CHECKED: tuple[str, ...] = ("2.13.0",)
+TORCH_VERSIONS_CHECKED: tuple[str, ...] = ("2.13.0", "2.15.0")
+#: Those of them on which compiled frames (``WARMSTART_DYNAMO=1``) were checked: they hook deeper into
+#: Dynamo than anything else (its packages, guards and precompile context), and torch 2.15 removed one
+#: of the calls they make (``CompilePackage.bypass_current_entry``). Off on any other release.
+FRAMES_VERSIONS_CHECKED: tuple[str, ...] = ("2.13.0",)
 
 #: What warmstart leaves off on a torch release it was not checked against.
 OFF_WHEN_UNCHECKED = (
@@ -38,6 +42,19 @@ def public_version(version: str) -> str:
 def is_checked(version: str, checked: tuple[str, ...] | None = None) -> bool:
     """Whether torch ``version`` is one of ``checked`` (default :data:`TORCH_VERSIONS_CHECKED`)."""
     return public_version(version) in (TORCH_VERSIONS_CHECKED if checked is None else checked)
+
+
+def frames_checked(version: str) -> bool:
+    """Whether compiled frames were checked on torch ``version`` (:data:`FRAMES_VERSIONS_CHECKED`)."""
+    return is_checked(version) and is_checked(version, FRAMES_VERSIONS_CHECKED)
+
+
+def frames_off_warning(version: str) -> str:
+    """The line said where compiled frames are asked for on a checked torch they were not checked on."""
+    return (
+        f"warmstart: compiled frames (WARMSTART_DYNAMO) are off: torch {version} is not among the versions "
+        f"they were checked against ({', '.join(FRAMES_VERSIONS_CHECKED)}); torch compiles every frame itself"
+    )
 
 
 def unchecked_warning(version: str) -> str:
@@ -77,6 +94,13 @@ def checked_here() -> bool:
             if not _checked:
                 log.warning(unchecked_warning(str(version)))
         return _checked
+
+
+def frames_checked_here() -> bool:
+    """Whether compiled frames may run with this process's torch (no warning of its own: the caller,
+    which knows whether they were asked for, says so)."""
+    version = torch_version()
+    return checked_here() and (version is None or frames_checked(version))
 
 
 def reset() -> None:
