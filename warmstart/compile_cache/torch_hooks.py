@@ -392,6 +392,7 @@ def forget_preloader_settings() -> None:
     if functorch_config is not None and _bundle_autograd:
         _set_default(functorch_config, "bundled_autograd_cache", False)
     import_hooks.forget(("torch.compiler.config", "torch._functorch.config"))
+    torch_support.reset()  # the program's process says its own warning on an unchecked torch, once
 
 
 def _set_job_id(module: ModuleType) -> None:
