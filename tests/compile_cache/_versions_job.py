@@ -42,7 +42,7 @@ def main() -> None:
     losses = [_loss(16), _loss(24)]
     import torch._inductor.config as inductor_config
 
-    from warmstart.compile_cache import dynamo_frames, get_store
+    from warmstart.compile_cache import get_store, torch_hooks
 
     result = {
         "torch": torch.__version__,
@@ -50,7 +50,9 @@ def main() -> None:
         "autotune_remote_cache": inductor_config.autotune_remote_cache,
         "bundled_autotune_remote_cache": inductor_config.bundled_autotune_remote_cache,
         "fx_graph_remote_cache": inductor_config.fx_graph_remote_cache,
-        "frames": get_store() is not None and dynamo_frames.enabled(),
+        # Whether every hook compiled frames need went in (asking dynamo_frames.enabled() here would
+        # say a warning the job itself might not have said).
+        "frames": get_store() is not None and not torch_hooks.unhooked(torch_hooks.FRAMES_MODULES),
         "triton": "triton" in sys.modules,
     }
     print("RESULT " + json.dumps(result), flush=True)

@@ -216,9 +216,11 @@ def install() -> None:
 def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -> None:
     checked = torch_support.checked_here()  # the first call on an unchecked torch warns, once
     if name in FRAMES_ONLY_MODULES and not torch_support.frames_checked_here():
-        # Compiled frames rest on Dynamo's internals: off, said by the version's warning or where
-        # they are asked for (dynamo_frames.state).
+        # Compiled frames rest on Dynamo's internals: off, said by the version's warning, or here
+        # where they are asked for (nothing of theirs runs later to say it).
         _hooked[name] = False
+        if checked and _bundle_autograd:
+            torch_support.warn_frames_off()
         return
     try:
         check_internals(name, module)

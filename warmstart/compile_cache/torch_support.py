@@ -103,8 +103,21 @@ def frames_checked_here() -> bool:
     return checked_here() and (version is None or frames_checked(version))
 
 
+_frames_warned = False
+
+
+def warn_frames_off() -> None:
+    """Say, once per process, that compiled frames were asked for and are off on this torch."""
+    global _frames_warned
+    with _lock:
+        if not _frames_warned:
+            _frames_warned = True
+            log.warning(frames_off_warning(str(torch_version())))
+
+
 def reset() -> None:
-    """Ask again at the next :func:`checked_here` (tests)."""
-    global _checked
+    """Ask again at the next :func:`checked_here`, and warn again (a preloader's child, tests)."""
+    global _checked, _frames_warned
     with _lock:
         _checked = None
+        _frames_warned = False

@@ -115,7 +115,7 @@ def _all_hooked() -> bool:
     if not torch_support.checked_here():  # off on a torch nobody checked, as its one warning said
         return False
     if not torch_support.frames_checked_here():
-        log.warning(torch_support.frames_off_warning(str(torch_support.torch_version())))
+        torch_support.warn_frames_off()
         return False
     missing = unhooked(FRAMES_MODULES)
     if missing:
