@@ -1212,9 +1212,10 @@ for _module_name, _hook in _FRAME_HOOKS.items():
 
 #: Every module whose patch compiled frames rely on: with one of them unhooked, they are off.
 FRAMES_MODULES = (*_FRAME_HOOKS, "torch._dynamo.guards", "torch._dynamo.convert_frame")
-#: Modules whose patch serves compiled frames (the guards' also times them): left unpatched on a torch
-#: compiled frames were not checked on, where they are off. ``convert_frame``'s also serves single-flight leases.
-FRAMES_ONLY_MODULES = frozenset(FRAMES_MODULES) - {"torch._dynamo.convert_frame"}
+#: Modules whose patch serves compiled frames alone: left unpatched on a torch compiled frames were
+#: not checked on, where they are off. ``convert_frame``'s also serves single-flight leases, and the
+#: guards' also times each frame's guards: they go in, without their frames' part (``_hook_guards``).
+FRAMES_ONLY_MODULES = frozenset(FRAMES_MODULES) - {"torch._dynamo.convert_frame", "torch._dynamo.guards"}
 
 
 @_patch(
@@ -1223,7 +1224,8 @@ FRAMES_ONLY_MODULES = frozenset(FRAMES_MODULES) - {"torch._dynamo.convert_frame"
 )
 def _hook_guards(guards: ModuleType) -> None:
     _hook_guard_latency(guards)
-    dynamo_frames.hook_guards(guards)
+    if torch_support.frames_checked_here():  # elsewhere compiled frames are off: their part stays out
+        dynamo_frames.hook_guards(guards)
 
 
 def _hook_guard_latency(guards: ModuleType) -> None:
