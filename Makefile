@@ -8,7 +8,21 @@ TORCHREC := torchrec==1.9.2
 # packages, not among them: the CPU torch must not find a Triton.
 TRITON_REFERENCE := triton==3.6.0
 
-.PHONY: demo test lint format setup system-deps clean-venv
+# The newest torch release warmstart is checked against (a CUDA build, which brings its Triton), in a
+# venv of its own: `make test-newest` runs the tests of the version, precondition and fault paths, the
+# compile-cache round trips across new machines and the hooks' own tests under it, on this machine's
+# CPU. Compiled frames are off on it (torch_support.FRAMES_VERSIONS_CHECKED): their tests stay out.
+NEWEST_VENV := .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.warmstart-stamp
+NEWEST_TORCH := torch==2.15.0
+# The stack's pure-Python packages as pinned for the CPU venv; not the TorchRec ones (fbgemm-gpu-cpu
+# 1.9.0, the newest, fails to load its library with this torch: TorchRec cannot run here).
+NEWEST_SKIP := ^(torch|fbgemm-gpu-cpu|tensordict|torchmetrics|tqdm|pyre-extensions|typing-inspect|iopath)==
+NEWEST_TESTS := tests/compile_cache/test_torch_versions.py tests/compile_cache/test_torch_integration.py \
+	tests/compile_cache/test_torch_hooks.py
+
+.PHONY: demo test test-newest lint format setup system-deps clean-venv
 
 setup: $(STAMP) system-deps
 
@@ -44,6 +58,19 @@ demo: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# A machine's pip configuration may cap torch at the releases it keeps on disk: the newest comes from
+# the index, with no configuration file read.
+$(NEWEST_STAMP): requirements-cpu.txt pyproject.toml Makefile
+	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
+	grep -vE '$(NEWEST_SKIP)' requirements-cpu.txt > $(NEWEST_VENV)/requirements.txt
+	PIP_CONFIG_FILE=/dev/null $(NEWEST_PY) -m pip install -q --disable-pip-version-check $(NEWEST_TORCH) \
+		-r $(NEWEST_VENV)/requirements.txt
+	$(NEWEST_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(NEWEST_STAMP)
+
+test-newest: $(NEWEST_STAMP) system-deps
+	$(NEWEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS)
 
 # ruff (pycodestyle, pyflakes, bugbear; the formatter) and mypy, configured in pyproject.toml.
 lint: $(STAMP)

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from _redis import RedisNode, closed_port_url
+
+from warmstart.compile_cache import torch_support
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "benchmarks" / "compile_job.py"
@@ -337,10 +340,12 @@ def test_a_store_that_raises_costs_caching_never_the_compile(tmp_path):
     result = json.loads(line[len("RESULT ") :])
     assert result["ok"] == [True, True]
     calls = result["calls"]
-    for kind in ("dynamo_frames", "aot_autograd", "cpp_object", "isa_probe"):
+    # compiled frames run only on the torch releases they were checked on (off elsewhere: no lookup)
+    frames = torch_support.frames_checked(torch.__version__)
+    for kind in ("aot_autograd", "cpp_object", "isa_probe", *(("dynamo_frames",) if frames else ())):
         assert calls.get(f"get:{kind}", 0) >= 1, calls  # every hook ran and met the broken store
     # a C++ object whose lookup failed is built as torch builds it; graphs are bundled into AOTAutograd's entries
-    assert calls.get("put:aot_autograd", 0) >= 1 and calls.get("put:dynamo_frames", 0) >= 1, calls
+    assert calls.get("put:aot_autograd", 0) >= 1 and (not frames or calls.get("put:dynamo_frames", 0) >= 1), calls
     assert calls.get("bump", 0) >= 1, calls
     assert proc.stderr.count("failed (RuntimeError: store down); torch compiles without the cache") == 1, proc.stderr[
         -3000:

@@ -105,11 +105,32 @@ def diagnose(environ: Mapping[str, str] | None = None) -> Diagnosis:
         OK if settings.enabled else WARN,
         "WARMSTART=1" if settings.enabled else "WARMSTART is not 1: jobs will not use the cache",
     )
+    _check_torch(settings, diagnosis)
     _check_local(settings, diagnosis)
     _check_remote(settings, diagnosis)
     _check_tmpdir(environ, diagnosis)
     _check_preload(environ, diagnosis)
     return diagnosis
+
+
+def _check_torch(settings, diagnosis: Diagnosis) -> None:
+    # The installed torch's version, from its metadata: the doctor does not import torch.
+    from warmstart.compile_cache import torch_support
+
+    version = torch_support.torch_version()
+    if version is None:
+        diagnosis._add("torch", WARN, "torch is not installed in this environment: jobs here cannot compile")
+    elif not torch_support.is_checked(version):
+        diagnosis._add("torch", WARN, torch_support.unchecked_warning(version).removeprefix("warmstart: "))
+    elif torch_support.frames_checked(version):
+        diagnosis._add("torch", OK, f"torch {version}: a version warmstart was checked against, every hook in use")
+    else:
+        frames = torch_support.frames_off_warning(version).removeprefix("warmstart: ")
+        diagnosis._add(
+            "torch",
+            WARN if settings.dynamo_frames else OK,
+            f"torch {version}: a version warmstart was checked against; {frames}",
+        )
 
 
 def _check_preload(environ: Mapping[str, str] | None, diagnosis: Diagnosis) -> None:

@@ -1,4 +1,6 @@
-"""The only module that touches torch's and Triton's internals. Checked against torch 2.13.0.
+"""The only module that touches torch's and Triton's internals. Checked against the torch releases in
+``torch_support.TORCH_VERSIONS_CHECKED``; on any other, compiled frames stay off and each hook goes in
+only where the torch internals it wraps have the signature it expects (:data:`INTERNALS`).
 
 What it plugs in, all through the process-wide store (``get_store()``):
 
@@ -29,7 +31,9 @@ What it plugs in, all through the process-wide store (``get_store()``):
 Patches are applied when the torch modules are first imported (see ``import_hooks.py``), so a process
 that never compiles never pays for importing Inductor. Every patch fails open: if warmstart's part of
 a hooked call raises (a key, the store), torch's own behaviour runs instead (a cache miss, a plain
-build) after one warning per process, and torch's own errors pass through unchanged.
+build) after one warning per process, and torch's own errors pass through unchanged. A switch that
+warmstart turned on in torch and that makes torch itself raise (the autotune caches) is turned off
+again, after one warning, and the call is made as torch makes it without the switch.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
-from warmstart.compile_cache import dynamo_frames, import_hooks
+from warmstart.compile_cache import dynamo_frames, import_hooks, torch_support
 from warmstart.compile_cache.storage import fail_open
 
 if TYPE_CHECKING:
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warmstart.cache")
 
-TORCH_VERSIONS_CHECKED = ("2.13.0",)
+TORCH_VERSIONS_CHECKED = torch_support.TORCH_VERSIONS_CHECKED
 
 #: Remote-cache class in ``torch._inductor.remote_cache`` -> artifact kind.
 REMOTE_CACHE_CLASSES = {
@@ -78,8 +82,10 @@ TORCH_FLAGS = (
     ("torch._dynamo.config", "automatic_dynamic_remote_pgo", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO"),
 )
 
-#: Switched on only where Triton is installed: autotuning is Triton's, and without it torch's
-#: bundled-autotune cache asserts on the missing backend hash (torch 2.13, CPU wheels).
+#: Switched on only where torch can use them (:func:`autotune_caches_usable`): Triton importable, a
+#: device it compiles for, and a backend hash torch can compute. Without them torch's autotune caches
+#: assert on the missing backend hash (a CUDA torch with Triton on a machine with no GPU, for one).
+#: Decided at the first compile, when torch is whole (see ``_hook_compile_fx``).
 TRITON_FLAGS = (
     ("torch._inductor.config", "autotune_remote_cache", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE"),
     ("torch._inductor.config", "bundled_autotune_remote_cache", "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE"),
@@ -88,7 +94,8 @@ TRITON_FLAGS = (
 #: Exported (unless the user set it) where Triton is installed. Triton reads it in Inductor's compile
 #: workers, forked or not. It names warmstart's own manager, which verifies what it fetches and, in a
 #: process where warmstart is off, has no store and behaves as Triton's local file cache: inheriting it
-#: can never reach an unauthenticated backend.
+#: can never reach an unauthenticated backend. Unlike the autotune switches it needs no GPU: Triton
+#: compiles for a named target without one, and uses the manager then.
 TRITON_ENV = {
     "TRITON_CACHE_MANAGER": "warmstart.compile_cache.triton_manager:WarmstartCacheManager",
 }
@@ -106,10 +113,9 @@ def configure_environment(environ: MutableMapping[str, str], job_id: str | None 
     """
     import importlib.util
 
-    global _flags, _bundle_autograd
+    global _bundle_autograd
     has_triton = importlib.util.find_spec("triton") is not None
-    _flags = TORCH_FLAGS + TRITON_FLAGS if has_triton else TORCH_FLAGS
-    for module_name in {module for module, _, _ in _flags}:
+    for module_name in {module for module, _, _ in TORCH_FLAGS}:
         _PATCHES.setdefault(module_name, _switch_on_flags)
     _PATCHES.setdefault("torch.compiler.config", _set_job_id)
     _bundle_autograd = _dynamo_frames_on(environ)
@@ -208,20 +214,102 @@ def install() -> None:
 
 
 def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -> None:
+    checked = torch_support.checked_here()  # the first call on an unchecked torch warns, once
+    if name in FRAMES_ONLY_MODULES and not torch_support.frames_checked_here():
+        # Compiled frames rest on Dynamo's internals: off, said by the version's warning, or here
+        # where they are asked for (nothing of theirs runs later to say it).
+        _hooked[name] = False
+        if checked and _bundle_autograd:
+            torch_support.warn_frames_off()
+        return
     try:
+        check_internals(name, module)
         patch(module)
     except Exception:  # a torch change must cost caching, never the job
         _hooked[name] = False
-        log.warning(
+        # On a torch nobody checked, the one warning already said that such hooks are left out.
+        log.log(
+            logging.WARNING if checked else logging.DEBUG,
             "warmstart: could not hook %s (torch %s; checked against %s): %s",
             name,
-            getattr(sys.modules.get("torch"), "__version__", "?"),
-            ", ".join(TORCH_VERSIONS_CHECKED),
+            torch_support.torch_version() or "?",
+            ", ".join(torch_support.TORCH_VERSIONS_CHECKED),
             _WITHOUT.get(name, "compiling uncached"),
             exc_info=log.isEnabledFor(logging.DEBUG),
         )
     else:
         _hooked[name] = True
+
+
+#: torch module -> the internals its patch relies on: (dotted attribute, the names its leading
+#: parameters must have, or ``None`` where only its presence matters). Checked before the patch goes
+#: in, on every torch version, so that a torch whose internals moved loses that hook (compiling
+#: uncached there) rather than having a wrapper call its functions with the wrong arguments.
+INTERNALS: dict[str, tuple[tuple[str, tuple[str, ...] | None], ...]] = {
+    "torch._inductor.remote_cache": (
+        ("RemoteCache", None),
+        ("RemoteCacheBackend", None),
+        *((cls_name, None) for cls_name in REMOTE_CACHE_CLASSES),
+    ),
+    "torch._inductor.cpp_builder": (
+        ("CppBuilder.build", ("self",)),
+        ("CppBuilder.get_command_line", ("self",)),
+        ("CppBuilder.get_target_file_path", ("self",)),
+    ),
+    "torch._inductor.codecache": (
+        ("_precompile_header", ("header", "hashable_cmd_line")),
+        ("write", None),
+        ("CppTorchDeviceOptions", None),
+        ("CppBuilder", None),
+        ("_worker_compile_cpp", None),
+        ("get_compiler_version_info", None),
+        ("CppPythonBindingsCodeCache.load_pybinding_async", ("argtypes", "main_code")),
+    ),
+    "torch._inductor.codegen.wrapper": (
+        ("PythonWrapperCodegen.define_kernel", ("self", "kernel_name", "kernel_body", "metadata", "gpu")),
+    ),
+    "torch._inductor.graph": (("GraphLowering.codegen", ("self",)),),
+    "torch._inductor.cpu_vec_isa": (("VecISA._probe_load", ("self", "output_path")),),
+    "torch._inductor.compile_fx": (("compile_fx", ("model_", "example_inputs_")),),
+    "torch._inductor.runtime.autotune_cache": (
+        ("AutotuneCacheBundler.begin_compile", ("inductor_meta",)),
+        ("AutotuneCache.create", ("inductor_meta", "filename", "configs_hash")),
+    ),
+    "torch._functorch._aot_autograd.runtime_wrappers": (("_AutogradBackwardCompiler.get_or_compile", ("self",)),),
+    "torch._dynamo.convert_frame": (
+        ("_compile", ("code", "globals", "locals")),
+        ("get_and_maybe_log_recompilation_reasons", ("cache_entries", "frame")),
+    ),
+    "torch._dynamo.guards": (("profile_guard_manager", None),),
+}
+
+
+def check_internals(name: str, module: ModuleType) -> None:
+    """Check that ``module`` has the internals its patch relies on (:data:`INTERNALS`).
+
+    Raises:
+        AttributeError: one of them is missing.
+        TypeError: a function's leading parameters are not named as expected.
+    """
+    import inspect
+
+    for dotted, params in INTERNALS.get(name, ()):
+        obj: Any = module
+        for part in dotted.split("."):
+            if part not in dir(obj):  # dir(): a class attribute set only in __init__ would be missed
+                raise AttributeError(f"{name}.{dotted} is gone")
+            obj = getattr(obj, part)
+        if params is None:
+            continue
+        try:
+            signature = inspect.signature(inspect.unwrap(obj))
+        except (TypeError, ValueError):  # a builtin without a signature: its presence is all we know
+            continue
+        # Read from the class: a plain method's first parameter is ``self``; a classmethod's ``cls``
+        # is bound already, and a staticmethod has none.
+        if tuple(signature.parameters)[: len(params)] != params:
+            found = ", ".join(signature.parameters)
+            raise TypeError(f"{name}.{dotted} takes ({found}), expected ({', '.join(params)}, ...)")
 
 
 def unhooked(module_names: Iterable[str]) -> list[str]:
@@ -241,7 +329,6 @@ def unhooked(module_names: Iterable[str]) -> list[str]:
 
 # -- torch's switches, in this process's config ------------------------------------------------
 
-_flags: tuple[tuple[str, str, str], ...] = TORCH_FLAGS
 #: AOTAutograd bundles compiled graphs into its entries, which Dynamo's packages need (dynamo_frames).
 _bundle_autograd = False
 #: (config module, attribute) that warmstart switched on, to switch off again if the remote-cache
@@ -258,12 +345,18 @@ def _switch_on_flags(config: ModuleType) -> None:
     """
     if _remote_hook_failed:
         return
-    for module_name, attr, _env in _flags:
-        if module_name == config.__name__ and getattr(config, attr) is None:
-            _set_default(config, attr, True)
-            _switched.append((config, attr))
-    if _bundle_autograd and config.__name__ == "torch._functorch.config":
+    for module_name, attr, _env in TORCH_FLAGS:
+        if module_name == config.__name__:
+            _switch_on(config, attr)
+    # Bundling serves compiled frames only, which are off on a torch nobody checked.
+    if _bundle_autograd and config.__name__ == "torch._functorch.config" and torch_support.frames_checked_here():
         _set_default(config, "bundled_autograd_cache", True)  # a value the user set in code still wins
+
+
+def _switch_on(config: ModuleType, attr: str) -> None:
+    if getattr(config, attr) is None:
+        _set_default(config, attr, True)
+        _switched.append((config, attr))
 
 
 def _set_default(config: ModuleType, attr: str, value: bool | None) -> None:
@@ -301,6 +394,7 @@ def forget_preloader_settings() -> None:
     if functorch_config is not None and _bundle_autograd:
         _set_default(functorch_config, "bundled_autograd_cache", False)
     import_hooks.forget(("torch.compiler.config", "torch._functorch.config"))
+    torch_support.reset()  # the program's process says its own warning on an unchecked torch, once
 
 
 def _set_job_id(module: ModuleType) -> None:
@@ -380,6 +474,137 @@ def _install_store_backend(remote_cache: ModuleType) -> None:
 
     for cls_name, kind in REMOTE_CACHE_CLASSES.items():
         classes[cls_name].backend_override_cls = functools.partial(StoreBackend, kind)
+
+
+# -- torch's autotune caches: only where torch can use them ------------------------------------
+
+
+def autotune_caches_usable() -> tuple[bool, str]:
+    """Whether torch can use its autotune caches in this process, and why not.
+
+    Torch keys them by a hash of Triton and its device backend, which it computes only where Triton
+    has a device to compile for (``torch.utils._triton.has_triton``) and Triton's backend answers; its
+    caches assert on the missing hash elsewhere (a CUDA torch with Triton on a machine with no GPU).
+    The same two calls as torch's, made once, at the first compile (see :func:`_hook_compile_fx`).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False, "Triton is not installed"
+    from torch.utils import _triton
+
+    if not _triton.has_triton():
+        return False, "Triton has no device to compile for on this machine"
+    try:
+        _triton.triton_hash_with_backend()
+    except Exception as exc:
+        return False, f"torch cannot hash Triton's backend ({type(exc).__name__}: {exc})"
+    return True, "Triton and a device it compiles for"
+
+
+_autotune_lock = threading.Lock()
+#: Whether this process decided on the autotune switches (the first compile does; an Inductor compile
+#: worker, which compiles no graph, never does and takes the switches from its parent's meta).
+_autotune_decided = False
+
+
+def _switch_on_autotune_caches() -> None:
+    """Turn torch's autotune remote caches on, once per process, where torch can use them."""
+    global _autotune_decided
+    with _autotune_lock:
+        if _autotune_decided:
+            return
+        _autotune_decided = True
+        if _remote_hook_failed:
+            return
+        try:
+            usable, why = autotune_caches_usable()
+        except Exception as exc:  # torch moved what the check asks: leave the caches off
+            fail_open("autotune cache check", exc)
+            return
+        log.debug("warmstart: torch's autotune caches %s: %s", "on" if usable else "off", why)
+        if usable:
+            for module_name, attr, _env in TRITON_FLAGS:
+                _switch_on(importlib.import_module(module_name), attr)
+
+
+@_patch("torch._inductor.compile_fx", "torch's autotune caches stay off (Triton kernels autotune on every machine)")
+def _hook_compile_fx(compile_fx: ModuleType) -> None:
+    """Decide on the autotune caches at the first compile: torch is whole then, and its devices known
+    (deciding when its config module is imported would import Dynamo in the middle of torch's own
+    imports). torch looks ``compile_fx`` up in this module at each compile."""
+    original = compile_fx.compile_fx
+
+    @functools.wraps(original)
+    def compile_fx_(*args, **kwargs):
+        _switch_on_autotune_caches()
+        return original(*args, **kwargs)
+
+    vars(compile_fx)["compile_fx"] = compile_fx_
+
+
+@_patch(
+    "torch._inductor.runtime.autotune_cache",
+    "an autotune cache that warmstart switched on and torch cannot use fails the compile",
+)
+def _hook_autotune_failures(autotune_cache: ModuleType) -> None:
+    """Where torch raises in its autotune caches with a switch that warmstart turned on, turn the switch
+    off again in this process (one warning) and make the call as torch makes it without the switch.
+
+    The check before switching them on (:func:`autotune_caches_usable`) is torch's own; this covers a
+    torch whose caches fail for another reason. torch's errors with the user's own switches pass."""
+    bundler = autotune_cache.AutotuneCacheBundler
+    original_begin = bundler.begin_compile.__func__  # a classmethod
+
+    def begin_compile(cls, inductor_meta, *args, **kwargs):
+        try:
+            return original_begin(cls, inductor_meta, *args, **kwargs)
+        except Exception as exc:
+            plain = _meta_without_our_switches(inductor_meta, "bundled autotune cache", exc)
+            if plain is None:
+                raise
+            return original_begin(cls, plain, *args, **kwargs)
+
+    begin_compile.__wrapped__ = original_begin  # type: ignore[attr-defined]
+    bundler.begin_compile = classmethod(begin_compile)
+
+    cache = autotune_cache.AutotuneCache
+    original_create = cache.create  # a staticmethod
+
+    def create(inductor_meta, filename, configs_hash):
+        try:
+            return original_create(inductor_meta, filename, configs_hash)
+        except Exception as exc:
+            plain = _meta_without_our_switches(inductor_meta, "autotune cache", exc)
+            if plain is None:
+                raise
+            return original_create(plain, filename, configs_hash)
+
+    create.__wrapped__ = original_create  # type: ignore[attr-defined]
+    cache.create = staticmethod(create)
+
+
+def _meta_without_our_switches(inductor_meta: Any, where: str, exc: Exception) -> dict | None:
+    """``inductor_meta`` with the autotune switches warmstart turned on unset again (and those switched
+    off in this process, one warning), or ``None`` where none of them is on in it: the error is
+    torch's own and passes through."""
+    ours = {attr for _config, attr in _switched if any(attr == a for _m, a, _e in TRITON_FLAGS)}
+    if not _autotune_decided:
+        # An Inductor compile worker: its parent decided and handed the switches over in the meta;
+        # one the environment did not set was warmstart's.
+        ours |= {attr for _m, attr, env in TRITON_FLAGS if env not in os.environ}
+    if not isinstance(inductor_meta, dict) or not any(inductor_meta.get(attr) for attr in ours):
+        return None
+    fail_open(f"torch's {where}, switched on by warmstart", exc)
+    _switch_off_autotune_caches()
+    return {**inductor_meta, **{attr: None for attr in ours}}  # None: torch's own "not set"
+
+
+def _switch_off_autotune_caches() -> None:
+    attrs = {attr for _m, attr, _e in TRITON_FLAGS}
+    for config, attr in [entry for entry in _switched if entry[1] in attrs]:
+        _set_default(config, attr, None)
+        _switched.remove((config, attr))
 
 
 # -- compiled C++ objects ----------------------------------------------------------------------
@@ -987,6 +1212,10 @@ for _module_name, _hook in _FRAME_HOOKS.items():
 
 #: Every module whose patch compiled frames rely on: with one of them unhooked, they are off.
 FRAMES_MODULES = (*_FRAME_HOOKS, "torch._dynamo.guards", "torch._dynamo.convert_frame")
+#: Modules whose patch serves compiled frames alone: left unpatched on a torch compiled frames were
+#: not checked on, where they are off. ``convert_frame``'s also serves single-flight leases, and the
+#: guards' also times each frame's guards: they go in, without their frames' part (``_hook_guards``).
+FRAMES_ONLY_MODULES = frozenset(FRAMES_MODULES) - {"torch._dynamo.convert_frame", "torch._dynamo.guards"}
 
 
 @_patch(
@@ -995,7 +1224,8 @@ FRAMES_MODULES = (*_FRAME_HOOKS, "torch._dynamo.guards", "torch._dynamo.convert_
 )
 def _hook_guards(guards: ModuleType) -> None:
     _hook_guard_latency(guards)
-    dynamo_frames.hook_guards(guards)
+    if torch_support.frames_checked_here():  # elsewhere compiled frames are off: their part stays out
+        dynamo_frames.hook_guards(guards)
 
 
 def _hook_guard_latency(guards: ModuleType) -> None:

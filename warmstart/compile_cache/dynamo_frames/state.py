@@ -109,8 +109,14 @@ def enabled() -> bool:
 def _all_hooked() -> bool:
     # A frame runs from the store only where every check warmstart adds is in place: with one of its
     # patches missing (torch changed), none runs, rather than some with fewer checks.
+    from warmstart.compile_cache import torch_support
     from warmstart.compile_cache.torch_hooks import FRAMES_MODULES, unhooked
 
+    if not torch_support.checked_here():  # off on a torch nobody checked, as its one warning said
+        return False
+    if not torch_support.frames_checked_here():
+        torch_support.warn_frames_off()
+        return False
     missing = unhooked(FRAMES_MODULES)
     if missing:
         log.warning(
