@@ -40,6 +40,11 @@ def node(tmp_path_factory):
     preloader.stop()
 
 
+def _start(args: list[str], env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
+    """``args`` run as torchrun starts a rank: its own session, no terminal; output captured."""
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120, start_new_session=True, **kwargs)
+
+
 def _counts(node: Preloader) -> tuple[int, int]:
     status = control.status(node.socket) or {}
     return status.get("served", 0), sum(status.get("refused", {}).values())
@@ -264,14 +269,7 @@ def test_torchs_thread_count_is_the_programs(node, tmp_path, env):
     for preload in (True, False):
         if not preload:
             base["WARMSTART_PRELOAD"] = "0"
-        out = subprocess.run(
-            [PY, "-c", "import torch; print(torch.get_num_threads())"],
-            env=base,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            start_new_session=True,
-        )
+        out = _start([PY, "-c", "import torch; print(torch.get_num_threads())"], base)
         results.append((out.returncode, out.stdout))
         if preload:
             assert _counts(node)[0] == before[0] + 1, out.stderr
@@ -293,15 +291,7 @@ def test_a_reader_that_closed_its_end_fails_the_program_as_it_would(node, tmp_pa
     statuses = []
     for preload in (True, False):
         env = node.client_env(**({} if preload else {"WARMSTART_PRELOAD": "0"}))
-        out = subprocess.run(
-            ["bash", "-c", f"{PY} p.py | head -c 10 >/dev/null; echo ${{PIPESTATUS[0]}}"],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            start_new_session=True,
-        )
+        out = _start(["bash", "-c", f"{PY} p.py | head -c 10 >/dev/null; echo ${{PIPESTATUS[0]}}"], env, cwd=tmp_path)
         statuses.append((out.stdout, "BrokenPipeError" in out.stderr))
     assert statuses[0] == statuses[1]
 
@@ -368,13 +358,8 @@ def test_a_personality_other_than_the_preloaders_starts_as_usual(node, tmp_path)
         pytest.skip("setarch is not installed")
     before = _counts(node)
     env = node.client_env()
-    out = subprocess.run(
-        ["setarch", os.uname().machine, "-R", PY, "-c", "print(open('/proc/self/personality').read().strip())"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        start_new_session=True,
+    out = _start(
+        ["setarch", os.uname().machine, "-R", PY, "-c", "print(open('/proc/self/personality').read().strip())"], env
     )
     assert out.returncode == 0 and out.stdout.strip() != "00000000" and _counts(node)[0] == before[0]
 
@@ -439,14 +424,7 @@ def test_a_shell_with_no_locale_gets_a_preloader_that_serves_it(tmp_path):
             timeout=300,
         )
         before = control.status(sock)["served"]
-        out = subprocess.run(
-            [PY, "-c", "import sys; print(sys.flags.utf8_mode)"],
-            env=client,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            start_new_session=True,
-        )
+        out = _start([PY, "-c", "import sys; print(sys.flags.utf8_mode)"], client)
         assert out.stdout == "1\n"
         assert control.status(sock)["served"] == before + 1, (control.status(sock), doctor.stdout)
         assert '"handed over' in doctor.stdout or "handed over" in doctor.stdout
@@ -585,15 +563,7 @@ def test_doctor_says_what_only_a_child_can_tell(node, tmp_path):
     )
     assert "preloader: not handed over" in doctor.stdout and "LOGLEVEL" in doctor.stdout, doctor.stdout
     before = _counts(node)
-    out = subprocess.run(
-        [PY, "-c", "print('ran')"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        start_new_session=True,
-    )
+    out = _start([PY, "-c", "print('ran')"], env, cwd=tmp_path)
     assert out.stdout == "ran\n" and _counts(node) == (before[0], before[1] + 1)
 
 
