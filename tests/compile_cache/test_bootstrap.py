@@ -68,7 +68,7 @@ def test_bad_setting_is_one_line_and_the_program_still_runs():
 def test_bad_job_identity_is_said_once_per_job():
     # A bad RANK fails the job identity itself: whether to stay quiet must not depend on parsing it.
     proc = _python(
-        "import subprocess, sys; print('ran'); subprocess.run([sys.executable, '-c', 'print(1)'])",
+        "import subprocess, sys; print('ran', flush=True); subprocess.run([sys.executable, '-c', 'print(1)'])",
         WARMSTART="1",
         RANK="zero",
     )

@@ -47,15 +47,50 @@ def test_containers_show_their_length_and_constant_items():
     assert frame_reads.describe({"gain": 1}) == frame_reads.describe({"gain": 2})  # values have guards of their own
     assert frame_reads.describe({"gain": 1}) != frame_reads.describe({"gain": 1, "bias": 0})
     assert frame_reads.describe({}) != frame_reads.describe({7: plain})  # a hooks dict that gained a hook
+    assert frame_reads.describe({1: 2.0, 2: 3.0}) != frame_reads.describe({2: 3.0, 1: 2.0})  # keys in order
+    assert frame_reads.describe({1: 2.0, 2: 3.0}) != frame_reads.describe({1: 2.0, 3: 3.0})
     long = list(range(100))
     assert frame_reads.describe(long) == frame_reads.describe(list(range(100, 200)))  # only the length
 
 
 def test_objects_are_described_by_name_or_type_never_by_address():
     assert frame_reads.describe(os) == "module os"
-    assert frame_reads.describe(Holder) == f"class {__name__}:Holder"
+    assert frame_reads.describe(Holder) == f"class {__name__}:Holder {frame_reads.class_content(Holder)}"
     assert frame_reads.describe(plain).startswith(f"function {__name__}:plain:")
     assert frame_reads.describe(Holder()) == frame_reads.describe(Holder()) == f"object {__name__}.Holder"
+
+
+def test_a_class_is_described_by_what_its_body_and_its_bases_hold_the_same_in_every_process():
+    import subprocess
+    import sys
+    import textwrap
+
+    program = textwrap.dedent(
+        """
+        import sys
+        from warmstart.compile_cache import frame_reads
+        def double(self, x): return x * 2
+        def triple(self, x): return x * 3
+        class Base:
+            OFFSET = 1.0
+        class Op(Base):
+            apply = double if sys.argv[1] == "double" else triple
+        if sys.argv[2] == "override":
+            Op.OFFSET = 5.0
+        print(frame_reads.describe(Op))
+        """
+    )
+
+    def described(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    same = described("double", "inherit")
+    assert same == described("double", "inherit")  # the same in another process: nothing of an address
+    assert same.startswith("class __main__:Op ")
+    assert described("triple", "inherit") != same  # a method chosen at import
+    assert described("double", "override") != same  # an attribute of the base overridden
 
 
 def test_functions_are_named_with_their_code():

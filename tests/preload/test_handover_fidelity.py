@@ -283,7 +283,15 @@ def test_standard_streams_are_a_new_interpreters(node, tmp_path):
     program = "import os, sys\nsys.stdout.buffer.write(b'written')\nos._exit(0)\n"
     for args in (["-u", "p.py"], ["p.py"]):
         _same(node, {"p.py": program}, args, tmp_path / args[0].strip("-."), extra_env={})
-    _same(node, {"p.py": program}, ["p.py"], tmp_path / "env", extra_env={"PYTHONUNBUFFERED": "1"})
+    # PYTHONUNBUFFERED is read when the interpreter starts: handed over where the preloader has it too
+    served = node.env.get("PYTHONUNBUFFERED") == "1"
+    _same(node, {"p.py": program}, ["p.py"], tmp_path / "env", extra_env={"PYTHONUNBUFFERED": "1"}, served=served)
+    without = {k: v for k, v in node.client_env().items() if k != "PYTHONUNBUFFERED"}
+    over, fresh = (
+        _start([PY, "p.py"], {**without, **({} if p else {"WARMSTART_PRELOAD": "0"})}, cwd=tmp_path / "env" / "over")
+        for p in (True, False)
+    )
+    assert over.stdout == fresh.stdout  # no PYTHONUNBUFFERED: what was buffered is lost in both
 
 
 def test_a_reader_that_closed_its_end_fails_the_program_as_it_would(node, tmp_path):
