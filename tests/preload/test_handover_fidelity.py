@@ -587,3 +587,11 @@ def test_the_launchers_timer_slack_is_the_programs(node, tmp_path):
     over, fresh = (node.run(["p.py"], preload=p, cwd=tmp_path, preexec_fn=slack) for p in (True, False))
     assert _counts(node)[0] == before[0] + 1
     assert over.stdout == fresh.stdout == "123456\n", (over.stderr, fresh.stderr)
+
+
+@pytest.mark.parametrize("status", [213, 0])
+def test_a_program_may_exit_with_any_status_the_preloader_uses_itself(node, tmp_path, status):
+    # The preloader tells a declined child by why it wrote, not by its exit status.
+    before = _counts(node)
+    over = _same(node, {"p.py": f"import sys\nsys.exit({status})\n"}, ["p.py"], tmp_path)
+    assert over[0] == status and _counts(node) == (before[0] + 1, before[1])

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from warmstart.preload import kernel_state, recording, shutdown, wire
 from warmstart.preload.client import HANDOVER_TIMEOUT_S, _read, program_mode
-from warmstart.preload.server import CHILD_DECLINED, DRY_RUN_ENDED, Request
+from warmstart.preload.server import CHILD_DECLINED, DRY_RUN, Request
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,16 +51,16 @@ def become(request: Request) -> NoReturn:
         conn = _setup(message, conn, fds)
         if message.get("dry_run"):  # `cache doctor` asking whether such a process would be run
             wire.send(conn, {"would_run": True})
-            os._exit(DRY_RUN_ENDED)
+            os.write(request.reason_fd, DRY_RUN)
+            os._exit(CHILD_DECLINED)
         pidfd = os.pidfd_open(os.getpid())
     except Exception as exc:  # anything: the process then starts as usual
         reason = str(exc) if isinstance(exc, Declined) else f"the child could not be set up ({_named(exc)})"
         with contextlib.suppress(OSError):
             wire.send(conn, {"declined": reason})
         with contextlib.suppress(OSError):
-            if not message.get("dry_run"):
-                os.write(request.reason_fd, reason.encode()[:4000])
-        os._exit(DRY_RUN_ENDED if message.get("dry_run") else CHILD_DECLINED)
+            os.write(request.reason_fd, DRY_RUN if message.get("dry_run") else reason.encode()[:4000])
+        os._exit(CHILD_DECLINED)
     wire.send(conn, {"running": os.getpid()}, [pidfd])
     os.close(pidfd)
     conn.close()  # the preloader passes the program's end on: nothing of the handover stays open in it
@@ -80,8 +80,9 @@ class Declined(Exception):
 
 def _check_imports(message: dict, program: _Program) -> None:
     """Refuse what would make the preloaded imports differ from the program's own: a variable they
-    read with another value here, another thread count for torch, a module in the program's first
-    ``sys.path`` directory that a new interpreter would import in place of a preloaded one."""
+    read with another value here, a module in the program's first ``sys.path`` entry that a new
+    interpreter would import in place of a preloaded one, the working directory kept where it cannot
+    be replaced."""
     from warmstart.preload import environment
 
     reads = IMPORT_READS

@@ -168,8 +168,9 @@ STALE_CHECK_S = 1.0
 #: A child that could not become the program (its setup failed) ends with this status before
 #: running any of it, after telling its process why.
 CHILD_DECLINED = 213
-#: A child asked only whether it would run its process (``cache doctor``) ends with this status.
-DRY_RUN_ENDED = 214
+#: What a child asked only whether it would run its process (``cache doctor``) writes where a child
+#: that cannot run its process writes why: counted neither as served nor as refused.
+DRY_RUN = b"\0dry run"
 
 
 @dataclass
@@ -396,19 +397,19 @@ class Preloader:
         to be run (its fingerprint and isolation only; its child reads the rest). Returns in the
         forked child only."""
         try:
-            ready = wire.message_ready(conn)
-        except OSError:
-            ready = True  # the receive fails the same way, and the connection is closed
-        if not ready:
-            return None
+            if not wire.message_ready(conn):
+                return None
+            ready = True
+        except OSError:  # a first message too long for one, or a broken connection
+            ready = False
         del self._pending[conn]
         selector.unregister(conn)
         conn.setblocking(True)
         conn.settimeout(REQUEST_TIMEOUT_S)
         try:
-            if not wire.message_ready(conn):  # raises for one too long
-                raise wire.WireError("the connection ended")
-            message, fds = wire.receive(conn)
+            if not ready:
+                raise wire.WireError("not a first message")
+            message, fds = wire.receive(conn)  # whole already (or the end of the stream: it raises)
         except OSError:
             conn.close()
             return None
@@ -547,10 +548,9 @@ class Preloader:
             with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(child.client_pidfd)  # its descriptor number is free for the next one
             os.close(child.client_pidfd)
-            dry_run = os.WIFEXITED(status) and os.WEXITSTATUS(status) == DRY_RUN_ENDED
-            if declined or dry_run:  # it never ran the program; the process starts as usual
+            if declined:  # it never ran the program: the process starts as usual (or it was a dry run)
                 self.served -= 1
-                if declined:
+                if declined != DRY_RUN:
                     self.refused[declined.decode(errors="replace").split(" (")[0]] += 1
             elif not child.told:
                 ended = os.WIFSIGNALED(status)
