@@ -80,13 +80,13 @@ def end(status: int) -> NoReturn:
         threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     atexit._clear()  # as the interpreter drops its handlers after running them: what they hold is freed
-    if not _flush_standard_streams():
-        status = FLUSH_FAILED_STATUS
+    flushed = _flush_standard_streams()
     with contextlib.suppress(BaseException):
         _free_program_modules()
     with contextlib.suppress(BaseException):
         _finalize_leftovers()
-    if not _flush_standard_streams():
+    flushed = _flush_standard_streams() and flushed
+    if not flushed and status != -int(signal.SIGINT):  # the interpreter ends by SIGINT all the same
         status = FLUSH_FAILED_STATUS
     _report(status)
     if status == -int(signal.SIGINT):
