@@ -762,3 +762,120 @@ def folds_int_table_keys(x):
 def _(cond):
     helper.INT_TABLE_KEYS = {1: 2.0, 2: 3.0} if cond == "x" else {1: 2.0, 3: 3.0}
     return Case(folds_int_table_keys, (_x(),), teardown=lambda: setattr(helper, "INT_TABLE_KEYS", {1: 2.0, 2: 3.0}))
+
+
+# -- containers, folds and settings: what a description could cut short ------------------------------
+
+
+def folds_nested_table(x):
+    for row in helper.NESTED:
+        for cell in row:
+            for value in cell:
+                x = x * value + 1.0
+    return x
+
+
+@case("other_module_nested_list_depth_three", "containers and settings")
+def _(cond):
+    helper.NESTED = [[[2.0, 1.0]], [[3.0]]] if cond == "x" else [[[2.0, 1.0]], [[4.0]]]
+    return Case(folds_nested_table, (_x(),), teardown=lambda: setattr(helper, "NESTED", [[[2.0, 1.0]], [[3.0]]]))
+
+
+def folds_long_list(x):
+    total = 0.0
+    for value in helper.LONG:
+        total = total + value
+    return x * total
+
+
+@case("other_module_list_of_forty", "containers and settings")
+def _(cond):
+    helper.LONG = [float(i % 5) for i in range(40)]
+    if cond == "y":
+        helper.LONG[35] = 9.0
+    return Case(folds_long_list, (_x(),), teardown=lambda: setattr(helper, "LONG", [float(i % 5) for i in range(40)]))
+
+
+def reads_nested_argument(x, table):
+    return x * table[1][1][0] + table[0][0]
+
+
+@case("nested_tuple_argument", "containers and settings")
+def _(cond):
+    table = ((1.0,), (2.0, (3.0 if cond == "x" else 5.0,)))
+    return Case(reads_nested_argument, (_x(), table))
+
+
+def reads_dict_tuple_value(x):
+    gain, shift = helper.VALUED["gain"]
+    return x * gain + shift
+
+
+@case("other_module_dict_of_tuples", "containers and settings")
+def _(cond):
+    helper.VALUED = {"gain": (2.0, 1.0) if cond == "x" else (2.0, 3.0)}
+    return Case(reads_dict_tuple_value, (_x(),), teardown=lambda: setattr(helper, "VALUED", {"gain": (2.0, 1.0)}))
+
+
+def folds_math_of_global(x):
+    import math
+
+    return x * math.cos(helper.ANGLE) + math.floor(helper.ANGLE * 10)
+
+
+@case("math_of_other_module_constant", "containers and settings")
+def _(cond):
+    helper.ANGLE = 0.5 if cond == "x" else 0.9
+    return Case(folds_math_of_global, (_x(),), teardown=lambda: setattr(helper, "ANGLE", 0.5))
+
+
+def plain_mul(x):
+    return torch.sigmoid(x) * 3.0 - 0.5
+
+
+@case("inductor_private_setting", "containers and settings")
+def _(cond):
+    import torch._inductor.config as inductor_config
+
+    was = inductor_config._realize_opcount_threshold_default
+    inductor_config._realize_opcount_threshold_default = was if cond == "x" else was + 1
+    return Case(
+        plain_mul,
+        (_x(),),
+        must_trace=cond == "y",
+        teardown=lambda: setattr(inductor_config, "_realize_opcount_threshold_default", was),
+    )
+
+
+def plain_sub(x):
+    return torch.tanh(x) - 0.25
+
+
+@case("inductor_custom_pass", "containers and settings")
+def _(cond):
+    import torch._inductor.config as inductor_config
+
+    inductor_config.post_grad_custom_post_pass = None if cond == "x" else helper.NoOpPass()
+    return Case(
+        plain_sub,
+        (_x(),),
+        must_trace=cond == "y",
+        teardown=lambda: setattr(inductor_config, "post_grad_custom_post_pass", None),
+    )
+
+
+def folds_many_keys_in_order(x):
+    for value in helper.MANY_KEYS.values():
+        x = x * value + 0.5
+    return x
+
+
+def _many_keys(reverse: bool) -> dict:
+    keys = [f"k{i}" for i in range(40)]
+    return {key: 1.0 + (int(key[1:]) % 3) / 4 for key in (reversed(keys) if reverse else keys)}
+
+
+@case("other_module_forty_keys_in_another_order", "containers and settings")
+def _(cond):
+    helper.MANY_KEYS = _many_keys(reverse=cond != "x")
+    return Case(folds_many_keys_in_order, (_x(),), teardown=lambda: setattr(helper, "MANY_KEYS", _many_keys(False)))

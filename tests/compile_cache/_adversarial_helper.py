@@ -38,3 +38,22 @@ FROZEN = Frozen()
 
 INT_TABLE_ORDER = {1: 2.0, 2: 3.0}
 INT_TABLE_KEYS = {1: 2.0, 2: 3.0}
+
+NESTED = [[[2.0, 1.0]], [[3.0]]]
+LONG = [float(i % 5) for i in range(40)]
+VALUED = {"gain": (2.0, 1.0)}
+ANGLE = 0.5
+
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
+
+
+class NoOpPass(CustomGraphPass):
+    """A post-grad pass that changes nothing; its presence is a compiler setting all the same."""
+
+    def __call__(self, graph):
+        return None
+
+    def uuid(self):
+        return "adversarial-no-op-pass"
+
+MANY_KEYS = {f"k{i}": 1.0 + (i % 3) / 4 for i in range(40)}

@@ -51,6 +51,20 @@ def test_containers_show_their_length_and_constant_items():
     assert frame_reads.describe({1: 2.0, 2: 3.0}) != frame_reads.describe({1: 2.0, 3: 3.0})
     long = list(range(100))
     assert frame_reads.describe(long) == frame_reads.describe(list(range(100, 200)))  # only the length
+    # ... unless the guard compares the whole value: then every item, at any depth
+    assert frame_reads.describe(long, by_value=True) != frame_reads.describe(list(range(100, 200)), by_value=True)
+    nested = [[[1.0]], [[2.0]]]
+    assert frame_reads.describe(nested, by_value=True) != frame_reads.describe([[[1.0]], [[3.0]]], by_value=True)
+
+
+def test_every_key_of_a_dict_is_described_in_order_whatever_their_number_or_type():
+    many = {f"k{i}": i for i in range(40)}
+    assert frame_reads.describe(many) != frame_reads.describe(dict(reversed(many.items())))
+    assert frame_reads.describe(many) != frame_reads.describe({**many, "k39": 0, "k40": 0})
+    assert len(frame_reads.describe({f"k{i}": i for i in range(5000)})) < 200  # kept as a digest
+    by_class = {Holder: 1, int: 2}
+    assert frame_reads.describe(by_class) != frame_reads.describe({int: 2, Holder: 1})
+    assert frame_reads.describe(by_class) == frame_reads.describe({Holder: 3, int: 4})
 
 
 def test_objects_are_described_by_name_or_type_never_by_address():

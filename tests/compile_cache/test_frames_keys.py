@@ -71,6 +71,50 @@ def test_what_the_frames_depend_on_changes_the_key():
     assert len(set(changed.values())) == len(changed)
 
 
+class _NamedPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, graph):
+        return None
+
+    def uuid(self):
+        return self.name
+
+
+def test_private_settings_and_custom_passes_change_the_key():
+    """torch's own portable config leaves out private settings and custom passes; they change what
+    Inductor makes all the same."""
+    base = _key()
+    inductor = torch._inductor.config
+    changed = {}
+    with inductor.patch(_realize_opcount_threshold_default=inductor._realize_opcount_threshold_default + 1):
+        changed["private setting"] = _key()
+    with inductor.patch(post_grad_custom_post_pass=_NamedPass("one")):
+        changed["a pass"] = _key()
+    with inductor.patch(post_grad_custom_post_pass=_NamedPass("two")):
+        changed["another pass"] = _key()
+    with inductor.patch(post_grad_custom_post_pass=plain):  # a plain function: named by its code
+        changed["a function"] = _key()
+    assert base not in changed.values() and len(set(changed.values())) == len(changed), changed
+    with inductor.patch(post_grad_custom_post_pass=_NamedPass("one")):
+        assert _key() == changed["a pass"]
+
+
+def test_a_setting_nothing_names_in_another_process_leaves_the_frames_unpackaged(caplog):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
+        with caplog.at_level("DEBUG", logger="warmstart.cache"):
+            assert _key() is None
+    assert "post_grad_custom_post_pass" in caplog.text and "not packaged" in caplog.text
+
+
+def test_what_says_where_or_how_fast_is_not_part_of_the_key():
+    base = _key()
+    with torch._inductor.config.patch(compile_threads=torch._inductor.config.compile_threads + 3):
+        with torch._inductor.config.patch({"trace.enabled": not torch._inductor.config.trace.enabled}):
+            assert _key() == base
+
+
 def test_where_this_machine_keeps_files_is_not_part_of_the_key():
     base = _key()
     with torch._dynamo.config.patch(debug_dir_root=os.path.join(os.sep, "elsewhere", "debug")):

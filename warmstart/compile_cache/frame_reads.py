@@ -46,11 +46,14 @@ _NOT_VALUES = frozenset(
         "DETERMINISTIC_ALGORITHMS",
         "BACKEND_MATCH",
         "EMPTY_NN_MODULE_HOOKS_DICT",
+        "AUTOGRAD_SAVED_TENSORS_HOOKS",
     }
 )
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, slice, range, enum.Enum)
 _MAX_ITEMS = 32
 _MAX_REPR = 400
+#: Longer descriptions (every key of a large dict) are kept as a digest.
+_MAX_SHOWN = 2000
 #: Guards that compare a value with ``==``: an object of a user's type is described by its ``repr``.
 _BY_VALUE = frozenset({"EQUALS_MATCH", "CONSTANT_MATCH"})
 
@@ -62,8 +65,9 @@ class NotDescribable(Exception):
 
 def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
     """What a guard can see of ``value``, the same in every process: constants by value, tensors by
-    their metadata, containers by their length (and keys, in order, or items where those are
-    constants), classes by their name and what their bodies and their bases' bodies hold
+    their metadata, dicts by all their keys in order, lists, tuples and sets by their items (by their
+    length alone past two levels or 32 items, where the guard does not compare the whole value: the
+    items read have guards of their own), classes by their name and what their bodies and their bases' bodies hold
     (:func:`class_content`), other objects with a name (modules, functions) by that name, and anything
     else by its type, or, for a guard that compares values (``by_value``), by its own ``repr``.
 
@@ -88,18 +92,20 @@ def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
         )
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
     if isinstance(value, (tuple, list)):
-        if depth >= 2 or len(value) > _MAX_ITEMS:
+        # A guard on a container's length checks only that; each item a frame reads has a guard of
+        # its own. A guard that compares the whole value sees every item, at any depth.
+        if not by_value and (depth >= 2 or len(value) > _MAX_ITEMS):
             return f"{kind} len {len(value)}"
-        return f"{kind} [" + ", ".join(describe(v, depth + 1) for v in value) + "]"
+        return _whole(f"{kind} [" + ", ".join(describe(v, depth + 1, by_value) for v in value) + "]")
     if isinstance(value, dict):
-        keys = list(value)
-        if len(keys) <= _MAX_ITEMS and all(isinstance(k, _CONSTANTS) for k in keys):
-            return f"{kind} keys {keys!r}"  # in order: Dynamo's loops over a dict follow it
-        return f"{kind} len {len(keys)}"
+        # Every key, in order (Dynamo's loops over a dict follow it), whatever its type or their number.
+        if all(isinstance(k, _CONSTANTS) for k in value):
+            return _whole(f"{kind} keys {list(value)!r}")
+        return _whole(f"{kind} keys [" + ", ".join(describe(k, depth + 1, by_value) for k in value) + "]")
     if isinstance(value, (set, frozenset)):
-        if len(value) <= _MAX_ITEMS and all(isinstance(v, _CONSTANTS) for v in value):
-            return f"{kind} {sorted(repr(v) for v in value)}"
-        return f"{kind} len {len(value)}"
+        if not by_value and len(value) > _MAX_ITEMS:
+            return f"{kind} len {len(value)}"
+        return _whole(f"{kind} {sorted(describe(v, depth + 1, by_value) for v in value)}")
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
     identity = global_identity(value)
@@ -114,6 +120,13 @@ def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
             raise NotDescribable(f"the repr of a {kind} is {len(text)} characters long")
         return f"object {kind} {text}"
     return f"object {kind}"
+
+
+def _whole(text: str) -> str:
+    """``text``, or where it is too long to show in a message, a digest of all of it."""
+    if len(text) <= _MAX_SHOWN:
+        return text
+    return f"{text[:80]}... sha256 {hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
 
 def class_content(cls: type) -> str:
@@ -188,8 +201,9 @@ def _described(value: Any) -> str:
 
 
 def _checked(guard: Any) -> bool:
-    name = guard.name
-    return guard.create_fn_name() not in _NOT_VALUES and ("L[" in name or "G[" in name)
+    # Every guard on a value some source names, whatever the source (a local, a global, a closure
+    # cell, a mode on torch's stack): one whose value cannot be read on the producer is left to torch.
+    return guard.create_fn_name() not in _NOT_VALUES and bool(guard.name)
 
 
 def guard_values(builder: Any, guards: list) -> list[tuple[str, str]]:

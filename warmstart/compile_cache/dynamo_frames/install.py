@@ -97,7 +97,8 @@ def _first_call(state: Package) -> None:
     try:
         module = module_ref() if module_ref is not None else None
         key = state.key = entry_key(function, module, backend_id, dynamic, fullgraph)
-        _load(package, state, fn_key, key)
+        if key is not None:
+            _load(package, state, fn_key, key)
     except Exception as exc:
         fail_open("Dynamo frames read", exc)
     finally:

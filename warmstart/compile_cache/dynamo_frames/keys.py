@@ -4,23 +4,31 @@ backend options it compiles with, and digests of the code entries an entry would
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import types
 from typing import Any
 
 from warmstart.compile_cache.dynamo_frames.state import enabled
-from warmstart.compile_cache.dynamo_identity import code_digest, code_qualname, stable_repr
+from warmstart.compile_cache.dynamo_identity import code_digest, code_qualname, global_identity, stable_repr
+
+log = logging.getLogger("warmstart.cache")
 
 KIND = "dynamo_frames"
 #: The layout of a stored entry; part of every key.
 FORMAT = 3
 
 
-def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynamic: Any, fullgraph: bool) -> str:
+def entry_key(
+    function: types.FunctionType, module: Any, backend_id: str, dynamic: Any, fullgraph: bool
+) -> str | None:
     """The key of ``function``'s frames: the function (module, qualified name, code), the module's
     structure (``repr``) when a module is compiled, the backend's options, ``dynamic``,
-    ``fullgraph`` and torch's Dynamo, AOTAutograd and Inductor configs."""
+    ``fullgraph`` and every setting of torch's Dynamo, AOTAutograd and Inductor configs but those that
+    say where or how fast, not what, it compiles (:data:`_NOT_WHAT_IS_COMPILED`); ``None`` when a
+    setting cannot be described the same in every process (a custom pass with no ``uuid()``): its
+    frames are not packaged."""
     import torch._dynamo.config
     import torch._functorch.config
     import torch._inductor.config
@@ -37,13 +45,66 @@ def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynami
     ):
         h.update(part.encode() + b"\0")
     for config in (torch._dynamo.config, torch._functorch.config, torch._inductor.config):
+        try:
+            h.update(compile_settings(config).encode() + b"\0")
+        except UndescribedSetting as exc:
+            log.debug("warmstart: the frames of %s are not packaged (traced on new machines): %s", function, exc)
+            return None
+    return h.hexdigest()
+
+
+#: Settings that say where output goes, which caches torch itself uses or how many workers compile:
+#: the same frames whatever they are. Every other setting, private ones and custom passes among them,
+#: is part of the key (torch's own ``save_config_portable`` leaves out private settings and passes).
+_NOT_WHAT_IS_COMPILED = (
+    "trace.",
+    "cuda.cutlass_dir",
+    "cutlass.cutlass_dir",
+    "xpu.cutlass_dir",
+    "worker_start_method",
+    "compile_threads",
+    "fx_graph_cache",
+    "fx_graph_remote_cache",
+    "autotune_local_cache",
+    "autotune_remote_cache",
+    "pre_grad_pass_timing",
+    "_save_config_ignore",
+    "_cache_config_ignore_prefix",
+    "_cache_config_factory_keys",
+)
+
+
+class UndescribedSetting(Exception):
+    """A compiler setting holds an object with no description that is the same in every process."""
+
+
+def compile_settings(config: types.ModuleType) -> str:
+    """The settings of one of torch's config modules that decide what it compiles, the same in every
+    process. Raises :class:`UndescribedSetting`."""
+    settings = []
+    for name, value in sorted(config.get_config_copy().items()):
         # Paths (where torch is installed, where debug output goes: the working directory) are this
         # machine's and change nothing Dynamo or Inductor produce.
-        settings = sorted(
-            (k, v) for k, v in config.save_config_portable().items() if not (isinstance(v, str) and os.path.isabs(v))
-        )
-        h.update(stable_repr(settings).encode() + b"\0")
-    return h.hexdigest()
+        if name.startswith(_NOT_WHAT_IS_COMPILED) or (isinstance(value, str) and os.path.isabs(value)):
+            continue
+        settings.append((name, _setting(name, value)))
+    return stable_repr(settings)
+
+
+def _setting(name: str, value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(_setting(name, v) for v in value)
+    if isinstance(value, dict):
+        return {_setting(name, k): _setting(name, v) for k, v in value.items()}
+    uuid = getattr(value, "uuid", None)
+    if callable(uuid):  # torch's custom passes and choices classes name themselves by it
+        return f"{type(value).__module__}.{type(value).__qualname__} uuid {uuid()!r}"
+    identity = global_identity(value)
+    if identity is not None:
+        return identity
+    raise UndescribedSetting(f"the setting {name} is a {type(value).__qualname__} with no uuid()")
 
 
 def variant_key(key: str, variant: str) -> str:
