@@ -56,4 +56,5 @@ class NoOpPass(CustomGraphPass):
     def uuid(self):
         return "adversarial-no-op-pass"
 
+
 MANY_KEYS = {f"k{i}": 1.0 + (i % 3) / 4 for i in range(40)}

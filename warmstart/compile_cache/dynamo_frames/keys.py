@@ -20,9 +20,7 @@ KIND = "dynamo_frames"
 FORMAT = 3
 
 
-def entry_key(
-    function: types.FunctionType, module: Any, backend_id: str, dynamic: Any, fullgraph: bool
-) -> str | None:
+def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynamic: Any, fullgraph: bool) -> str | None:
     """The key of ``function``'s frames: the function (module, qualified name, code), the module's
     structure (``repr``) when a module is compiled, the backend's options, ``dynamic``,
     ``fullgraph`` and every setting of torch's Dynamo, AOTAutograd and Inductor configs but those that
