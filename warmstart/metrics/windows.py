@@ -21,6 +21,7 @@ from typing import Any
 
 from warmstart.metrics.buckets import CHECKPOINT_BLOCKING, EFFECTIVE, LOST, RECOVERY, SHUTDOWN
 from warmstart.metrics.calculator import AttemptTimeline, RankResult, RunResult, Segment, SpanMark, ordered_buckets
+from warmstart.metrics.window_results import FleetWindow, Window
 
 MAX_WINDOWS = 10_000  # a longer series is a typo (--every 1s over a month), not a report
 DEFAULT_WINDOWS = (20, 100)  # how many windows a chart gets when no length is asked for (default_every)
@@ -198,44 +199,6 @@ class TimeFilter:
                     cut.append((x1, b))
             pieces = cut
         return pieces
-
-
-@dataclasses.dataclass
-class Window:
-    """ETT% of one window of a job's time (excluded ranges not counted)."""
-
-    since: float
-    until: float
-    e2e_s: float
-    """The counted seconds of the job in the window."""
-    ett_pct: float | None
-    """None when the window counts no time of the job."""
-    buckets: dict[str, float]
-    failures: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``windows`` entries of ``warmstart ett report --json``."""
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class FleetWindow:
-    """Fleet ETT% of one window, weighted by device-seconds like the fleet total."""
-
-    since: float
-    until: float
-    jobs: int
-    """Jobs with counted time in the window."""
-    device_seconds: float
-    effective_device_seconds: float
-    ett_pct: float | None
-    buckets: dict[str, float]
-    """Bucket -> device-seconds."""
-    failures: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``windows`` entries of ``warmstart ett fleet --json``."""
-        return dataclasses.asdict(self)
 
 
 # -- one job -------------------------------------------------------------------------------------------
