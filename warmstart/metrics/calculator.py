@@ -393,12 +393,12 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
     ranks_of = _ranks_by_attempt(events)
     ranks = sorted(set().union(*ranks_of.values()))
     primary = _timeline_rank(ranks)
-    frame_events = [e for e in events if e.rank in (-1, primary)]
+    frame_events = [ev for ev in events if ev.rank in (-1, primary)]
     frames = _frames(events, frame_events, notes, ranks_of, now)
     devices = _job_devices(events, ranks)
     if not frames:
         return _empty_result(run, devices, notes)
-    job = _JobWindows(frames, frames[0].start, max(f.attempt_end for f in frames))
+    job = _JobWindows(frames, frames[0].start, max(frame.attempt_end for frame in frames))
 
     # Segments first (each attempt's window swept into buckets), then the job's buckets from them.
     job_segments: list[Segment] | None = [] if keep_segments else None
@@ -415,7 +415,7 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
             rank_segments[rank] = segments
 
     forked = _forked_attempts(events)
-    attempts = [_attempt_result(f, job_split, i, f.attempt in forked) for i, f in enumerate(frames)]
+    attempts = [_attempt_result(frame, job_split, index, frame.attempt in forked) for index, frame in enumerate(frames)]
     buckets = ordered_buckets(job_split.total)
     e2e = job.end - job.start
     return RunResult(
@@ -445,19 +445,19 @@ def _timeline_rank(ranks: list[int]) -> int:
 
 
 def _job_devices(events: list[Event], ranks: list[int]) -> int:
-    declared = max((e.devices for e in events if type(e) is AttemptStart and e.devices), default=1)
+    declared = max((ev.devices for ev in events if type(ev) is AttemptStart and ev.devices), default=1)
     return max(declared, len(ranks))
 
 
 def _forked_attempts(events: list[Event]) -> set[int]:
-    return {e.attempt for e in events if type(e) is Begin and e.span == PRELOAD_HANDOVER}
+    return {ev.attempt for ev in events if type(ev) is Begin and ev.span == PRELOAD_HANDOVER}
 
 
 def _ranks_by_attempt(events: list[Event]) -> dict[int, set[int]]:
     # A rank runs on a device of its own: a job's devices are at least its ranks, whatever its
     # attempt_start events say (each rank of the reference job declares its own one device).
     ranks_of: dict[int, set[int]] = defaultdict(set)
-    for attempt, rank in {(e.attempt, e.rank) for e in events if e.rank >= 0}:
+    for attempt, rank in {(ev.attempt, ev.rank) for ev in events if ev.rank >= 0}:
         ranks_of[attempt].add(rank)
     return ranks_of
 
@@ -483,7 +483,7 @@ def _rank_split(
     job: _JobWindows, events: list[Event], rank: int, notes: list[str], keep_segments: bool
 ) -> tuple[_Split, list[Segment] | None]:
     """One rank's own breakdown over the job's windows, and its segments when they are kept."""
-    own = [e for e in events if e.rank == rank]
+    own = [ev for ev in events if ev.rank == rank]
     segments: list[Segment] | None = [] if keep_segments else None
     return _split(job, own, notes, keep_timeline=False, segments=segments), segments
 
@@ -510,7 +510,7 @@ def _frames(
         _raw_attempt(attempt, evs, commits.get(attempt), len(ranks_of.get(attempt, ())))
         for attempt, evs in by_attempt.items()
     ]
-    raw.sort(key=lambda r: (r.start, r.attempt))
+    raw.sort(key=lambda attempt: (attempt.start, attempt.attempt))
     _vouch_for_commits(raw, loaded)
     if now is not None and raw and not raw[-1].ended and raw[-1].failure is None:
         raw[-1].end = max(raw[-1].end, now)  # still running: its clock runs to the present
@@ -524,30 +524,30 @@ def _events_by_attempt(events: list[Event], frame_events: list[Event], notes: li
     for ev in events:  # an attempt that only other ranks saw still has a window
         if ev.attempt not in by_attempt:
             notes.append(f"attempt {ev.attempt}: no rank -1/0 events; its window comes from rank {ev.rank}")
-            by_attempt[ev.attempt] = [e for e in events if e.attempt == ev.attempt]
+            by_attempt[ev.attempt] = [other for other in events if other.attempt == ev.attempt]
     return by_attempt
 
 
 def _raw_attempt(attempt: int, evs: list[Event], committed: int | None, ranks: int) -> _RawAttempt:
-    starts = [e.ts for e in evs if type(e) is AttemptStart]
-    ends = [e.ts for e in evs if type(e) is AttemptEnd]
+    starts = [ev.ts for ev in evs if type(ev) is AttemptStart]
+    ends = [ev.ts for ev in evs if type(ev) is AttemptEnd]
     start = min(starts, default=evs[0].ts)
     end = max(ends, default=evs[-1].ts)
-    declared_devices = max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1)
+    declared_devices = max((ev.devices or 1 for ev in evs if type(ev) is AttemptStart), default=1)
     return _RawAttempt(
         attempt=attempt,
         start=start,
         end=max(end, start),
         ended=bool(ends),
         failure=_first_failure(evs),
-        train_end=next((e.ts for e in evs if type(e) is TrainEnd), None),
+        train_end=next((ev.ts for ev in evs if type(ev) is TrainEnd), None),
         committed=committed,
         devices=max(declared_devices, ranks),
     )
 
 
 def _first_failure(evs: list[Event]) -> dict[str, Any] | None:
-    failure = next((e for e in evs if type(e) is Failure), None)
+    failure = next((ev for ev in evs if type(ev) is Failure), None)
     if failure is None:
         return None
     return {"ts": failure.ts, "reason": failure.reason, "category": failure.category}
@@ -566,8 +566,8 @@ def _cut_windows(raw: list[_RawAttempt]) -> list[_Frame]:
     """The attempts' windows (``raw`` in time order), each cut at the next one's start."""
     frames: list[_Frame] = []
     cursor = raw[0].start if raw else 0.0
-    for i, attempt in enumerate(raw):
-        next_start = raw[i + 1].start if i + 1 < len(raw) else math.inf
+    for index, attempt in enumerate(raw):
+        next_start = raw[index + 1].start if index + 1 < len(raw) else math.inf
         start = max(attempt.start, cursor)
         failure = _failure_of(attempt, next_start)
         window_end = min(failure["ts"] if failure else attempt.end, attempt.end, next_start)
@@ -860,10 +860,10 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[_Span]:
     return clipped
 
 
-def _attempt_result(frame: _Frame, split: _Split, i: int, forked: bool) -> AttemptResult:
-    buckets = ordered_buckets(split.per_attempt[i])
+def _attempt_result(frame: _Frame, split: _Split, index: int, forked: bool) -> AttemptResult:
+    buckets = ordered_buckets(split.per_attempt[index])
     e2e = sum(buckets.values())
-    stats = split.step_stats[i]
+    stats = split.step_stats[index]
     failure = None if frame.failure is None else dict(frame.failure)
     return AttemptResult(
         attempt=frame.attempt,
@@ -873,7 +873,7 @@ def _attempt_result(frame: _Frame, split: _Split, i: int, forked: bool) -> Attem
         e2e_s=e2e,
         ett_pct=_pct(buckets[EFFECTIVE], e2e),
         buckets=buckets,
-        pre_first_step_s=split.pre_first_step[i],
+        pre_first_step_s=split.pre_first_step[index],
         recovery_wait_s=buckets[RECOVERY],
         failed=frame.failed,
         failure=failure,
@@ -888,12 +888,12 @@ def _attempt_result(frame: _Frame, split: _Split, i: int, forked: bool) -> Attem
 
 def _l1(attempts: Sequence[AttemptResult], buckets: dict[str, float]) -> dict[str, Any]:
     by_category: dict[str, int] = defaultdict(int)
-    for a in attempts:
-        if a.failed and a.failure:
-            by_category[a.failure["category"]] += 1
+    for attempt in attempts:
+        if attempt.failed and attempt.failure:
+            by_category[attempt.failure["category"]] += 1
     return {
         "time_to_start_s": attempts[0].pre_first_step_s if attempts else 0.0,
-        "time_to_recover_s": sum(a.pre_first_step_s for a in attempts[1:]) + buckets.get(RECOVERY, 0.0),
+        "time_to_recover_s": sum(attempt.pre_first_step_s for attempt in attempts[1:]) + buckets.get(RECOVERY, 0.0),
         "failures": sum(by_category.values()),
         "failures_by_category": dict(sorted(by_category.items())),
         "lost_progress_s": buckets.get(LOST, 0.0),

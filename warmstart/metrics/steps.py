@@ -288,10 +288,11 @@ def _slow(
     slow = np.flatnonzero(durations > ideal + margin)
     excess = durations[slow] - ideal
     slowest: list[SlowStep] = []
-    for k in np.argsort(-excess, kind="stable")[:TOP].tolist():  # the largest excess first, ties in order
-        i = int(slow[k])
-        first, attempt, step_numbers = attempts[bisect.bisect_right(starts, i) - 1]
-        slowest.append(SlowStep(attempt, int(step_numbers[i - first]), float(durations[i]), float(excess[k])))
+    for nth in np.argsort(-excess, kind="stable")[:TOP].tolist():  # the largest excess first, ties in order
+        index = int(slow[nth])
+        first, attempt, step_numbers = attempts[bisect.bisect_right(starts, index) - 1]
+        step = int(step_numbers[index - first])
+        slowest.append(SlowStep(attempt, step, float(durations[index]), float(excess[nth])))
     return _Slow(len(slow), math.fsum(excess.tolist()), tuple(slowest))
 
 
