@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import math
 import operator
 import os
@@ -37,7 +38,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from warmstart.metrics.buckets import (
     CHECKPOINT_BLOCKING,
@@ -66,9 +67,7 @@ from warmstart.metrics.events import (
 from warmstart.metrics.event_files import event_files
 from warmstart.metrics.steps import SlowSteps, analyse_steps
 from warmstart.metrics.switches import CompileSwitch, compile_switches
-
-if TYPE_CHECKING:
-    from warmstart.metrics.windows import Window
+from warmstart.metrics.window_results import Window
 
 # Event kinds are told apart by exact type (``type(ev) is Step``): an isinstance check on a struct
 # class costs three times as much, which a million events notice.
@@ -305,13 +304,70 @@ class _Frame:
 
     attempt: int
     start: float
-    stop: float  # end of the working window (failure, attempt_end or last event, cut at next start)
-    end: float  # attempt_end or last event (before cutting)
+    window_end: float
+    """Where its working window ends: its failure, else its ``attempt_end`` (or last event), cut at the
+    next attempt's start. Time after it is the next recovery wait."""
+    attempt_end: float
+    """Its ``attempt_end`` (or last event), not cut: the job ends at the latest of these."""
     failed: bool
     failure: dict[str, Any] | None
     train_end: float | None
     committed: int | None
     devices: int
+
+
+class _JobWindows(NamedTuple):
+    """The attempts' windows and the job's end-to-end time they lie in."""
+
+    frames: list[_Frame]
+    start: float
+    end: float
+
+
+class _StepStats(NamedTuple):
+    """The steps an attempt's window counted as training."""
+
+    steps: int
+    first: int | None
+    last: int | None
+    samples: int
+
+
+class _Span(NamedTuple):
+    """A span clipped to its attempt's window (sorted by start, then end)."""
+
+    start: float
+    end: float
+    bucket: str
+    name: str
+    rank: int
+
+
+class _Mark(NamedTuple):
+    """A point of one window's sweep where the bucket that time goes to may change."""
+
+    ts: float
+    kind: int
+    bucket: str
+    """The span's or the training time's bucket; empty for the loop's and the window's ends."""
+
+
+class _TrainingLoop(NamedTuple):
+    """Where one attempt's window trains: from its first step to its ``train_end`` (else the window's end)."""
+
+    steps: list[Step]
+    """The steps before the loop's end: those after ``train_end`` are shutdown."""
+    train_end: float | None
+    """The attempt's ``train_end``, from the swept rank's events, else the job's timeline."""
+    end: float
+
+
+class _WindowSplit(NamedTuple):
+    """What sweeping one attempt's window gives beside its buckets."""
+
+    pre_first_step_s: float
+    step_stats: _StepStats
+    timeline: AttemptTimeline | None
 
 
 def compute(run: Run, *, segments: bool = False, now: float | None = None) -> RunResult:
@@ -326,63 +382,47 @@ def compute(run: Run, *, segments: bool = False, now: float | None = None) -> Ru
         return _compute(run, segments, now)
 
 
+def compute_runs(run_dirs: Iterable[str | os.PathLike]) -> list[RunResult]:
+    """:func:`load_runs` then :func:`compute` on each."""
+    return [compute(run) for run in load_runs(run_dirs)]
+
+
 def _compute(run: Run, keep_segments: bool = False, now: float | None = None) -> RunResult:
     events = sorted(run.events, key=operator.attrgetter("ts"))
     notes = list(run.warnings)
-    # A rank runs on a device of its own: a job's devices are at least its ranks, whatever its
-    # attempt_start events say (each rank of the reference job declares its own one device).
-    ranks_of: dict[int, set[int]] = defaultdict(set)
-    for attempt, rank in {(e.attempt, e.rank) for e in events if e.rank >= 0}:
-        ranks_of[attempt].add(rank)
+    ranks_of = _ranks_by_attempt(events)
     ranks = sorted(set().union(*ranks_of.values()))
-    primary = 0 if 0 in ranks else (ranks[0] if ranks else -1)
-    frame_events = [e for e in events if e.rank in (-1, primary)]
+    primary = _timeline_rank(ranks)
+    frame_events = [ev for ev in events if ev.rank in (-1, primary)]
     frames = _frames(events, frame_events, notes, ranks_of, now)
-    devices = max(max((e.devices for e in events if type(e) is AttemptStart and e.devices), default=1), len(ranks))
+    devices = _job_devices(events, ranks)
     if not frames:
-        return RunResult(
-            job=run.job,
-            run_dir=run.run_dir,
-            start_ts=0.0,
-            end_ts=0.0,
-            e2e_s=0.0,
-            ett_pct=0.0,
-            devices=devices,
-            buckets=ordered_buckets({}),
-            l1=_l1([], {}),
-            attempts=[],
-            ranks={},
-            warnings=notes,
-        )
-    t0, t_end = frames[0].start, max(f.end for f in frames)
+        return _empty_result(run, devices, notes)
+    job = _JobWindows(frames, frames[0].start, max(frame.attempt_end for frame in frames))
 
+    # Segments first (each attempt's window swept into buckets), then the job's buckets from them.
     job_segments: list[Segment] | None = [] if keep_segments else None
-    rank_segments: dict[int, list[Segment]] = {}
-    job_split = _split(frames, frame_events, t0, t_end, notes, keep_timeline=True, segments=job_segments)
+    job_split = _split(job, frame_events, notes, keep_timeline=True, segments=job_segments)
     rank_results: dict[int, RankResult] = {}
+    rank_segments: dict[int, list[Segment]] = {}
     for rank in ranks:
-        if rank == primary:
-            split = job_split
-            if job_segments is not None:
-                rank_segments[rank] = job_segments
+        if rank == primary:  # the job's own timeline, already swept
+            split, segments = job_split, job_segments
         else:
-            own = [e for e in events if e.rank == rank]
-            own_segments: list[Segment] | None = [] if keep_segments else None
-            split = _split(frames, own, t0, t_end, notes, keep_timeline=False, segments=own_segments)
-            if own_segments is not None:
-                rank_segments[rank] = own_segments
-        total = ordered_buckets(split.total)
-        rank_results[rank] = RankResult(e2e_s=t_end - t0, ett_pct=_pct(total[EFFECTIVE], t_end - t0), buckets=total)
+            split, segments = _rank_split(job, events, rank, notes, keep_segments)
+        rank_results[rank] = _rank_result(job, split)
+        if segments is not None:
+            rank_segments[rank] = segments
 
-    forked = {e.attempt for e in events if type(e) is Begin and e.span == PRELOAD_HANDOVER}
-    attempts = [_attempt_result(f, job_split, i, f.attempt in forked) for i, f in enumerate(frames)]
+    forked = _forked_attempts(events)
+    attempts = [_attempt_result(frame, job_split, index, frame.attempt in forked) for index, frame in enumerate(frames)]
     buckets = ordered_buckets(job_split.total)
-    e2e = t_end - t0
+    e2e = job.end - job.start
     return RunResult(
         job=run.job,
         run_dir=run.run_dir,
-        start_ts=t0,
-        end_ts=t_end,
+        start_ts=job.start,
+        end_ts=job.end,
         e2e_s=e2e,
         ett_pct=_pct(buckets[EFFECTIVE], e2e),
         devices=devices,
@@ -399,9 +439,61 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
     )
 
 
-def compute_runs(run_dirs: Iterable[str | os.PathLike]) -> list[RunResult]:
-    """:func:`load_runs` then :func:`compute` on each."""
-    return [compute(run) for run in load_runs(run_dirs)]
+def _timeline_rank(ranks: list[int]) -> int:
+    """Rank 0, else the lowest rank; -1 for a job whose events are all the launcher's."""
+    return 0 if 0 in ranks else (ranks[0] if ranks else -1)
+
+
+def _job_devices(events: list[Event], ranks: list[int]) -> int:
+    declared = max((ev.devices for ev in events if type(ev) is AttemptStart and ev.devices), default=1)
+    return max(declared, len(ranks))
+
+
+def _forked_attempts(events: list[Event]) -> set[int]:
+    return {ev.attempt for ev in events if type(ev) is Begin and ev.span == PRELOAD_HANDOVER}
+
+
+def _ranks_by_attempt(events: list[Event]) -> dict[int, set[int]]:
+    # A rank runs on a device of its own: a job's devices are at least its ranks, whatever its
+    # attempt_start events say (each rank of the reference job declares its own one device).
+    ranks_of: dict[int, set[int]] = defaultdict(set)
+    for attempt, rank in {(ev.attempt, ev.rank) for ev in events if ev.rank >= 0}:
+        ranks_of[attempt].add(rank)
+    return ranks_of
+
+
+def _empty_result(run: Run, devices: int, notes: list[str]) -> RunResult:
+    return RunResult(
+        job=run.job,
+        run_dir=run.run_dir,
+        start_ts=0.0,
+        end_ts=0.0,
+        e2e_s=0.0,
+        ett_pct=0.0,
+        devices=devices,
+        buckets=ordered_buckets({}),
+        l1=_l1([], {}),
+        attempts=[],
+        ranks={},
+        warnings=notes,
+    )
+
+
+def _rank_split(
+    job: _JobWindows, events: list[Event], rank: int, notes: list[str], keep_segments: bool
+) -> tuple[_Split, list[Segment] | None]:
+    """One rank's own breakdown over the job's windows, and its segments when they are kept."""
+    own = [ev for ev in events if ev.rank == rank]
+    segments: list[Segment] | None = [] if keep_segments else None
+    return _split(job, own, notes, keep_timeline=False, segments=segments), segments
+
+
+def _rank_result(job: _JobWindows, split: _Split) -> RankResult:
+    total = ordered_buckets(split.total)
+    return RankResult(e2e_s=job.end - job.start, ett_pct=_pct(total[EFFECTIVE], job.end - job.start), buckets=total)
+
+
+# -- the attempts' windows -----------------------------------------------------------------------------
 
 
 def _frames(
@@ -411,78 +503,102 @@ def _frames(
     ranks_of: dict[int, set[int]],
     now: float | None = None,
 ) -> list[_Frame]:
+    """Each attempt's window, in time order: what its own events say, then cut against the others'."""
+    by_attempt = _events_by_attempt(events, frame_events, notes)
+    commits, loaded = _commits(events)
+    raw = [
+        _raw_attempt(attempt, evs, commits.get(attempt), len(ranks_of.get(attempt, ())))
+        for attempt, evs in by_attempt.items()
+    ]
+    raw.sort(key=lambda attempt: (attempt.start, attempt.attempt))
+    _vouch_for_commits(raw, loaded)
+    if now is not None and raw and not raw[-1].ended and raw[-1].failure is None:
+        raw[-1].end = max(raw[-1].end, now)  # still running: its clock runs to the present
+    return _cut_windows(raw)
+
+
+def _events_by_attempt(events: list[Event], frame_events: list[Event], notes: list[str]) -> dict[int, list[Event]]:
     by_attempt: dict[int, list[Event]] = defaultdict(list)
     for ev in frame_events:
         by_attempt[ev.attempt].append(ev)
     for ev in events:  # an attempt that only other ranks saw still has a window
         if ev.attempt not in by_attempt:
             notes.append(f"attempt {ev.attempt}: no rank -1/0 events; its window comes from rank {ev.rank}")
-            by_attempt[ev.attempt] = [e for e in events if e.attempt == ev.attempt]
-    commits, loaded = _commits(events)
-    raw: list[_RawAttempt] = []
-    for attempt, evs in by_attempt.items():
-        starts = [e.ts for e in evs if type(e) is AttemptStart]
-        ends = [e.ts for e in evs if type(e) is AttemptEnd]
-        start = min(starts) if starts else evs[0].ts
-        end = max(ends) if ends else evs[-1].ts
-        failures = [e for e in evs if type(e) is Failure]
-        first_failure = failures[0] if failures else None
-        train_ends = [e.ts for e in evs if type(e) is TrainEnd]
-        raw.append(
-            _RawAttempt(
-                attempt=attempt,
-                start=start,
-                end=max(end, start),
-                ended=bool(ends),
-                failure=None
-                if first_failure is None
-                else {"ts": first_failure.ts, "reason": first_failure.reason, "category": first_failure.category},
-                train_end=train_ends[0] if train_ends else None,
-                committed=commits.get(attempt),
-                devices=max(
-                    max((e.devices or 1 for e in evs if type(e) is AttemptStart), default=1),
-                    len(ranks_of.get(attempt, ())),
-                ),
-            )
-        )
-    raw.sort(key=lambda r: (r.start, r.attempt))
+            by_attempt[ev.attempt] = [other for other in events if other.attempt == ev.attempt]
+    return by_attempt
+
+
+def _raw_attempt(attempt: int, evs: list[Event], committed: int | None, ranks: int) -> _RawAttempt:
+    starts = [ev.ts for ev in evs if type(ev) is AttemptStart]
+    ends = [ev.ts for ev in evs if type(ev) is AttemptEnd]
+    start = min(starts, default=evs[0].ts)
+    end = max(ends, default=evs[-1].ts)
+    declared_devices = max((ev.devices or 1 for ev in evs if type(ev) is AttemptStart), default=1)
+    return _RawAttempt(
+        attempt=attempt,
+        start=start,
+        end=max(end, start),
+        ended=bool(ends),
+        failure=_first_failure(evs),
+        train_end=next((ev.ts for ev in evs if type(ev) is TrainEnd), None),
+        committed=committed,
+        devices=max(declared_devices, ranks),
+    )
+
+
+def _first_failure(evs: list[Event]) -> dict[str, Any] | None:
+    failure = next((ev for ev in evs if type(ev) is Failure), None)
+    if failure is None:
+        return None
+    return {"ts": failure.ts, "reason": failure.reason, "category": failure.category}
+
+
+def _vouch_for_commits(raw: list[_RawAttempt], loaded: dict[int, int]) -> None:
     # A failure can cut off the event of a commit that was already durable (a power cut between the
     # rename and the record): the checkpoint the next attempt loaded says so for it.
-    for i, r in enumerate(raw[:-1]):
-        vouched = loaded.get(raw[i + 1].attempt)
-        if vouched is not None and (r.committed is None or vouched > r.committed):
-            r.committed = vouched
-    if now is not None and raw and not raw[-1].ended and raw[-1].failure is None:
-        raw[-1].end = max(raw[-1].end, now)  # still running: its clock runs to the present
+    for attempt, next_attempt in itertools.pairwise(raw):
+        vouched = loaded.get(next_attempt.attempt)
+        if vouched is not None and (attempt.committed is None or vouched > attempt.committed):
+            attempt.committed = vouched
+
+
+def _cut_windows(raw: list[_RawAttempt]) -> list[_Frame]:
+    """The attempts' windows (``raw`` in time order), each cut at the next one's start."""
     frames: list[_Frame] = []
     cursor = raw[0].start if raw else 0.0
-    for i, r in enumerate(raw):
-        next_start = raw[i + 1].start if i + 1 < len(raw) else math.inf
-        start = max(r.start, cursor)
-        failure = r.failure
-        if failure is None and r.train_end is None and next_start < math.inf:
-            failure = {
-                "ts": r.end,
-                "reason": "attempt ended without failure or train_end events",
-                "category": "unknown",
-            }
-        stop = min(failure["ts"] if failure else r.end, r.end, next_start)
-        stop = max(stop, start)
+    for index, attempt in enumerate(raw):
+        next_start = raw[index + 1].start if index + 1 < len(raw) else math.inf
+        start = max(attempt.start, cursor)
+        failure = _failure_of(attempt, next_start)
+        window_end = min(failure["ts"] if failure else attempt.end, attempt.end, next_start)
+        window_end = max(window_end, start)
         frames.append(
             _Frame(
-                attempt=r.attempt,
+                attempt=attempt.attempt,
                 start=start,
-                stop=stop,
-                end=max(r.end, start),
+                window_end=window_end,
+                attempt_end=max(attempt.end, start),
                 failed=failure is not None,
                 failure=failure,
-                train_end=r.train_end,
-                committed=r.committed,
-                devices=r.devices,
+                train_end=attempt.train_end,
+                committed=attempt.committed,
+                devices=attempt.devices,
             )
         )
-        cursor = max(stop, min(r.end, next_start))
+        cursor = max(window_end, min(attempt.end, next_start))
     return frames
+
+
+def _failure_of(attempt: _RawAttempt, next_start: float) -> dict[str, Any] | None:
+    """Its ``failure``; one followed by another attempt without a ``failure`` or ``train_end`` died
+    without saying so."""
+    if attempt.failure is None and attempt.train_end is None and next_start < math.inf:
+        return {
+            "ts": attempt.end,
+            "reason": "attempt ended without failure or train_end events",
+            "category": "unknown",
+        }
+    return attempt.failure
 
 
 def _commits(events: list[Event]) -> tuple[dict[int, int], dict[int, int]]:
@@ -502,194 +618,224 @@ def _commits(events: list[Event]) -> tuple[dict[int, int], dict[int, int]]:
     return commits, loaded
 
 
+# -- sweeping the windows into buckets -----------------------------------------------------------------
+
+
 @dataclasses.dataclass
 class _Split:
     total: dict[str, float]
     per_attempt: list[dict[str, float]]
     pre_first_step: list[float]
-    step_stats: list[tuple[int, int | None, int | None, int]]  # steps, first, last, samples
+    step_stats: list[_StepStats]
     timeline: list[AttemptTimeline]
 
 
+@dataclasses.dataclass
+class _Tally:
+    """Where one attempt's swept time goes: its buckets, and the job's segments when they are kept."""
+
+    buckets: dict[str, float]
+    segments: list[Segment] | None
+    attempt_index: int
+    """The attempt's position in the job's windows (what a :class:`Segment` names)."""
+
+    def add(
+        self, start: float, end: float, bucket: str, seconds: float, share: float = 1.0, init: bool = False
+    ) -> None:
+        self.buckets[bucket] += seconds
+        if self.segments is not None:
+            self.segments.append(Segment(start, end, bucket, share, self.attempt_index, init))
+
+
 def _split(
-    frames: list[_Frame],
+    job: _JobWindows,
     events: list[Event],
-    t0: float,
-    t_end: float,
     notes: list[str],
+    *,
     keep_timeline: bool,
     segments: list[Segment] | None = None,
 ) -> _Split:
-    """Assign every instant of [t0, t_end] to a bucket, using ``events`` for spans and steps; with
+    """Assign every instant of the job's time to a bucket, using ``events`` for spans and steps; with
     ``segments``, also append each stretch of time to it."""
     by_attempt: dict[int, list[Event]] = defaultdict(list)
     for ev in events:
         by_attempt[ev.attempt].append(ev)
-    total: dict[str, float] = defaultdict(float)
-    per_attempt: list[dict[str, float]] = []
-    pre: list[float] = []
-    stats: list[tuple[int, int | None, int | None, int]] = []
-    timeline: list[AttemptTimeline] = []
-    cursor = t0
-    for i, frame in enumerate(frames):
-        buckets: dict[str, float] = defaultdict(float)
-        gap = max(frame.start - cursor, 0.0)
-        if gap:
-            buckets[RECOVERY] += gap
-            if segments is not None:
-                segments.append(Segment(cursor, frame.start, RECOVERY, 1.0, i, False))
-        evs = by_attempt.get(frame.attempt, [])
-        init_s, stat, tl = _fill_window(frame, evs, buckets, notes, keep_timeline, segments, i)
-        pre.append(init_s)
-        stats.append(stat)
-        cursor = frame.stop
-        if i == len(frames) - 1 and t_end > cursor:  # the job's tail after its last window
-            buckets[RECOVERY] += t_end - cursor
-            if segments is not None:
-                segments.append(Segment(cursor, t_end, RECOVERY, 1.0, i, False))
-            if tl is not None and frame.failed:
-                tl.recovery_after = (cursor, t_end)
-            cursor = t_end
-        if tl is not None:
-            tl.recovery_before = (frame.start - gap, frame.start) if gap else None
-            timeline.append(tl)
-        for name, seconds in buckets.items():
-            total[name] += seconds
-        per_attempt.append(buckets)
-    return _Split(total, per_attempt, pre, stats, timeline)
+    split = _Split(defaultdict(float), [], [], [], [])
+    cursor = job.start
+    last = len(job.frames) - 1
+    for index, frame in enumerate(job.frames):
+        tally = _Tally(defaultdict(float), segments, index)
+        waited = max(frame.start - cursor, 0.0)
+        if waited:
+            tally.add(cursor, frame.start, RECOVERY, waited)
+        window = _fill_window(frame, by_attempt.get(frame.attempt, []), tally, notes, keep_timeline)
+        cursor = frame.window_end
+        if index == last and job.end > cursor:  # the job's tail after its last window
+            tally.add(cursor, job.end, RECOVERY, job.end - cursor)
+            if window.timeline is not None and frame.failed:
+                window.timeline.recovery_after = (cursor, job.end)
+            cursor = job.end
+        if window.timeline is not None:
+            window.timeline.recovery_before = (frame.start - waited, frame.start) if waited else None
+            split.timeline.append(window.timeline)
+        for name, seconds in tally.buckets.items():
+            split.total[name] += seconds
+        split.per_attempt.append(tally.buckets)
+        split.pre_first_step.append(window.pre_first_step_s)
+        split.step_stats.append(window.step_stats)
+    return split
 
 
 # Sweep marks: at equal times, spans end before steps and spans begin after them.
 _M_SPAN_END, _M_LOOP_END, _M_STEP, _M_SPAN_BEGIN = range(4)
 _mark_order = operator.itemgetter(0, 1)
+# The phases of a window: before the first step, the training loop, after train_end.
+_INIT, _LOOP, _SHUTDOWN = range(3)
 
 
-def _fill_window(
-    frame: _Frame,
-    evs: list[Event],
-    buckets: dict[str, float],
-    notes: list[str],
-    keep_timeline: bool,
-    segments: list[Segment] | None = None,
-    index: int = 0,
-) -> tuple[float, tuple, AttemptTimeline | None]:
-    """Sweep one attempt's window; return its pre-first-step seconds, step stats and timeline.
-
-    With ``segments``, each stretch the sweep attributes is also appended there (as attempt ``index``).
-    """
-    s, e = frame.start, frame.stop
+def _fill_window(frame: _Frame, evs: list[Event], tally: _Tally, notes: list[str], keep_timeline: bool) -> _WindowSplit:
+    """Sweep one attempt's window into ``tally``; return its pre-first-step seconds, step stats and timeline."""
     spans = _spans(evs, frame, notes)
+    loop = _training_loop(frame, evs)
+    sweep = _Sweep(frame.start, tally)
+    for mark in _marks(frame, spans, loop):
+        sweep.advance(mark, loop.end, frame.window_end)
+    timeline = _attempt_timeline(frame, evs, spans, loop) if keep_timeline else None
+    return _WindowSplit(sweep.init_s, _step_stats(loop.steps), timeline)
+
+
+def _training_loop(frame: _Frame, evs: list[Event]) -> _TrainingLoop:
     own_train_end = next((ev.ts for ev in evs if type(ev) is TrainEnd), None)
     train_end = own_train_end if own_train_end is not None else frame.train_end
-    loop_end = e if train_end is None else min(max(train_end, s), e)
+    end = frame.window_end if train_end is None else min(max(train_end, frame.start), frame.window_end)
     # Steps after train_end belong to shutdown.
-    steps = [ev for ev in evs if type(ev) is Step and s <= ev.ts < loop_end]
-    first_step = steps[0].ts if steps else None
-    committed = frame.committed
-    failed = frame.failed
+    steps = [ev for ev in evs if type(ev) is Step and frame.start <= ev.ts < end]
+    return _TrainingLoop(steps, train_end, end)
 
-    marks: list[tuple[float, int, Any]] = []
-    for b, en, bucket, _name, _rank in spans:
-        marks.append((b, _M_SPAN_BEGIN, bucket))
-        marks.append((en, _M_SPAN_END, bucket))
+
+def _marks(frame: _Frame, spans: list[_Span], loop: _TrainingLoop) -> list[_Mark]:
+    """The sweep's marks in order: each span's begin and end, the steps where training time changes
+    bucket, the loop's end and the window's end."""
+    marks: list[_Mark] = []
+    for span in spans:
+        marks.append(_Mark(span.start, _M_SPAN_BEGIN, span.bucket))
+        marks.append(_Mark(span.end, _M_SPAN_END, span.bucket))
     # Only the steps where the training bucket changes matter to the sweep: the first one, and in a
     # failed attempt those that cross the last committed checkpoint (a million steps, a few marks).
-    if steps and not failed:
-        marks.append((steps[0].ts, _M_STEP, EFFECTIVE))
-    elif steps:
+    if loop.steps and not frame.failed:
+        marks.append(_Mark(loop.steps[0].ts, _M_STEP, EFFECTIVE))
+    elif loop.steps:
         current = None
-        for ev in steps:
-            bucket = LOST if committed is None or ev.step > committed else EFFECTIVE
+        for ev in loop.steps:
+            bucket = _training_bucket(ev, frame.committed)
             if bucket is not current:
-                marks.append((ev.ts, _M_STEP, bucket))
+                marks.append(_Mark(ev.ts, _M_STEP, bucket))
                 current = bucket
-    marks.append((loop_end, _M_LOOP_END, None))
-    marks.append((e, _M_LOOP_END, None))
+    marks.append(_Mark(loop.end, _M_LOOP_END, ""))
+    marks.append(_Mark(frame.window_end, _M_LOOP_END, ""))
     marks.sort(key=_mark_order)
+    return marks
 
-    active: dict[str, int] = defaultdict(int)
-    nactive = 0
-    phase = 0  # 0 init, 1 loop, 2 shutdown
-    train_bucket = EFFECTIVE
-    prev = s
-    init_s = 0.0
-    for t, kind, data in marks:
-        if t > e:
-            t = e
-        d = t - prev
-        if d > 0:
-            if phase == 2:
-                buckets[SHUTDOWN] += d
-                if segments is not None:
-                    segments.append(Segment(prev, t, SHUTDOWN, 1.0, index, False))
-            elif nactive:
-                for bucket, count in active.items():
-                    if count:
-                        buckets[bucket] += d * count / nactive
-                        if segments is not None:
-                            segments.append(Segment(prev, t, bucket, count / nactive, index, phase == 0))
-            elif phase == 0:
-                buckets[INIT_OTHER] += d
-                if segments is not None:
-                    segments.append(Segment(prev, t, INIT_OTHER, 1.0, index, True))
-            else:
-                buckets[train_bucket] += d
-                if segments is not None:
-                    segments.append(Segment(prev, t, train_bucket, 1.0, index, False))
-            if phase == 0:
-                init_s += d
-            prev = t
-        if kind == _M_SPAN_BEGIN:
-            active[data] += 1
-            nactive += 1
-        elif kind == _M_SPAN_END:
-            active[data] -= 1
-            nactive -= 1
-        elif kind == _M_STEP:
-            phase = 1
-            train_bucket = data
-        elif t >= loop_end and phase != 2 and t < e:
-            phase = 2
-    tl = None
-    if keep_timeline:
-        lost_from = None
-        if failed:
-            lost_from = next((ev.ts for ev in steps if committed is None or ev.step > committed), None)
-        stride = max(1, len(steps) // _MAX_TIMELINE_STEPS)
-        tl = AttemptTimeline(
-            attempt=frame.attempt,
-            start=s,
-            end=e,
-            first_step=first_step,
-            loop_end=loop_end if steps else None,
-            train_end=train_end if train_end is not None and train_end < e else None,
-            lost_from=lost_from,
-            failure=frame.failure,
-            spans=[SpanMark(name, bucket, b, en, rank) for b, en, bucket, name, rank in spans],
-            steps=[(ev.ts, ev.step) for ev in steps[::stride]],
-            # the attempt's own saves: a commit before its first step is the checkpoint it loaded
-            checkpoints=[
-                (ev.ts, ev.step)
-                for ev in evs
-                if type(ev) is CheckpointCommitted and first_step is not None and ev.ts >= first_step
-            ],
-            recovery_before=None,
-            recovery_after=None,
-        )
-    stat = (
-        len(steps),
-        steps[0].step if steps else None,
-        steps[-1].step if steps else None,
-        sum([ev.samples for ev in steps if ev.samples]),
+
+def _training_bucket(step: Step, committed: int | None) -> str:
+    """Where a failed attempt's step goes: lost unless a committed checkpoint holds it."""
+    return LOST if committed is None or step.step > committed else EFFECTIVE
+
+
+class _Sweep:
+    """One window swept mark by mark: the time since the last mark goes to the buckets of what was
+    active over it (the spans, sharing each instant equally; else the phase's own bucket)."""
+
+    def __init__(self, start: float, tally: _Tally) -> None:
+        self.tally = tally
+        self.since = start
+        self.phase = _INIT
+        self.train_bucket = EFFECTIVE
+        self.active: dict[str, int] = defaultdict(int)  # bucket -> spans open in it
+        self.active_count = 0
+        self.init_s = 0.0
+
+    def advance(self, mark: _Mark, loop_end: float, window_end: float) -> None:
+        ts = min(mark.ts, window_end)
+        self._attribute(ts)
+        if mark.kind == _M_SPAN_BEGIN:
+            self.active[mark.bucket] += 1
+            self.active_count += 1
+        elif mark.kind == _M_SPAN_END:
+            self.active[mark.bucket] -= 1
+            self.active_count -= 1
+        elif mark.kind == _M_STEP:
+            self.phase = _LOOP
+            self.train_bucket = mark.bucket
+        elif loop_end <= ts < window_end and self.phase != _SHUTDOWN:
+            self.phase = _SHUTDOWN
+
+    def _attribute(self, until: float) -> None:
+        """Give the time from the last mark to ``until`` to its buckets."""
+        seconds = until - self.since
+        if seconds <= 0:
+            return
+        start, init = self.since, self.phase == _INIT
+        if self.phase == _SHUTDOWN:
+            self.tally.add(start, until, SHUTDOWN, seconds)
+        elif self.active_count:
+            for bucket, count in self.active.items():
+                if count:
+                    share = count / self.active_count
+                    self.tally.add(start, until, bucket, seconds * count / self.active_count, share, init)
+        elif init:
+            self.tally.add(start, until, INIT_OTHER, seconds, init=True)
+        else:
+            self.tally.add(start, until, self.train_bucket, seconds)
+        if init:
+            self.init_s += seconds
+        self.since = until
+
+
+def _step_stats(steps: list[Step]) -> _StepStats:
+    return _StepStats(
+        steps=len(steps),
+        first=steps[0].step if steps else None,
+        last=steps[-1].step if steps else None,
+        samples=sum([ev.samples for ev in steps if ev.samples]),
     )
-    return init_s, stat, tl
 
 
-def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[tuple[float, float, str, str, int]]:
+def _attempt_timeline(frame: _Frame, evs: list[Event], spans: list[_Span], loop: _TrainingLoop) -> AttemptTimeline:
+    steps, train_end = loop.steps, loop.train_end
+    first_step = steps[0].ts if steps else None
+    lost_from = None
+    if frame.failed:
+        lost_from = next((ev.ts for ev in steps if _training_bucket(ev, frame.committed) == LOST), None)
+    stride = max(1, len(steps) // _MAX_TIMELINE_STEPS)
+    return AttemptTimeline(
+        attempt=frame.attempt,
+        start=frame.start,
+        end=frame.window_end,
+        first_step=first_step,
+        loop_end=loop.end if steps else None,
+        train_end=train_end if train_end is not None and train_end < frame.window_end else None,
+        lost_from=lost_from,
+        failure=frame.failure,
+        spans=[SpanMark(span.name, span.bucket, span.start, span.end, span.rank) for span in spans],
+        steps=[(ev.ts, ev.step) for ev in steps[::stride]],
+        checkpoints=_own_saves(evs, first_step),
+        recovery_before=None,
+        recovery_after=None,
+    )
+
+
+def _own_saves(evs: list[Event], first_step: float | None) -> list[tuple[float, int]]:
+    # A commit before the attempt's first step is the checkpoint it loaded, not one it saved.
+    if first_step is None:
+        return []
+    return [(ev.ts, ev.step) for ev in evs if type(ev) is CheckpointCommitted and ev.ts >= first_step]
+
+
+def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[_Span]:
     """Pair begin/end events per (rank, span name), innermost first; clip them to the window."""
     open_spans: dict[tuple[int, str], list[tuple[float, str | None]]] = defaultdict(list)
-    spans: list[tuple[float, float, str, str, int]] = []
-    s, e = frame.start, frame.stop
+    spans: list[_Span] = []
     for ev in evs:
         if type(ev) is Begin:
             open_spans[(ev.rank, ev.span)].append((ev.ts, ev.bucket))
@@ -701,53 +847,53 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[tuple[floa
                 )
                 continue
             begin, bucket = stack.pop()
-            spans.append((begin, ev.ts, span_bucket(ev.span, bucket or ev.bucket), ev.span, ev.rank))
+            spans.append(_Span(begin, ev.ts, span_bucket(ev.span, bucket or ev.bucket), ev.span, ev.rank))
     for (rank, name), stack in open_spans.items():
         for begin, bucket in stack:  # never ended: the attempt ended first
-            spans.append((begin, e, span_bucket(name, bucket), name, rank))
+            spans.append(_Span(begin, frame.window_end, span_bucket(name, bucket), name, rank))
     clipped = []
-    for b, en, bucket, name, rank in spans:
-        b, en = max(b, s), min(en, e)
-        if en > b:
-            clipped.append((b, en, bucket, name, rank))
+    for span in spans:
+        start, end = max(span.start, frame.start), min(span.end, frame.window_end)
+        if end > start:
+            clipped.append(span._replace(start=start, end=end))
     clipped.sort()
     return clipped
 
 
-def _attempt_result(frame: _Frame, split: _Split, i: int, forked: bool) -> AttemptResult:
-    buckets = ordered_buckets(split.per_attempt[i])
+def _attempt_result(frame: _Frame, split: _Split, index: int, forked: bool) -> AttemptResult:
+    buckets = ordered_buckets(split.per_attempt[index])
     e2e = sum(buckets.values())
-    steps, first, last, samples = split.step_stats[i]
+    stats = split.step_stats[index]
     failure = None if frame.failure is None else dict(frame.failure)
     return AttemptResult(
         attempt=frame.attempt,
         start_ts=frame.start,
-        end_ts=frame.stop,
+        end_ts=frame.window_end,
         devices=frame.devices,
         e2e_s=e2e,
         ett_pct=_pct(buckets[EFFECTIVE], e2e),
         buckets=buckets,
-        pre_first_step_s=split.pre_first_step[i],
+        pre_first_step_s=split.pre_first_step[index],
         recovery_wait_s=buckets[RECOVERY],
         failed=frame.failed,
         failure=failure,
-        steps=steps,
-        first_step=first,
-        last_step=last,
+        steps=stats.steps,
+        first_step=stats.first,
+        last_step=stats.last,
         last_committed_step=frame.committed,
-        samples=samples,
+        samples=stats.samples,
         forked=forked,
     )
 
 
 def _l1(attempts: Sequence[AttemptResult], buckets: dict[str, float]) -> dict[str, Any]:
     by_category: dict[str, int] = defaultdict(int)
-    for a in attempts:
-        if a.failed and a.failure:
-            by_category[a.failure["category"]] += 1
+    for attempt in attempts:
+        if attempt.failed and attempt.failure:
+            by_category[attempt.failure["category"]] += 1
     return {
         "time_to_start_s": attempts[0].pre_first_step_s if attempts else 0.0,
-        "time_to_recover_s": sum(a.pre_first_step_s for a in attempts[1:]) + buckets.get(RECOVERY, 0.0),
+        "time_to_recover_s": sum(attempt.pre_first_step_s for attempt in attempts[1:]) + buckets.get(RECOVERY, 0.0),
         "failures": sum(by_category.values()),
         "failures_by_category": dict(sorted(by_category.items())),
         "lost_progress_s": buckets.get(LOST, 0.0),

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from warmstart.metrics.buckets import EFFECTIVE
 from warmstart.metrics.calculator import RunResult, ordered_buckets
-
-if TYPE_CHECKING:
-    from warmstart.metrics.windows import FleetWindow
+from warmstart.metrics.window_results import FleetWindow
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import itertools
 import math
 import statistics
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from warmstart.errors import ConfigError, WarmstartError
 from warmstart.metrics.advisor import SECONDS_PER_DAY, advise_interval
@@ -129,27 +129,8 @@ def measure(result: RunResult) -> RunCosts:
     commits = [sorted(ts for ts, _ in tl.checkpoints) for tl in result.timeline]
     checkpoints = sum(map(len, commits))
     interval = _interval(result, commits, loop)
-    slow = result.slow_steps
-    ideal = slow.ideal_step_s if slow is not None and slow.ideal_step_s is not None else None
-    detection = 0.0
-    if failures and slow is not None and ideal is not None:
-        detection = sum(max(s.running_s - ideal, 0.0) for s in slow.interrupted) / failures
     other = max(loop - buckets.get(EFFECTIVE, 0.0) - buckets.get(LOST, 0.0) - blocking, 0.0)
-
-    # The L2 split of start-up and recovery time: attempt 0's start-up buckets scaled to its time to
-    # start, the later attempts' to their share of the time to recover. A start-up bucket with more
-    # seconds than that (torch.compile compiling lazily inside step 0) leaves the rest in the loop.
-    first, later = _startup_buckets(result.attempts[:1]), _startup_buckets(result.attempts[1:])
-    start_buckets = _scaled(first, start)
-    waited = buckets.get(RECOVERY, 0.0)
-    recovered = _scaled(later, recover - waited)
-    if waited:
-        recovered[RECOVERY] = waited
-    leftover = {
-        name: seconds - start_buckets.get(name, 0.0) - recovered.get(name, 0.0)
-        for name, seconds in _startup_buckets(result.attempts).items()
-    }
-    leftover["eval"] = buckets.get("eval", 0.0)
+    startup = _startup_split(result, start, recover)
     return RunCosts(
         job=result.job,
         run_dir=result.run_dir,
@@ -166,12 +147,54 @@ def measure(result: RunResult) -> RunCosts:
         interval_s=interval,
         blocking_loop_pct=100.0 * blocking / loop if loop else 0.0,
         lost_per_failure_s=buckets.get(LOST, 0.0) / failures if failures else None,
-        detection_s=detection,
+        detection_s=_detection_s(result, failures),
         other_loop_pct=100.0 * other / loop if loop else 0.0,
-        start_buckets=start_buckets,
-        recovery_buckets={k: v / failures for k, v in recovered.items()} if failures else dict(start_buckets),
-        loop_other_buckets=_scaled(leftover, 1.0) if other else {},
+        start_buckets=startup.start,
+        recovery_buckets={k: v / failures for k, v in startup.recovery.items()} if failures else dict(startup.start),
+        loop_other_buckets=_scaled(startup.loop_leftover, 1.0) if other else {},
     )
+
+
+def _detection_s(result: RunResult, failures: int) -> float:
+    """Per failure, how long the step running at it ran beyond the ideal step time."""
+    slow = result.slow_steps
+    if not failures or slow is None or slow.ideal_step_s is None:
+        return 0.0
+    ideal = slow.ideal_step_s
+    return sum(max(s.running_s - ideal, 0.0) for s in slow.interrupted) / failures
+
+
+class _StartupSplit(NamedTuple):
+    """Start-up time split into buckets, and what start-up buckets leave to the loop."""
+
+    start: dict[str, float]
+    """The time to start."""
+    recovery: dict[str, float]
+    """All the time to recover (``recovery_wait`` included)."""
+    loop_leftover: dict[str, float]
+    """Start-up buckets' seconds beyond those, and eval: the loop's other time."""
+
+
+def _startup_split(result: RunResult, start: float, recover: float) -> _StartupSplit:
+    """The L2 split of the time to start, of the time to recover, and of the start-up buckets' rest.
+
+    Attempt 0's start-up buckets are scaled to its time to start, the later attempts' to their share of
+    the time to recover. A start-up bucket with more seconds than that (torch.compile compiling lazily
+    inside step 0) leaves the rest in the loop, with eval.
+    """
+    buckets = result.buckets
+    first, later = _startup_buckets(result.attempts[:1]), _startup_buckets(result.attempts[1:])
+    start_buckets = _scaled(first, start)
+    waited = buckets.get(RECOVERY, 0.0)
+    recovered = _scaled(later, recover - waited)
+    if waited:
+        recovered[RECOVERY] = waited
+    leftover = {
+        name: seconds - start_buckets.get(name, 0.0) - recovered.get(name, 0.0)
+        for name, seconds in _startup_buckets(result.attempts).items()
+    }
+    leftover["eval"] = buckets.get("eval", 0.0)
+    return _StartupSplit(start_buckets, recovered, leftover)
 
 
 def _interval(result: RunResult, commits: list[list[float]], loop: float) -> float | None:
@@ -330,87 +353,142 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
     """
     devices = scale.devices or costs.devices
     e2e = scale.days * SECONDS_PER_DAY if scale.days is not None else costs.e2e_s
-    hours = e2e / 3600.0
-    mtbf_h: float | None
-    if scale.mtbf_h is not None:
-        failures, mtbf_h, failures_from = hours / scale.mtbf_h, scale.mtbf_h, "option"
-    elif scale.own:
-        failures, failures_from = float(costs.failures), "run"
-        mtbf_h = hours / failures if failures else None
-    else:
-        mtbf_h = published_mtbf_h(devices)
-        failures, failures_from = hours / mtbf_h, "published"
-
-    interval, interval_from = costs.interval_s, "run"
-    if scale.checkpoint_interval_s is not None:
-        interval, interval_from = scale.checkpoint_interval_s, "option"
-    elif not scale.own and costs.blocking_s > 0 and failures > 0 and interval is not None:
-        interval = advise_interval(costs.blocking_s, failures / (e2e / SECONDS_PER_DAY)).interval_s
-        interval_from = "advisor"
+    failures = _expected_failures(costs, scale, devices, e2e / 3600.0)
+    interval = _checkpoint_interval(costs, scale, failures.expected, e2e)
     recovery = costs.recovery_s if costs.recovery_s is not None else costs.start_s
 
     # Fixed costs first, then the loop gets the rest; within it blocking and other spans take their
     # shares of loop time, failures their lost progress, and training what remains.
-    recover = failures * recovery
+    recover = failures.expected * recovery
     loop = e2e - costs.start_s - costs.shutdown_s - recover
     if loop < 0:
         raise ProjectionError(
-            f"{costs.run_dir}: job {costs.job}: start-up, shutdown and {failures:.1f} recoveries take "
+            f"{costs.run_dir}: job {costs.job}: start-up, shutdown and {failures.expected:.1f} recoveries take "
             f"{e2e - loop:,.0f} s, longer than the projected {e2e:,.0f} s"
         )
-    if interval_from == "run" or interval is None:  # the run's saves, as often as they blocked it
+    split = _split_loop(costs, loop, failures, interval)
+    l1 = {
+        "time_to_start_s": costs.start_s,
+        "time_to_recover_s": recover,
+        "failures": failures.expected,
+        "lost_progress_s": split.lost.seconds,
+        "checkpoint_blocking_s": split.blocking,
+        "shutdown_s": costs.shutdown_s,
+    }
+    return Projection(
+        costs=costs,
+        devices=devices,
+        days=e2e / SECONDS_PER_DAY,
+        e2e_s=e2e,
+        projected_ett_pct=100.0 * split.effective / e2e if e2e else 0.0,
+        failures=failures.expected,
+        failures_from=failures.source,
+        mtbf_h=failures.mtbf_h,
+        checkpoint_interval_s=interval.seconds,
+        interval_from=interval.source,
+        lost_per_failure_s=split.lost.seconds / failures.expected if failures.expected else 0.0,
+        lost_from=split.lost.source,
+        model_lost_per_failure_s=split.lost.model_per_failure_s,
+        recovery_s=recovery,
+        first_order_valid=_first_order_valid(interval.seconds, failures.mtbf_h),
+        l1=l1,
+        buckets=_projected_buckets(costs, failures.expected, split),
+    )
+
+
+class _Failures(NamedTuple):
+    """The projected job's failures."""
+
+    expected: float
+    """Over the job: a fraction unless it is the run's own count."""
+    mtbf_h: float | None
+    source: str
+    """Where the rate came from: see :attr:`Projection.failures_from`."""
+
+
+class _Interval(NamedTuple):
+    """The projected job's checkpoint interval."""
+
+    seconds: float | None
+    source: str
+    """Where it came from: see :attr:`Projection.interval_from`."""
+
+
+class _Lost(NamedTuple):
+    """The progress the projected job's failures lose."""
+
+    seconds: float
+    source: str
+    """How it was found: see :attr:`Projection.lost_from`."""
+    model_per_failure_s: float | None
+
+
+class _LoopSplit(NamedTuple):
+    """The projected job's loop time, by what it went to."""
+
+    blocking: float
+    other: float
+    lost: _Lost
+    effective: float
+
+
+def _expected_failures(costs: RunCosts, scale: Scale, devices: int, hours: float) -> _Failures:
+    if scale.mtbf_h is not None:
+        return _Failures(hours / scale.mtbf_h, scale.mtbf_h, "option")
+    if scale.own:
+        failures = float(costs.failures)
+        return _Failures(failures, hours / failures if failures else None, "run")
+    mtbf_h = published_mtbf_h(devices)
+    return _Failures(hours / mtbf_h, mtbf_h, "published")
+
+
+def _checkpoint_interval(costs: RunCosts, scale: Scale, failures: float, e2e: float) -> _Interval:
+    if scale.checkpoint_interval_s is not None:
+        return _Interval(scale.checkpoint_interval_s, "option")
+    if not scale.own and costs.blocking_s > 0 and failures > 0 and costs.interval_s is not None:
+        return _Interval(advise_interval(costs.blocking_s, failures / (e2e / SECONDS_PER_DAY)).interval_s, "advisor")
+    return _Interval(costs.interval_s, "run")
+
+
+def _split_loop(costs: RunCosts, loop: float, failures: _Failures, interval: _Interval) -> _LoopSplit:
+    if interval.source == "run" or interval.seconds is None:  # the run's saves, as often as they blocked it
         blocking = loop * costs.blocking_loop_pct / 100.0
     else:
-        blocking = min(loop * costs.blocking_s / interval, loop)
+        blocking = min(loop * costs.blocking_s / interval.seconds, loop)
     other = min(loop * costs.other_loop_pct / 100.0, loop - blocking)
     trainable = loop - blocking - other
-    model_lost = None if interval is None else interval / 2 + costs.detection_s
-    if failures_from == "run" and interval_from == "run":
-        lost, lost_from = failures * (costs.lost_per_failure_s or 0.0), "run"
-    elif model_lost is not None:
-        lost, lost_from = failures * model_lost, "model"
-    else:
-        kept = trainable * -math.expm1(-failures) / failures if failures else trainable
-        lost, lost_from = trainable - kept, "attempt"
-    lost = min(lost, trainable)
-    effective = trainable - lost
+    lost = _lost_progress(costs, trainable, failures, interval)
+    return _LoopSplit(blocking, other, lost, trainable - lost.seconds)
 
+
+def _lost_progress(costs: RunCosts, trainable: float, failures: _Failures, interval: _Interval) -> _Lost:
+    model_lost = None if interval.seconds is None else interval.seconds / 2 + costs.detection_s
+    expected = failures.expected
+    if failures.source == "run" and interval.source == "run":
+        lost, source = expected * (costs.lost_per_failure_s or 0.0), "run"
+    elif model_lost is not None:
+        lost, source = expected * model_lost, "model"
+    else:
+        kept = trainable * -math.expm1(-expected) / expected if expected else trainable
+        lost, source = trainable - kept, "attempt"
+    return _Lost(min(lost, trainable), source, model_lost)
+
+
+def _projected_buckets(costs: RunCosts, failures: float, split: _LoopSplit) -> dict[str, float]:
     buckets: dict[str, float] = defaultdict(float)
     for name, seconds in costs.start_buckets.items():
         buckets[name] += seconds
     for name, seconds in costs.recovery_buckets.items():
         buckets[name] += failures * seconds
     for name, share in costs.loop_other_buckets.items():
-        buckets[name] += other * share
-    buckets[EFFECTIVE] += effective
-    buckets[LOST] += lost
-    buckets[CHECKPOINT_BLOCKING] += blocking
+        buckets[name] += split.other * share
+    buckets[EFFECTIVE] += split.effective
+    buckets[LOST] += split.lost.seconds
+    buckets[CHECKPOINT_BLOCKING] += split.blocking
     buckets[SHUTDOWN] += costs.shutdown_s
-    l1 = {
-        "time_to_start_s": costs.start_s,
-        "time_to_recover_s": recover,
-        "failures": failures,
-        "lost_progress_s": lost,
-        "checkpoint_blocking_s": blocking,
-        "shutdown_s": costs.shutdown_s,
-    }
-    valid = interval is None or mtbf_h is None or interval <= mtbf_h * 3600.0 / 2
-    return Projection(
-        costs=costs,
-        devices=devices,
-        days=e2e / SECONDS_PER_DAY,
-        e2e_s=e2e,
-        projected_ett_pct=100.0 * effective / e2e if e2e else 0.0,
-        failures=failures,
-        failures_from=failures_from,
-        mtbf_h=mtbf_h,
-        checkpoint_interval_s=interval,
-        interval_from=interval_from,
-        lost_per_failure_s=lost / failures if failures else 0.0,
-        lost_from=lost_from,
-        model_lost_per_failure_s=model_lost,
-        recovery_s=recovery,
-        first_order_valid=valid,
-        l1=l1,
-        buckets=ordered_buckets(buckets),
-    )
+    return ordered_buckets(buckets)
+
+
+def _first_order_valid(interval: float | None, mtbf_h: float | None) -> bool:
+    # The first-order optimum holds while an interval is small against the time between failures.
+    return interval is None or mtbf_h is None or interval <= mtbf_h * 3600.0 / 2

@@ -8,7 +8,7 @@ written, for both, is ``formatting``'s.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console, Group
@@ -21,7 +21,7 @@ from warmstart.metrics.buckets import EFFECTIVE, LOST, RECOVERY
 from warmstart.metrics.calculator import RunResult
 from warmstart.metrics.fleet import FleetResult
 from warmstart.metrics.projection import Projection
-from warmstart.metrics.windows import FleetWindow, Window
+from warmstart.metrics.window_results import FleetWindow, Window
 from warmstart.metrics.formatting import (
     L1_LABELS,
     LAG_NOTE,
@@ -96,9 +96,21 @@ def _cells(cell: str | Text) -> int:
 def print_run(result: RunResult, console: Console | None = None) -> None:
     """Print one run: ETT% large, the L1 figures, the L2 buckets, the attempts, the ranks."""
     out = _console(console)
-    e2e = result.e2e_s
+    _print_headline(result, out)
+    _print_l1(result, out)
+    _print_buckets(result, out)
+    _print_attempts(result, out)
+    _print_ranks(result, out)
+    if result.slow_steps is not None and result.slow_steps.measured_steps:
+        print_slow_steps(result, out)
+    _print_compile_switches(result, out)
+    if result.windows is not None:
+        print_windows(result.windows, out)
+
+
+def _print_headline(result: RunResult, out: Console) -> None:
     facts = Text(
-        f"end-to-end {format_duration(e2e)} · {result.devices} device(s) · "
+        f"end-to-end {format_duration(result.e2e_s)} · {result.devices} device(s) · "
         f"{len(result.attempts)} attempt(s) · {result.l1['failures']} failure(s)",
         style="dim",
     )
@@ -111,19 +123,24 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
         )
     )
 
+
+def _print_l1(result: RunResult, out: Console) -> None:
     by_cat = ", ".join(f"{k} {v}" for k, v in result.l1["failures_by_category"].items())
     _table(
         out,
         "L1: where the time went",
         (("figure", "left"), ("time", "right"), ("% of e2e", "right")),
-        [(label, format_duration(result.l1[key]), pct_text(result.l1[key], e2e)) for key, label in L1_LABELS]
+        [(label, format_duration(result.l1[key]), pct_text(result.l1[key], result.e2e_s)) for key, label in L1_LABELS]
         + [("failures", str(result.l1["failures"]), by_cat)],
     )
 
+
+def _print_buckets(result: RunResult, out: Console) -> None:
+    e2e = result.e2e_s
     held = [(name, seconds) for name, seconds in result.buckets.items() if seconds > 0]
     rows: list[Sequence[str | Text]] = [
         (
-            Text(name, style="green" if name == EFFECTIVE else "red" if name in (LOST, RECOVERY) else ""),
+            Text(name, style=_bucket_style(name)),
             f"{seconds:,.2f}",
             pct_text(seconds, e2e),
             _bar(seconds / e2e if e2e else 0),
@@ -140,38 +157,52 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
     if len(held) < len(result.buckets):
         out.print(f"[dim]{len(result.buckets) - len(held)} empty bucket(s) hidden; --json lists all[/]")
 
+
+def _bucket_style(name: str) -> str:
+    return "green" if name == EFFECTIVE else "red" if name in (LOST, RECOVERY) else ""
+
+
+def _print_attempts(result: RunResult, out: Console) -> None:
+    # A single attempt that ran to its end has nothing to add to the figures above.
     if len(result.attempts) > 1 or any(a.failed for a in result.attempts):
-        _table(
-            out,
-            "attempts (start-up: before the first step; waited: to be rescheduled)",
-            (
-                ("#", "left"),
-                ("wall", "right"),
-                ("start-up", "right"),
-                ("waited", "right"),
-                ("steps", "right"),
-                ("lost", "right"),
-                ("ETT%", "right"),
-                ("ended by", "left"),
-            ),
-            [
-                (
-                    str(a.attempt),
-                    format_duration(a.e2e_s),
-                    format_duration(a.pre_first_step_s),
-                    format_duration(a.recovery_wait_s),
-                    f"{a.steps:,}",
-                    format_duration(a.buckets[LOST]),
-                    ett_text(a.ett_pct).rstrip("%"),
-                    "train_end" if a.failure is None else f"{a.failure['category']}: {a.failure['reason']}",
-                )
-                for a in result.attempts
-            ],
-            free=7,
-        )
+        _attempts_table(result, out)
     forked = [str(a.attempt) for a in result.attempts if a.forked]
     if forked:
         out.print(f"[dim]forked from a preloader (no new interpreter): attempt {', '.join(forked)}[/]")
+
+
+def _attempts_table(result: RunResult, out: Console) -> None:
+    _table(
+        out,
+        "attempts (start-up: before the first step; waited: to be rescheduled)",
+        (
+            ("#", "left"),
+            ("wall", "right"),
+            ("start-up", "right"),
+            ("waited", "right"),
+            ("steps", "right"),
+            ("lost", "right"),
+            ("ETT%", "right"),
+            ("ended by", "left"),
+        ),
+        [
+            (
+                str(a.attempt),
+                format_duration(a.e2e_s),
+                format_duration(a.pre_first_step_s),
+                format_duration(a.recovery_wait_s),
+                f"{a.steps:,}",
+                format_duration(a.buckets[LOST]),
+                ett_text(a.ett_pct).rstrip("%"),
+                "train_end" if a.failure is None else f"{a.failure['category']}: {a.failure['reason']}",
+            )
+            for a in result.attempts
+        ],
+        free=7,
+    )
+
+
+def _print_ranks(result: RunResult, out: Console) -> None:
     if len(result.ranks) > 1:
         _table(
             out,
@@ -180,8 +211,9 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
             rank_rows(result.ranks, EFFECTIVE),
             free=2,
         )
-    if result.slow_steps is not None and result.slow_steps.measured_steps:
-        print_slow_steps(result, out)
+
+
+def _print_compile_switches(result: RunResult, out: Console) -> None:
     if result.compile_switches:
         _table(
             out,
@@ -190,8 +222,6 @@ def print_run(result: RunResult, console: Console | None = None) -> None:
             [switch_row(s) for s in result.compile_switches],
             free=2,
         )
-    if result.windows is not None:
-        print_windows(result.windows, out)
 
 
 def print_windows(windows: Sequence[Window | FleetWindow], console: Console | None = None) -> None:
@@ -381,68 +411,78 @@ def print_projections(projections: Sequence[Projection], console: Console | None
     out = _console(console)
     if not projections:
         return
-    scales = {(p.devices, round(p.days, 6)) for p in projections}
-    title = "ETT% projected"
-    if len(scales) == 1 and not any(p.failures_from == "run" for p in projections):
-        title += f" to {projections[0].devices:,} devices x {projections[0].days:g} days"
-    rows: list[tuple[str, list[str], str]] = [
-        ("projected ETT%", [f"{p.projected_ett_pct:.2f}" for p in projections], "bold"),
-        ("measured ETT% (the run)", [f"{p.costs.ett_pct:.2f}" for p in projections], ""),
-        ("devices", [f"{p.devices:,}" for p in projections], ""),
-        ("end-to-end", [format_duration(p.e2e_s) for p in projections], ""),
-        ("failures", [f"{p.failures:,.1f} ({p.failures_from})" for p in projections], ""),
-        (
-            "mean time between failures",
-            ["-" if p.mtbf_h is None else format_duration(p.mtbf_h * 3600) for p in projections],
-            "",
-        ),
-        (
-            "checkpoint interval",
-            [
-                "-"
-                if p.checkpoint_interval_s is None
-                else f"{format_duration(p.checkpoint_interval_s)} ({p.interval_from})"
-                for p in projections
-            ],
-            "",
-        ),
-        *[
-            (label, [f"{format_duration(p.l1[key])} ({pct_text(p.l1[key], p.e2e_s)})" for p in projections], "")
-            for key, label in L1_LABELS
-        ],
-        ("per start (measured)", [format_duration(p.costs.start_s) for p in projections], "dim"),
-        ("per recovery", [format_duration(p.recovery_s) for p in projections], "dim"),
-        ("lost per failure", [format_duration(p.lost_per_failure_s) for p in projections], "dim"),
-        ("  from", [_LOST_FROM[p.lost_from] for p in projections], "dim"),
-        (
-            "  the model's",
-            [
-                "-" if p.model_lost_per_failure_s is None else format_duration(p.model_lost_per_failure_s)
-                for p in projections
-            ],
-            "dim",
-        ),
-        ("blocking per checkpoint", [step_time(p.costs.blocking_s) for p in projections], "dim"),
-    ]
     _table(
         out,
-        title,
+        _projection_title(projections),
         [("", "left"), *[(p.costs.job, "right") for p in projections]],
-        [(Text(label, style=style), *[Text(c, style=style) for c in cells]) for label, cells, style in rows],
+        [
+            (Text(label, style=style), *[Text(cell(p), style=style) for p in projections])
+            for label, cell, style in _PROJECTION_ROWS
+        ],
     )
     out.print(f"[dim]{PROJECTION_ASSUMPTIONS}[/]")
     for p in projections:
-        if p.lost_from == "attempt" and p.failures:
-            out.print(
-                f"[yellow]note:[/] {p.costs.job} committed no checkpoint: each failure loses all its attempt "
-                "trained, so the job keeps about the training after its last failure (give "
-                "--checkpoint-interval to project it with checkpoints)"
-            )
-        if not p.first_order_valid:
-            out.print(
-                f"[yellow]warning:[/] {p.costs.job}: the checkpoint interval is not small against the time "
-                f"between failures; the first-order model is rough here"
-            )
+        _print_projection_notes(p, out)
+
+
+def _projection_title(projections: Sequence[Projection]) -> str:
+    # One scale for every column goes in the title; the run's own scale differs per run.
+    scales = {(p.devices, round(p.days, 6)) for p in projections}
+    if len(scales) == 1 and not any(p.failures_from == "run" for p in projections):
+        return f"ETT% projected to {projections[0].devices:,} devices x {projections[0].days:g} days"
+    return "ETT% projected"
+
+
+def _mtbf_cell(p: Projection) -> str:
+    return "-" if p.mtbf_h is None else format_duration(p.mtbf_h * 3600)
+
+
+def _interval_cell(p: Projection) -> str:
+    if p.checkpoint_interval_s is None:
+        return "-"
+    return f"{format_duration(p.checkpoint_interval_s)} ({p.interval_from})"
+
+
+def _model_lost_cell(p: Projection) -> str:
+    return "-" if p.model_lost_per_failure_s is None else format_duration(p.model_lost_per_failure_s)
+
+
+def _l1_cell(key: str) -> Callable[[Projection], str]:
+    return lambda p: f"{format_duration(p.l1[key])} ({pct_text(p.l1[key], p.e2e_s)})"
+
+
+#: The rows of the projection table: label, the cell of one projection, style. The projected figures
+#: first, then what they rest on (dim).
+_PROJECTION_ROWS: tuple[tuple[str, Callable[[Projection], str], str], ...] = (
+    ("projected ETT%", lambda p: f"{p.projected_ett_pct:.2f}", "bold"),
+    ("measured ETT% (the run)", lambda p: f"{p.costs.ett_pct:.2f}", ""),
+    ("devices", lambda p: f"{p.devices:,}", ""),
+    ("end-to-end", lambda p: format_duration(p.e2e_s), ""),
+    ("failures", lambda p: f"{p.failures:,.1f} ({p.failures_from})", ""),
+    ("mean time between failures", _mtbf_cell, ""),
+    ("checkpoint interval", _interval_cell, ""),
+    *[(label, _l1_cell(key), "") for key, label in L1_LABELS],
+    ("per start (measured)", lambda p: format_duration(p.costs.start_s), "dim"),
+    ("per recovery", lambda p: format_duration(p.recovery_s), "dim"),
+    ("lost per failure", lambda p: format_duration(p.lost_per_failure_s), "dim"),
+    ("  from", lambda p: _LOST_FROM[p.lost_from], "dim"),
+    ("  the model's", _model_lost_cell, "dim"),
+    ("blocking per checkpoint", lambda p: step_time(p.costs.blocking_s), "dim"),
+)
+
+
+def _print_projection_notes(p: Projection, out: Console) -> None:
+    if p.lost_from == "attempt" and p.failures:
+        out.print(
+            f"[yellow]note:[/] {p.costs.job} committed no checkpoint: each failure loses all its attempt "
+            "trained, so the job keeps about the training after its last failure (give "
+            "--checkpoint-interval to project it with checkpoints)"
+        )
+    if not p.first_order_valid:
+        out.print(
+            f"[yellow]warning:[/] {p.costs.job}: the checkpoint interval is not small against the time "
+            f"between failures; the first-order model is rough here"
+        )
 
 
 def results_json(results: Sequence[RunResult]) -> list[dict[str, Any]]:

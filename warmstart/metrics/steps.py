@@ -30,7 +30,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from warmstart.metrics.events import Begin, End, Event, Failure, Step, TrainEnd
 
@@ -141,82 +141,159 @@ def analyse_steps(events: Iterable[Event], rank: int | None = None) -> SlowSteps
     # A job is nearly all steps: pick them out and read their fields in C-speed passes, then work on
     # columns; the other events (spans, ends, failures) are few and go one by one.
     step_events = [ev for ev in events if type(ev) is Step]
-    train_ends: dict[tuple[int, int], float] = {}
-    failures: dict[int, float] = {}
-    span_marks: dict[int, list[tuple[float, int, tuple[int, str]]]] = defaultdict(list)
-    for ev in [ev for ev in events if type(ev) is not Step]:
-        if type(ev) is Begin or type(ev) is End:
-            span_marks[ev.attempt].append((ev.ts, 1 if type(ev) is Begin else -1, (ev.rank, ev.span)))
-        elif type(ev) is TrainEnd:
-            key = (ev.attempt, ev.rank)
-            train_ends[key] = min(ev.ts, train_ends.get(key, math.inf))
-        elif type(ev) is Failure:
-            failures[ev.attempt] = min(ev.ts, failures.get(ev.attempt, math.inf))
-    ts = np.fromiter(map(_ts, step_events), dtype=float, count=len(step_events))
-    numbers = _int_column(np, step_events, _step)
     groups = _groups(np, step_events)
-    ranks = sorted({r for (_, r), _ in groups if r >= 0})
     if rank is None:
-        rank = 0 if 0 in ranks else (ranks[0] if ranks else None)
-
-    ends: dict[tuple[int, int], tuple[Any, Any]] = {}  # (attempt, rank) -> step numbers, step ends
-    parts: list[Any] = []  # the timeline rank's net durations, per attempt
-    segments: list[tuple[int, int, Any]] = []  # per attempt: first index in the durations, attempt, steps
-    measured = 0
-    interrupted: list[Interrupted] = []
-    for (attempt, r), idx in groups:
-        starts = ts[idx]
-        if len(starts) > 1 and (starts[1:] < starts[:-1]).any():  # events given out of time order
-            idx = idx[np.argsort(starts, kind="stable")]
-            starts = ts[idx]
-        rank_end = math.inf if rank is None else train_ends.get((attempt, rank), math.inf)
-        job_end = train_ends.get((attempt, -1), rank_end)
-        train_end = train_ends.get((attempt, r), job_end)
-        failure = failures.get(attempt, math.inf)
-        cut = int(np.searchsorted(starts, min(train_end, failure), "left"))
-        if not cut:
-            continue
-        starts = starts[:cut]
-        if train_end <= failure and train_end < math.inf:
-            stops = np.append(starts[1:], train_end)
-        else:
-            stops = starts[1:]
-            if r == rank and failure < math.inf:
-                interrupted.append(Interrupted(attempt, step_events[idx[cut - 1]].step, failure - float(starts[-1])))
-        step_numbers = numbers[idx[: len(stops)]]
-        ends[(attempt, r)] = (step_numbers, stops)
-        if r == rank and len(stops):
-            segments.append((measured, attempt, step_numbers))
-            parts.append(_net_durations(np, starts, stops, _union(span_marks.get(attempt, []), rank)))
-            measured += len(stops)
-    durations = np.concatenate(parts) if parts else np.zeros(0)
-
-    # Each attempt's first step is warm-up (lazy compilation, cold caches): not part of the ideal.
-    bounds = [first for first, _, _ in segments] + [measured]
-    sample = np.concatenate([durations[bounds[i] + 1 : bounds[i + 1]] for i in range(len(segments))] or [durations])
-    ideal = trimmed_median(sample if len(sample) else durations)
+        rank = _timeline_rank(groups)
+    timer = _StepTimer(np, step_events, _step_limits([ev for ev in events if type(ev) is not Step]), rank)
+    for (attempt, group_rank), indices in groups:
+        timer.time(attempt, group_rank, indices)
+    durations = np.concatenate(timer.durations) if timer.durations else np.zeros(0)
+    starts = [attempt.first for attempt in timer.attempts] + [timer.measured]
+    ideal = _ideal_step_s(np, durations, starts)
     margin = margin_s(ideal)
-    slowest: list[SlowStep] = []
-    slow_count, lost = 0, 0.0
-    if ideal is not None:
-        slow = np.flatnonzero(durations > ideal + margin)
-        excess = durations[slow] - ideal
-        slow_count, lost = len(slow), math.fsum(excess.tolist())
-        for k in np.argsort(-excess, kind="stable")[:TOP].tolist():  # the largest excess first, ties in order
-            i = int(slow[k])
-            first, attempt, step_numbers = segments[bisect.bisect_right(bounds, i) - 1]
-            slowest.append(SlowStep(attempt, int(step_numbers[i - first]), float(durations[i]), float(excess[k])))
+    slow = _slow(np, durations, ideal, margin, timer.attempts, starts)
     return SlowSteps(
-        rank=rank if measured else None,
-        measured_steps=measured,
+        rank=rank if timer.measured else None,
+        measured_steps=timer.measured,
         ideal_step_s=ideal,
         slow_above_s=None if ideal is None else ideal + margin,
-        slow_count=slow_count,
-        lost_s=lost,
-        slowest_steps=tuple(slowest),
-        slowest_ranks=_stragglers(np, ends, margin),
-        interrupted=tuple(interrupted),
+        slow_count=slow.slow_count,
+        lost_s=slow.lost_s,
+        slowest_steps=slow.slowest,
+        slowest_ranks=_stragglers(np, timer.ends, margin),
+        interrupted=tuple(timer.interrupted),
     )
+
+
+def _timeline_rank(groups: list[tuple[tuple[int, int], Any]]) -> int | None:
+    ranks = sorted({rank for (_, rank), _ in groups if rank >= 0})
+    return 0 if 0 in ranks else (ranks[0] if ranks else None)
+
+
+def _ideal_step_s(np: Any, durations: Any, starts: list[int]) -> float | None:
+    """The trimmed median of ``durations`` (``starts``: each attempt's first index, then their count)."""
+    # Each attempt's first step is warm-up (lazy compilation, cold caches): not part of the ideal.
+    warm = [durations[first + 1 : end] for first, end in itertools.pairwise(starts)]
+    sample = np.concatenate(warm or [durations])
+    return trimmed_median(sample if len(sample) else durations)
+
+
+class _StepLimits(NamedTuple):
+    """What ends steps and what covers part of them: the events that are not steps."""
+
+    train_ends: dict[tuple[int, int], float]
+    """Per (attempt, rank), its first ``train_end``."""
+    failures: dict[int, float]
+    """Per attempt, its first ``failure``."""
+    span_marks: dict[int, list[tuple[float, int, tuple[int, str]]]]
+    """Per attempt, each span's begin (+1) and end (-1) as (time, +1 or -1, (rank, span name))."""
+
+
+def _step_limits(other_events: list[Event]) -> _StepLimits:
+    limits = _StepLimits({}, {}, defaultdict(list))
+    for ev in other_events:
+        if type(ev) is Begin or type(ev) is End:
+            limits.span_marks[ev.attempt].append((ev.ts, 1 if type(ev) is Begin else -1, (ev.rank, ev.span)))
+        elif type(ev) is TrainEnd:
+            key = (ev.attempt, ev.rank)
+            limits.train_ends[key] = min(ev.ts, limits.train_ends.get(key, math.inf))
+        elif type(ev) is Failure:
+            limits.failures[ev.attempt] = min(ev.ts, limits.failures.get(ev.attempt, math.inf))
+    return limits
+
+
+class _AttemptSteps(NamedTuple):
+    """The timed steps of one attempt of the timeline rank."""
+
+    first: int
+    """Index of its first step's duration among all the timeline rank's durations."""
+    attempt: int
+    numbers: Any
+    """Its step numbers, one per duration."""
+
+
+class _StepTimer:
+    """Times each (attempt, rank)'s steps, group by group: every rank's step ends (for stragglers), and
+    the timeline rank's net durations (for slow steps)."""
+
+    def __init__(self, np: Any, step_events: list[Step], limits: _StepLimits, timeline_rank: int | None) -> None:
+        self.np = np
+        self.step_events = step_events
+        self.limits = limits
+        self.timeline_rank = timeline_rank
+        self.ts = np.fromiter(map(_ts, step_events), dtype=float, count=len(step_events))
+        self.numbers = _int_column(np, step_events, _step)
+        self.ends: dict[tuple[int, int], tuple[Any, Any]] = {}  # (attempt, rank) -> step numbers, step ends
+        self.durations: list[Any] = []  # the timeline rank's net durations, per attempt
+        self.attempts: list[_AttemptSteps] = []
+        self.measured = 0
+        self.interrupted: list[Interrupted] = []
+
+    def time(self, attempt: int, rank: int, indices: Any) -> None:
+        """Time one (attempt, rank)'s steps, given by their indices among the step events."""
+        indices, starts = self._in_time_order(indices)
+        train_end, failure = self._limits(attempt, rank)
+        cut = int(self.np.searchsorted(starts, min(train_end, failure), "left"))
+        if not cut:
+            return
+        starts = starts[:cut]
+        if train_end <= failure and train_end < math.inf:
+            stops = self.np.append(starts[1:], train_end)
+        else:
+            stops = starts[1:]
+            if rank == self.timeline_rank and failure < math.inf:
+                step = self.step_events[indices[cut - 1]].step
+                self.interrupted.append(Interrupted(attempt, step, failure - float(starts[-1])))
+        step_numbers = self.numbers[indices[: len(stops)]]
+        self.ends[(attempt, rank)] = (step_numbers, stops)
+        if rank == self.timeline_rank and len(stops):
+            self.attempts.append(_AttemptSteps(self.measured, attempt, step_numbers))
+            covered = _union(self.limits.span_marks.get(attempt, []), rank)
+            self.durations.append(_net_durations(self.np, starts, stops, covered))
+            self.measured += len(stops)
+
+    def _in_time_order(self, indices: Any) -> tuple[Any, Any]:
+        starts = self.ts[indices]
+        if len(starts) > 1 and (starts[1:] < starts[:-1]).any():  # events given out of time order
+            indices = indices[self.np.argsort(starts, kind="stable")]
+            starts = self.ts[indices]
+        return indices, starts
+
+    def _limits(self, attempt: int, rank: int) -> tuple[float, float]:
+        """Where the group's steps stop: its train_end (its own, else the job's, else the timeline
+        rank's), and its attempt's failure."""
+        train_ends = self.limits.train_ends
+        timeline_end = (
+            math.inf if self.timeline_rank is None else train_ends.get((attempt, self.timeline_rank), math.inf)
+        )
+        job_end = train_ends.get((attempt, -1), timeline_end)
+        return train_ends.get((attempt, rank), job_end), self.limits.failures.get(attempt, math.inf)
+
+
+class _Slow(NamedTuple):
+    """The timeline rank's slow steps."""
+
+    slow_count: int
+    lost_s: float
+    slowest: tuple[SlowStep, ...]
+
+
+def _slow(
+    np: Any, durations: Any, ideal: float | None, margin: float, attempts: list[_AttemptSteps], starts: list[int]
+) -> _Slow:
+    """The steps longer than ``ideal`` by more than ``margin``, and the slowest of them (``starts``: each
+    attempt's first index among ``durations``, then their count)."""
+    if ideal is None:
+        return _Slow(0, 0.0, ())
+    slow = np.flatnonzero(durations > ideal + margin)
+    excess = durations[slow] - ideal
+    slowest: list[SlowStep] = []
+    for nth in np.argsort(-excess, kind="stable")[:TOP].tolist():  # the largest excess first, ties in order
+        index = int(slow[nth])
+        first, attempt, step_numbers = attempts[bisect.bisect_right(starts, index) - 1]
+        step = int(step_numbers[index - first])
+        slowest.append(SlowStep(attempt, step, float(durations[index]), float(excess[nth])))
+    return _Slow(len(slow), math.fsum(excess.tolist()), tuple(slowest))
 
 
 _ts = operator.attrgetter("ts")

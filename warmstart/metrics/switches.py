@@ -20,7 +20,7 @@ import dataclasses
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from warmstart.metrics.buckets import COMPILE_SWITCH
 from warmstart.metrics.events import AttemptStart, Begin, Event, Step
@@ -59,46 +59,75 @@ class CompileSwitch:
 def compile_switches(events: Iterable[Event]) -> list[CompileSwitch]:
     """One :class:`CompileSwitch` per attempt and rank that switched, by attempt then rank."""
     events = events if isinstance(events, list) else list(events)
-    marks: dict[tuple[int, int], list[float]] = defaultdict(list)
+    switches = _switch_times(events)
+    if not switches:  # a job without background compiles (most): one pass, nothing kept
+        return []
+    seen = _what_switching_ranks_saw(events, switches)
+    return [
+        _compile_switch(
+            where,
+            times,
+            origin=seen.attempt_starts.get(where[0], seen.first_event[where]),
+            steps=sorted(seen.steps.get(where, [])),
+        )
+        for where, times in sorted(switches.items())
+    ]
+
+
+def _switch_times(events: list[Event]) -> dict[tuple[int, int], list[float]]:
+    """The times of each (attempt, rank)'s ``compile_switch`` spans."""
+    switches: dict[tuple[int, int], list[float]] = defaultdict(list)
     for ev in events:
         if isinstance(ev, Begin) and ev.span == COMPILE_SWITCH:
-            marks[(ev.attempt, ev.rank)].append(ev.ts)
-    if not marks:  # a job without background compiles (most): one pass, nothing kept
-        return []
-    starts: dict[int, float] = {}
-    first_event: dict[tuple[int, int], float] = {}
-    steps: dict[tuple[int, int], list[tuple[float, int]]] = defaultdict(list)
+            switches[(ev.attempt, ev.rank)].append(ev.ts)
+    return switches
+
+
+class _Seen(NamedTuple):
+    """What a switch is placed against: where its attempt started and its rank's steps."""
+
+    attempt_starts: dict[int, float]
+    """Per attempt, its first ``attempt_start`` on any rank."""
+    first_event: dict[tuple[int, int], float]
+    """Per switching (attempt, rank), its first event."""
+    steps: dict[tuple[int, int], list[tuple[float, int]]]
+    """Per switching (attempt, rank), its steps as (time, step number)."""
+
+
+def _what_switching_ranks_saw(events: list[Event], switches: dict[tuple[int, int], list[float]]) -> _Seen:
+    seen = _Seen({}, {}, defaultdict(list))
     for ev in events:
         where = (ev.attempt, ev.rank)
         if isinstance(ev, AttemptStart):
-            starts[ev.attempt] = min(starts.get(ev.attempt, ev.ts), ev.ts)
-        if where not in marks:
+            seen.attempt_starts[ev.attempt] = min(seen.attempt_starts.get(ev.attempt, ev.ts), ev.ts)
+        if where not in switches:
             continue
-        first_event[where] = min(first_event.get(where, ev.ts), ev.ts)
+        seen.first_event[where] = min(seen.first_event.get(where, ev.ts), ev.ts)
         if isinstance(ev, Step):
-            steps[where].append((ev.ts, ev.step))
-    found = []
-    for (attempt, rank), times in sorted(marks.items()):
-        first, last = min(times), max(times)
-        origin = starts.get(attempt, first_event[(attempt, rank)])
-        ordered = sorted(steps.get((attempt, rank), []))
-        timed = [(b, e, n) for (b, n), (e, _) in zip(ordered, ordered[1:], strict=False)]
-        during = [n for b, n in ordered if b <= first]
-        eager = [e - b for b, e, _ in timed if e <= first]
-        compiled = [e - b for b, e, _ in timed if b >= last]
-        found.append(
-            CompileSwitch(
-                attempt=attempt,
-                rank=rank,
-                ts=first,
-                at_s=first - origin,
-                last_at_s=last - origin,
-                switches=len(times),
-                during_step=during[-1] if during else None,
-                eager_steps=len(eager),
-                eager_step_s=statistics.median(eager) if eager else None,
-                compiled_steps=len(compiled),
-                compiled_step_s=statistics.median(compiled) if compiled else None,
-            )
-        )
-    return found
+            seen.steps[where].append((ev.ts, ev.step))
+    return seen
+
+
+def _compile_switch(
+    where: tuple[int, int], times: list[float], *, origin: float, steps: list[tuple[float, int]]
+) -> CompileSwitch:
+    """One rank's switch, from its switch times and its steps in time order."""
+    first, last = min(times), max(times)
+    timed = [(start, end) for (start, _), (end, _) in zip(steps, steps[1:], strict=False)]
+    during = [step for start, step in steps if start <= first]
+    eager = [end - start for start, end in timed if end <= first]
+    compiled = [end - start for start, end in timed if start >= last]
+    attempt, rank = where
+    return CompileSwitch(
+        attempt=attempt,
+        rank=rank,
+        ts=first,
+        at_s=first - origin,
+        last_at_s=last - origin,
+        switches=len(times),
+        during_step=during[-1] if during else None,
+        eager_steps=len(eager),
+        eager_step_s=statistics.median(eager) if eager else None,
+        compiled_steps=len(compiled),
+        compiled_step_s=statistics.median(compiled) if compiled else None,
+    )

@@ -17,10 +17,19 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from warmstart.metrics.buckets import CHECKPOINT_BLOCKING, EFFECTIVE, LOST, RECOVERY, SHUTDOWN
-from warmstart.metrics.calculator import AttemptTimeline, RankResult, RunResult, Segment, SpanMark, ordered_buckets
+from warmstart.metrics.calculator import (
+    AttemptResult,
+    AttemptTimeline,
+    RankResult,
+    RunResult,
+    Segment,
+    SpanMark,
+    ordered_buckets,
+)
+from warmstart.metrics.window_results import FleetWindow, Window
 
 MAX_WINDOWS = 10_000  # a longer series is a typo (--every 1s over a month), not a report
 DEFAULT_WINDOWS = (20, 100)  # how many windows a chart gets when no length is asked for (default_every)
@@ -200,44 +209,6 @@ class TimeFilter:
         return pieces
 
 
-@dataclasses.dataclass
-class Window:
-    """ETT% of one window of a job's time (excluded ranges not counted)."""
-
-    since: float
-    until: float
-    e2e_s: float
-    """The counted seconds of the job in the window."""
-    ett_pct: float | None
-    """None when the window counts no time of the job."""
-    buckets: dict[str, float]
-    failures: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``windows`` entries of ``warmstart ett report --json``."""
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class FleetWindow:
-    """Fleet ETT% of one window, weighted by device-seconds like the fleet total."""
-
-    since: float
-    until: float
-    jobs: int
-    """Jobs with counted time in the window."""
-    device_seconds: float
-    effective_device_seconds: float
-    ett_pct: float | None
-    buckets: dict[str, float]
-    """Bucket -> device-seconds."""
-    failures: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``windows`` entries of ``warmstart ett fleet --json``."""
-        return dataclasses.asdict(self)
-
-
 # -- one job -------------------------------------------------------------------------------------------
 
 
@@ -266,6 +237,44 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
     pieces = time.kept(result.start_ts, result.end_ts)
 
     segments = list(_clipped(result.segments, pieces))
+    counted = _counted(segments)
+    totals = _like(counted.buckets, result.buckets)
+    e2e = sum(totals.values())
+    # Attempts without counted time drop out; segments then point at the kept ones' new positions.
+    kept = [i for i in range(len(result.attempts)) if sum(counted.per_attempt.get(i, {}).values()) > 0]
+    index = {old: new for new, old in enumerate(kept)}
+    attempts = [_restricted_attempt(result.attempts[i], counted, i, lo, hi) for i in kept]
+    segments = [s._replace(attempt=index[s.attempt]) for s in segments]
+    ranks, rank_segments = _restricted_ranks(result, segments, pieces, index)
+    timeline = [tl for tl in (_clip_timeline(tl, lo, hi) for tl in result.timeline) if tl is not None]
+    return dataclasses.replace(
+        result,
+        start_ts=lo,
+        end_ts=hi,
+        e2e_s=e2e,
+        ett_pct=_pct(totals[EFFECTIVE], e2e),
+        buckets=totals,
+        l1=_restricted_l1(result, pieces, counted.init, totals),
+        attempts=attempts,
+        ranks=ranks,
+        timeline=timeline,
+        segments=segments,
+        rank_segments=rank_segments,
+        windows=None,
+    )
+
+
+class _Counted(NamedTuple):
+    """The counted seconds of a job's segments, by bucket."""
+
+    buckets: dict[str, float]
+    per_attempt: dict[int, dict[str, float]]
+    """By attempt (its index in the result's attempts), then bucket."""
+    init: dict[int, float]
+    """By attempt: the seconds before its first step."""
+
+
+def _counted(segments: list[Segment]) -> _Counted:
     buckets: dict[str, float] = defaultdict(float)
     per_attempt: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     init: dict[int, float] = defaultdict(float)
@@ -275,30 +284,27 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
         per_attempt[seg.attempt][seg.bucket] += seconds
         if seg.init:
             init[seg.attempt] += seconds
-    totals = _like(buckets, result.buckets)
-    e2e = sum(totals.values())
+    return _Counted(buckets, per_attempt, init)
 
-    # Attempts without counted time drop out; segments then point at the kept ones' new positions.
-    kept = [i for i in range(len(result.attempts)) if sum(per_attempt.get(i, {}).values()) > 0]
-    index = {old: new for new, old in enumerate(kept)}
-    attempts = []
-    for i in kept:
-        a = result.attempts[i]
-        own = _like(per_attempt[i], a.buckets)
-        own_e2e = sum(own.values())
-        attempts.append(
-            dataclasses.replace(
-                a,
-                start_ts=min(max(a.start_ts, lo), hi),
-                end_ts=max(min(a.end_ts, hi), lo),
-                e2e_s=own_e2e,
-                ett_pct=100.0 * own[EFFECTIVE] / own_e2e,  # a kept attempt has counted time
-                buckets=own,
-                pre_first_step_s=init[i],
-                recovery_wait_s=own[RECOVERY],
-            )
-        )
 
+def _restricted_attempt(attempt: AttemptResult, counted: _Counted, index: int, lo: float, hi: float) -> AttemptResult:
+    own = _like(counted.per_attempt[index], attempt.buckets)
+    own_e2e = sum(own.values())
+    return dataclasses.replace(
+        attempt,
+        start_ts=min(max(attempt.start_ts, lo), hi),
+        end_ts=max(min(attempt.end_ts, hi), lo),
+        e2e_s=own_e2e,
+        ett_pct=100.0 * own[EFFECTIVE] / own_e2e,  # a kept attempt has counted time
+        buckets=own,
+        pre_first_step_s=counted.init[index],
+        recovery_wait_s=own[RECOVERY],
+    )
+
+
+def _restricted_l1(
+    result: RunResult, pieces: Sequence[tuple[float, float]], init: dict[int, float], totals: dict[str, float]
+) -> dict[str, Any]:
     by_category: dict[str, int] = defaultdict(int)
     for a in result.attempts:
         if a.failed and a.failure and _holds(pieces, a.failure["ts"], result.end_ts):
@@ -315,8 +321,13 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
             "shutdown_s": totals[SHUTDOWN],
         }
     )
+    return l1
 
-    segments = [s._replace(attempt=index[s.attempt]) for s in segments]
+
+def _restricted_ranks(
+    result: RunResult, segments: list[Segment], pieces: Sequence[tuple[float, float]], index: dict[int, int]
+) -> tuple[dict[int, RankResult], dict[int, list[Segment]]]:
+    """Each rank's breakdown over the counted time, and its clipped segments (``segments``: the job's)."""
     ranks: dict[int, RankResult] = {}
     rank_segments: dict[int, list[Segment]] = {}
     for rank, rank_own_segments in result.rank_segments.items():
@@ -329,23 +340,7 @@ def restrict(result: RunResult, time: TimeFilter) -> RunResult:
         rank_buckets = _like(_sum_buckets(clipped), whole.buckets if whole is not None else {})
         rank_e2e = sum(rank_buckets.values())
         ranks[rank] = RankResult(e2e_s=rank_e2e, ett_pct=_pct(rank_buckets[EFFECTIVE], rank_e2e), buckets=rank_buckets)
-
-    timeline = [tl for tl in (_clip_timeline(tl, lo, hi) for tl in result.timeline) if tl is not None]
-    return dataclasses.replace(
-        result,
-        start_ts=lo,
-        end_ts=hi,
-        e2e_s=e2e,
-        ett_pct=_pct(totals[EFFECTIVE], e2e),
-        buckets=totals,
-        l1=l1,
-        attempts=attempts,
-        ranks=ranks,
-        timeline=timeline,
-        segments=segments,
-        rank_segments=rank_segments,
-        windows=None,
-    )
+    return ranks, rank_segments
 
 
 def run_windows(result: RunResult, time: TimeFilter) -> list[Window]:
