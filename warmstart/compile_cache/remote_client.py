@@ -254,6 +254,10 @@ class RemoteConnection:
     """A namespace of one Redis server (or Cluster) under ``keys``, reached through :func:`connect`,
     with a deadline per operation and a circuit breaker.
 
+    Its underscored members (the client, the key prefix, whether writes were refused) are shared
+    with the parts of the remote tier that use this connection, its leases included; not with
+    callers.
+
     Args:
         url: ``redis://``, ``rediss://`` or ``redis+cluster://`` URL (credentials in the URL).
         keys: what this connection's records are signed and verified with.
