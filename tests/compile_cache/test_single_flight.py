@@ -330,7 +330,7 @@ def test_the_server_failing_during_a_wait_means_compiling_at_once(fault, tmp_pat
             node.kill()
         result = waiter.outcome()
         assert not result
-        assert not b.single_flight.remote.breaker.allow()  # the failure opened the breaker
+        assert not b.single_flight.remote_leases.connection.breaker.allow()  # the failure opened the breaker
         counters = b.stats.counters_dict()
         assert counters["waits"] == 1 and counters["takeovers"] == 1 and "wait_timeouts" not in counters
         lease = b.single_flight._held[(KIND, KEY)]

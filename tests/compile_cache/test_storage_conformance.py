@@ -112,6 +112,13 @@ def test_stats_can_be_replaced_and_the_tier_counts_there(subject):
     assert _counts(shared) == (0, subject.tiers_per_miss)
 
 
+def test_writable_says_whether_put_stores(subject):
+    assert isinstance(subject.storage.writable, bool)
+    stored = subject.storage.put(KIND, "w", VALUE)
+    assert stored is subject.storage.writable
+    assert bool(subject.storage.get(KIND, "w")) is subject.storage.writable
+
+
 def test_close_is_idempotent_and_later_calls_miss_without_raising(subject):
     subject.writer.put(KIND, "k", VALUE)
     subject.storage.close()
@@ -126,6 +133,7 @@ def test_a_read_only_view_refuses_put_and_counts_dropped(subject):
     assert view.put(KIND, "k", VALUE) is False
     assert view.get(KIND, "k").reason is ABSENT  # nothing reached the tier
     assert view.stats.get(view.name, KIND).dropped == 1
+    assert view.writable is False
 
 
 def test_miss_reasons_are_strings_in_json_and_messages():

@@ -159,7 +159,9 @@ def test_a_kernel_compile_that_ends_without_writing_releases_its_lease(redis_nod
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     remote = RemoteTier(redis_node.url, secret=b"s", namespace="tri")
     stats = Stats()
-    flight = SingleFlight(local_dir=tmp_path / "ws", local_writable=True, remote=remote, stats=stats)
+    flight = SingleFlight(
+        local_dir=tmp_path / "ws", local_writable=True, remote_leases=remote.leases, remote_writable=True, stats=stats
+    )
     set_store(TieredStore(LocalTier(tmp_path / "ws", 1 << 30), remote, stats=stats, single_flight=flight))
     try:
         m = WarmstartCacheManager("FAILS")

@@ -51,7 +51,7 @@ def test_a_planted_lease_is_ignored_and_costs_no_wait(redis_node, tmp_path):
     client = redis.Redis.from_url(redis_node.url)
     keys = [f"planted-{i}" for i in range(20)]
     for key in keys:
-        client.set(tier._lease_key("fx_graph", key), b"someone else's lease")  # never expires
+        client.set(tier.leases._lease_key("fx_graph", key), b"someone else's lease")  # never expires
     try:
         start = time.monotonic()
         for key in keys:
@@ -66,18 +66,18 @@ def test_a_planted_lease_is_ignored_and_costs_no_wait(redis_node, tmp_path):
 def test_a_lease_signed_for_another_entry_or_expired_is_not_honoured(redis_node):
     tier = RemoteTier(redis_node.url, secret=SECRET, namespace="leases")
     other = RemoteTier(redis_node.url, secret=b"another team's secret", namespace="leases")
-    name = tier._lease_key("fx_graph", "k")
+    name = tier.leases._lease_key("fx_graph", "k")
     client = redis.Redis.from_url(redis_node.url)
     # a lease another entry's holder signed, copied here
     client.set(name, tier.keys.sign_lease(signing.LeaseRecord("leases", "fx_graph", "other", "t", 2**62)))
-    assert tier.lease_held("fx_graph", "k") is False
+    assert tier.leases.held("fx_graph", "k") is False
     # signed for this entry, but expired (a replayed record, its Redis expiry stripped)
     client.set(name, tier.keys.sign_lease(signing.LeaseRecord("leases", "fx_graph", "k", "t", 1000)))
-    assert tier.lease_held("fx_graph", "k") is False
+    assert tier.leases.held("fx_graph", "k") is False
     # a valid one is honoured; another secret's job does not see it as its own
-    assert client.delete(name) and tier.take_lease("fx_graph", "k", "mine", 5.0) is True
-    assert tier.lease_held("fx_graph", "k") is True
-    assert other.lease_held("fx_graph", "k") is False
+    assert client.delete(name) and tier.leases.take("fx_graph", "k", "mine", 5.0) is True
+    assert tier.leases.held("fx_graph", "k") is True
+    assert other.leases.held("fx_graph", "k") is False
 
 
 def test_a_renewal_never_takes_a_lease_another_process_took(redis_node):
@@ -85,16 +85,16 @@ def test_a_renewal_never_takes_a_lease_another_process_took(redis_node):
     renewal and release must leave the new holder's lease alone."""
     stalled = RemoteTier(redis_node.url, secret=SECRET, namespace="race")
     taker = RemoteTier(redis_node.url, secret=SECRET, namespace="race")
-    assert stalled.take_lease("fx_graph", "k", "stalled", 0.2) is True
+    assert stalled.leases.take("fx_graph", "k", "stalled", 0.2) is True
     time.sleep(0.4)  # lapsed
-    assert taker.take_lease("fx_graph", "k", "taker", 30.0) is True
-    assert stalled.renew_leases([("fx_graph", "k", "stalled")], 30.0) == [("fx_graph", "k")]
-    stalled.drop_lease("fx_graph", "k", "stalled")
-    record = redis.Redis.from_url(redis_node.url).get(taker._lease_key("fx_graph", "k"))
+    assert taker.leases.take("fx_graph", "k", "taker", 30.0) is True
+    assert stalled.leases.renew([("fx_graph", "k", "stalled")], 30.0) == [("fx_graph", "k")]
+    stalled.leases.drop("fx_graph", "k", "stalled")
+    record = redis.Redis.from_url(redis_node.url).get(taker.leases._lease_key("fx_graph", "k"))
     lease = taker.keys.verify_lease(record, namespace="race", kind="fx_graph", key="k")
     assert lease.token == "taker"
     # the holder's own renewal goes through
-    assert taker.renew_leases([("fx_graph", "k", "taker")], 30.0) == []
+    assert taker.leases.renew([("fx_graph", "k", "taker")], 30.0) == []
 
 
 # -- host locks that lapse -------------------------------------------------------------------------------

@@ -8,28 +8,32 @@ the ``.pth`` start-up hook does that in every process when ``WARMSTART=1``.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import threading
-
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import unquote, urlsplit
 
+from warmstart.compile_cache import signing
+from warmstart.compile_cache.miss_log import MissLog
+from warmstart.compile_cache.namespace import components, namespace
+from warmstart.compile_cache.single_flight import SingleFlight
+from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import KINDS, Hit, Miss, ReadOnly, Storage, StoreObserver, warn_once
+from warmstart.compile_cache.tiered import TieredStore
+from warmstart.compile_cache.wait_budget import WaitBudget
 from warmstart.config import Settings, redact_url
 
 if TYPE_CHECKING:
     from warmstart.compile_cache.local import LocalTier
     from warmstart.compile_cache.remote import RemoteTier
-    from warmstart.compile_cache.stats import Stats
-    from warmstart.compile_cache.tiered import TieredStore
 
-_LAZY = {"LocalTier": "local", "RemoteTier": "remote", "Stats": "stats", "TieredStore": "tiered"}
+_LAZY = {"LocalTier": "local", "RemoteTier": "remote"}
 
 
 def __getattr__(name: str):
-    # Tiers import redis, diskcache and zstandard: only pay for that when a store is built.
+    # The tiers import redis, diskcache and zstandard: only pay for that when a store is built.
     if name in _LAZY:
         import importlib
 
@@ -57,6 +61,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("warmstart.cache")
+
+_T = TypeVar("_T", bound=Storage)
 
 _store: "TieredStore | None" = None
 _store_lock = threading.Lock()
@@ -94,7 +100,7 @@ def stats_path(settings: Settings) -> Path:
     return settings.cache_dir / "stats.json"
 
 
-def open_store(settings: Settings | None = None, *, persist_stats: bool = True) -> "TieredStore | None":
+def open_store(settings: Settings | None = None, *, persist_stats: bool = True) -> TieredStore | None:
     """Build the store ``settings`` describe (the environment when omitted).
 
     Returns ``None`` when the mode is ``off``; in mode ``ro`` both tiers are wrapped in
@@ -112,98 +118,28 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     Raises:
         ConfigError: ``settings`` omitted and a variable in the environment is malformed.
     """
-    global _warned_no_secret
-    from warmstart.compile_cache.miss_log import MissLog
-    from warmstart.compile_cache.namespace import components, namespace
-    from warmstart.compile_cache.remote import RemoteTier
-    from warmstart.compile_cache.single_flight import SingleFlight
-    from warmstart.compile_cache.stats import Stats
-    from warmstart.compile_cache.tiered import TieredStore
-
     settings = settings or Settings.from_env()
     if settings.mode == "off":
         return None
-    from warmstart.compile_cache.wait_budget import WaitBudget
-
     stats = Stats()
     budget = WaitBudget(settings.max_wait_s)
-    keys = None
-    if settings.cache_url:
-        try:
-            from warmstart.compile_cache import signing
-
-            keys = signing.keys_for(settings.key_file, settings.secret)
-        except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
-            warn_once(
-                f"remote-open:{type(exc).__name__}",
-                "warmstart: remote cache tier off: cannot use %s (%s: %s)",
-                redact_url(settings.cache_url),
-                type(exc).__name__,
-                _scrub(str(exc), settings.cache_url),
-            )
-            settings = dataclasses.replace(settings, cache_url=None)
+    # keys: what remote entries are signed and verified with (none: no remote tier)
+    settings, keys = _remote_keys(settings)
     key_id = keys.key_id if keys is not None else ""
-    local: LocalTier | ReadOnly[LocalTier] | None = _open_local(settings, stats, key_id)
-    remote: RemoteTier | ReadOnly[RemoteTier] | None = None
-    if settings.cache_url:
-        try:
-            if keys is not None:
-                remote = RemoteTier(
-                    settings.cache_url,
-                    keys=keys,
-                    namespace=namespace(settings.namespace),
-                    components=components(settings.namespace),
-                    stats=stats,
-                )
-                if not keys.can_sign:
-                    log.info(
-                        "warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
-                        keys.scheme,
-                        keys.key_id,
-                    )
-                    remote = ReadOnly(remote)
-            elif not _warned_no_secret:
-                log.warning(
-                    "warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET, WARMSTART_SECRET_FILE or "
-                    "WARMSTART_KEY_FILE: remote cache refused (unsigned entries would run unverified code); "
-                    "using the local tier only"
-                )
-                _warned_no_secret = True
-        except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
-            warn_once(
-                f"remote-open:{type(exc).__name__}",
-                "warmstart: remote cache tier off: cannot use %s (%s: %s)",
-                redact_url(settings.cache_url),
-                type(exc).__name__,
-                _scrub(str(exc), settings.cache_url),
-            )
-    if local is None and remote is None:
+    # tiers
+    local_tier = _open_local(settings, stats, key_id)
+    remote_tier = _open_remote(settings, keys, stats)
+    if local_tier is None and remote_tier is None:
         return None
-    if settings.mode == "ro":
-        if local is not None and not isinstance(local, ReadOnly):
-            local = ReadOnly(local)
-        if remote is not None and not isinstance(remote, ReadOnly):
-            remote = ReadOnly(remote)
-    observers = []
+    # wrapping: a tier that may not be written is seen through a read-only view
+    local = _read_only_unless_written(local_tier, settings)
+    remote = _read_only_unless_written(remote_tier, settings)
+    # observers
+    observers: list[StoreObserver] = []
     if persist_stats:
-        observers.append(
-            MissLog(
-                None,
-                settings.cache_dir if local is not None else None,
-                namespace=namespace(settings.namespace),
-                key_id=remote.key_id if remote is not None else "",
-            )
-        )
-    single_flight = None
-    if settings.compile_wait_s > 0:
-        single_flight = SingleFlight(
-            local_dir=settings.cache_dir if local is not None else None,
-            local_writable=local is not None and not isinstance(local, ReadOnly),
-            remote=remote,
-            stats=stats,
-            wait_s=settings.compile_wait_s,
-            budget=budget,
-        )
+        observers.append(_miss_log(settings, local, key_id if remote is not None else ""))
+    # single-flight
+    single_flight = _single_flight(settings, local, remote, remote_tier, stats, budget)
     # Counts go next to a usable local tier only: never into a directory that was refused.
     return TieredStore(
         local,
@@ -216,10 +152,113 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     )
 
 
-def _open_local(settings: Settings, stats: "Stats", key_id: str) -> "LocalTier | None":
+def _remote_keys(settings: Settings) -> tuple[Settings, signing.Keys | None]:
+    """The keys of the remote tier, or ``None`` when there is no remote tier or no key for it.
+    Keys that cannot be loaded turn the remote tier off (one warning): ``settings`` come back
+    without a cache URL then."""
+    if not settings.cache_url:
+        return settings, None
+    try:
+        return settings, signing.keys_for(settings.key_file, settings.secret)
+    except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
+        _warn_remote_off(settings.cache_url, exc)
+        return dataclasses.replace(settings, cache_url=None), None
+
+
+def _open_remote(settings: Settings, keys: signing.Keys | None, stats: Stats) -> RemoteTier | None:
+    """The remote tier, or ``None``: no URL, no key to sign or verify with (refused, one warning),
+    or a URL the client refuses (one warning)."""
+    global _warned_no_secret
+    if not settings.cache_url:
+        return None
+    if keys is None:
+        if not _warned_no_secret:
+            log.warning(
+                "warmstart: WARMSTART_CACHE_URL is set but no WARMSTART_SECRET, WARMSTART_SECRET_FILE or "
+                "WARMSTART_KEY_FILE: remote cache refused (unsigned entries would run unverified code); "
+                "using the local tier only"
+            )
+            _warned_no_secret = True
+        return None
+    # Imported here: redis and zstandard load only when a store has a remote tier.
+    from warmstart.compile_cache.remote import RemoteTier
+
+    try:
+        remote = RemoteTier(
+            settings.cache_url,
+            keys=keys,
+            namespace=namespace(settings.namespace),
+            components=components(settings.namespace),
+            stats=stats,
+        )
+    except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
+        _warn_remote_off(settings.cache_url, exc)
+        return None
+    if not keys.can_sign:
+        log.info(
+            "warmstart: %s key %s can only verify: reading the remote cache, never writing to it",
+            keys.scheme,
+            keys.key_id,
+        )
+    return remote
+
+
+def _warn_remote_off(url: str, exc: Exception) -> None:
+    warn_once(
+        f"remote-open:{type(exc).__name__}",
+        "warmstart: remote cache tier off: cannot use %s (%s: %s)",
+        redact_url(url),
+        type(exc).__name__,
+        _scrub(str(exc), url),
+    )
+
+
+def _read_only_unless_written(tier: _T | None, settings: Settings) -> _T | ReadOnly[_T] | None:
+    """``tier`` itself where this job writes to it; a read-only view of it in mode ``ro``, or where
+    it cannot be written (the remote tier of a key that can only verify)."""
+    if tier is None or (tier.writable and settings.mode != "ro"):
+        return tier
+    return ReadOnly(tier)
+
+
+def _miss_log(settings: Settings, local: Storage | None, key_id: str) -> MissLog:
+    """The observer that logs this process's misses for ``warmstart cache explain``: beside a usable
+    local tier only."""
+    return MissLog(
+        None,
+        settings.cache_dir if local is not None else None,
+        namespace=namespace(settings.namespace),
+        key_id=key_id,
+    )
+
+
+def _single_flight(
+    settings: Settings,
+    local: Storage | None,
+    remote: Storage | None,
+    remote_tier: RemoteTier | None,
+    stats: Stats,
+    budget: WaitBudget,
+) -> SingleFlight | None:
+    """Leases on misses (``None`` when ``compile_wait_s`` is 0): lock files beside the local tier,
+    and the remote tier's leases, each taken only where this job writes to the tier."""
+    if settings.compile_wait_s <= 0:
+        return None
+    return SingleFlight(
+        local_dir=settings.cache_dir if local is not None else None,
+        local_writable=local is not None and local.writable,
+        remote_leases=remote_tier.leases if remote_tier is not None else None,
+        remote_writable=remote is not None and remote.writable,
+        stats=stats,
+        wait_s=settings.compile_wait_s,
+        budget=budget,
+    )
+
+
+def _open_local(settings: Settings, stats: Stats, key_id: str) -> LocalTier | None:
     """The local tier, or ``None`` (one warning) when its directory is unsafe or unusable."""
+    # Imported here: diskcache loads only when a store is built.
     from warmstart.compile_cache.local import LocalTier, UnsafeCacheDir, check_private
-    from warmstart.compile_cache.namespace import namespace
 
     try:
         if not settings.cache_dir_shared:
@@ -249,8 +288,6 @@ def _open_local(settings: Settings, stats: "Stats", key_id: str) -> "LocalTier |
 
 def _scrub(text: str, url: str) -> str:
     """``text`` without the password of ``url`` (a client error may quote its connection string)."""
-    from urllib.parse import unquote, urlsplit
-
     try:
         password = urlsplit(url).password
     except ValueError:

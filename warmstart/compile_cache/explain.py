@@ -14,7 +14,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from warmstart.compile_cache import signing
 from warmstart.compile_cache.miss_log import last_run_dir, read_misses, recent_run_dirs
 from warmstart.compile_cache.storage import (
     ABSENT,
@@ -30,6 +32,9 @@ from warmstart.compile_cache.storage import (
     TIMEOUT,
 )
 from warmstart.config import Settings, redact_url
+
+if TYPE_CHECKING:
+    from warmstart.compile_cache.remote import RemoteTier
 
 #: How each namespace component is called in the advice, and what to do when it differs.
 COMPONENT_ADVICE: dict[str, str] = {
@@ -214,7 +219,7 @@ def _mark_missed_before(settings: Settings, result: Explanation) -> None:
 
 
 def _ask_server(settings: Settings, url: str, result: Explanation) -> None:
-    from warmstart.compile_cache import signing
+    # Imported here: redis loads only for the explanations that ask a server.
     from warmstart.compile_cache.remote import RemoteTier
 
     # Only the registry and EXISTS are read: no entry is verified, so any key will do to connect.
@@ -223,33 +228,48 @@ def _ask_server(settings: Settings, url: str, result: Explanation) -> None:
     try:
         result.key_id = result.key_id or keys.key_id
         result.server = redact_url(url)
-        registry = tier.registry()
-        others = [e for e in registry if (e["namespace"], e["key_id"]) != (result.namespace, result.key_id)]
-        for entry in others:
-            theirs = entry["components"]
-            if not isinstance(theirs, dict):  # registry() keeps only entries whose components are
-                continue
-            differs = {
-                name: [result.components.get(name, ""), str(theirs.get(name, ""))]
-                for name in sorted(set(result.components) | set(theirs))
-                if result.components.get(name, "") != str(theirs.get(name, ""))
-            }
-            result.others.append({"namespace": entry["namespace"], "key_id": entry["key_id"], "differs": differs})
-        pairs = [(str(o["namespace"]), str(o["key_id"])) for o in result.others]
-        found_in: collections.Counter = collections.Counter()
-        absent = [m for m in result.misses[:_MAX_CHECKED] if m["reason"] == ABSENT]
-        entries = [(str(m["kind"]), str(m["key"])) for m in absent]
-        answers = tier.holders(entries, pairs) if pairs else [[] for _ in entries]
-        for miss, holders in zip(absent, answers, strict=True):
-            if not holders:
-                continue
-            same_ns = [p for p in holders if p[0] == result.namespace]
-            miss["reason"] = OTHER_KEY_ID if same_ns else OTHER_NAMESPACE
-            miss["detail"] = "held by " + ", ".join(f"namespace {ns} key {kid}" for ns, kid in holders[:3])
-            found_in.update(ns for ns, _ in holders if ns != result.namespace)
+        result.others.extend(_other_namespaces(result, tier.registry()))
+        found_in = _find_holders(result, tier)
         result.namespace_diff = _closest_diff(result, found_in)
     finally:
         tier.close()
+
+
+def _other_namespaces(result: Explanation, registry: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The registered namespaces and key ids other than this job's, each with the components in
+    which it differs from this machine's (``{name: [ours, theirs]}``)."""
+    others: list[dict[str, object]] = []
+    for entry in registry:
+        if (entry["namespace"], entry["key_id"]) == (result.namespace, result.key_id):
+            continue
+        theirs = entry["components"]
+        if not isinstance(theirs, dict):  # registry() keeps only entries whose components are
+            continue
+        differs = {
+            name: [result.components.get(name, ""), str(theirs.get(name, ""))]
+            for name in sorted(set(result.components) | set(theirs))
+            if result.components.get(name, "") != str(theirs.get(name, ""))
+        }
+        others.append({"namespace": entry["namespace"], "key_id": entry["key_id"], "differs": differs})
+    return others
+
+
+def _find_holders(result: Explanation, tier: RemoteTier) -> collections.Counter:
+    """Name the ``absent`` misses (of the first ``_MAX_CHECKED``) that another namespace or key id
+    holds an entry for; how many of them each other namespace holds."""
+    pairs = [(str(o["namespace"]), str(o["key_id"])) for o in result.others]
+    found_in: collections.Counter = collections.Counter()
+    absent = [m for m in result.misses[:_MAX_CHECKED] if m["reason"] == ABSENT]
+    entries = [(str(m["kind"]), str(m["key"])) for m in absent]
+    answers = tier.holders(entries, pairs) if pairs else [[] for _ in entries]
+    for miss, holders in zip(absent, answers, strict=True):
+        if not holders:
+            continue
+        same_ns = [p for p in holders if p[0] == result.namespace]
+        miss["reason"] = OTHER_KEY_ID if same_ns else OTHER_NAMESPACE
+        miss["detail"] = "held by " + ", ".join(f"namespace {ns} key {kid}" for ns, kid in holders[:3])
+        found_in.update(ns for ns, _ in holders if ns != result.namespace)
+    return found_in
 
 
 def _closest_diff(result: Explanation, found_in: collections.Counter) -> list[str]:

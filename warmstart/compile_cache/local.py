@@ -67,6 +67,7 @@ class LocalTier:
     """
 
     name = "local"
+    writable = True
 
     def __init__(
         self,
@@ -95,7 +96,7 @@ class LocalTier:
             disk_min_file_size=64 * 1024,
         )
 
-    def get(self, kind: str, key: str) -> Lookup:
+    def get(self, kind: str, key: str, *, wait: bool = True, copy_local: bool = True) -> Lookup:
         """A :class:`Hit`, or a :class:`Miss`: ``absent``; ``breaker_open`` when the tier is off
         (damaged, or locked too long before); ``timeout`` when this lookup waited out the lock;
         ``error`` when it failed otherwise (an I/O error) or the tier is closed. Never raises."""
@@ -121,7 +122,7 @@ class LocalTier:
         )
         return Hit(bytes(value), self.name, cost or 0.0)
 
-    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
+    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
         if self._off or self._closed:
             self.stats.add(self.name, kind, dropped=1)
             return False

@@ -20,13 +20,14 @@ length against the signed size before fetching or joining anything.
 Every operation has a deadline for the whole of it (``REMOTE_OP_DEADLINE_S`` plus the value's size
 at ``REMOTE_MIN_BYTES_PER_S``), and failures open a circuit breaker: see ``remote_client.py``.
 
-This module holds the entries (get, put, delete, clear). :class:`RemoteTier` is built from mixins
-over :class:`~warmstart.compile_cache.remote_client.RemoteConnection`, which owns the client, the
-deadlines and the breaker: :class:`~warmstart.compile_cache.remote_leases.RemoteLeases` and
-:class:`~warmstart.compile_cache.remote_registry.RemoteRegistry`. Mixins rather than parts held
-by the tier, because all three share one client, key set, deadline accounting and breaker, and
-callers (single-flight, ``cache explain`` and ``doctor``, the server's tests) call leases and the
-registry as methods of the tier: one object, with each concern's code in its own module.
+This module holds the entries (get, put, delete, clear). :class:`RemoteTier` is a
+:class:`~warmstart.compile_cache.remote_client.RemoteConnection`, which owns the client, the
+deadlines and the breaker, with the namespace registry mixed in
+(:class:`~warmstart.compile_cache.remote_registry.RemoteRegistry`: ``cache explain`` and ``doctor``
+call it as methods of the tier). Its leases are an object that holds the connection
+(:attr:`RemoteTier.leases`, a :class:`~warmstart.compile_cache.remote_leases.Leases`): only
+single-flight takes leases, and it holds that object, so a read-only view of the tier need not
+carry them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from warmstart.compile_cache.remote_client import (
     deadline,
     extend_deadline,
 )
-from warmstart.compile_cache.remote_leases import RemoteLeases
+from warmstart.compile_cache.remote_leases import Leases
 from warmstart.compile_cache.remote_registry import RemoteRegistry
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import (
@@ -80,7 +81,7 @@ _PROBE_ABOVE = 1024 * 1024  # below this, compressing everything costs less than
 _POINTER_HEADER_MAX = 4096
 
 
-class RemoteTier(RemoteLeases, RemoteRegistry):
+class RemoteTier(RemoteRegistry):
     """Signed, content-addressed artifacts in Redis.
 
     Args:
@@ -131,6 +132,14 @@ class RemoteTier(RemoteLeases, RemoteRegistry):
         level = options["compress"] if "compress" in options else _defaults.COMPRESS_LEVEL
         self._level: int | None = level if isinstance(level, int) else None
         self._codecs = threading.local()
+        self.leases = Leases(self)
+        """Leases on this namespace's entries, over this tier's connection (see ``single_flight.py``)."""
+
+    @property
+    def writable(self) -> bool:
+        """Whether ``put`` may store: not with keys that can only verify. Credentials the server
+        turns out to refuse writes to are found by the first write, which is then refused."""
+        return self.keys.can_sign
 
     # python-zstandard's compressors and decompressors must not be used by two threads at once (it
     # crashes the process): the job's threads and the background writer each get their own.
@@ -168,7 +177,7 @@ class RemoteTier(RemoteLeases, RemoteRegistry):
 
     # -- Storage -----------------------------------------------------------------------------
     @bounded
-    def get(self, kind: str, key: str) -> Lookup:
+    def get(self, kind: str, key: str, *, wait: bool = True, copy_local: bool = True) -> Lookup:
         """A :class:`Hit` (with the producer's cost), or a :class:`Miss`: ``absent``, ``evicted`` (the
         record is there, a chunk of its blob is not), ``rejected`` (does not verify: never returned),
         ``breaker_open`` (not asked: the server failed recently), ``timeout`` (this lookup's deadline
@@ -211,7 +220,7 @@ class RemoteTier(RemoteLeases, RemoteRegistry):
         )
         return Hit(value, self.name, pointer.cost_s)
 
-    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
+    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
         # A verify-only key cannot sign, whatever the URL's credentials allow.
         if not self.keys.can_sign or self._write_refused or not self._available():
             self.stats.add(self.name, kind, dropped=1)

@@ -8,8 +8,9 @@ they connect) time out at it. The first failure (a timeout, a refused connection
 cluster), or ``REMOTE_SLOW_IN_A_ROW`` operations in a row that took most of their deadline, open
 the breaker, so a slow, stalled or dead server costs a job at most one deadline.
 
-:class:`RemoteConnection` is the base of :class:`~warmstart.compile_cache.remote.RemoteTier`; its
-leases (``remote_leases.py``) and namespace registry (``remote_registry.py``) are mixins over it.
+:class:`RemoteConnection` is the base of :class:`~warmstart.compile_cache.remote.RemoteTier`, and its
+namespace registry (``remote_registry.py``) a mixin over it; its leases (``remote_leases.py``) are an
+object that holds it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Concatenate, ParamSpec, TypeVar, Union
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, Union
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
@@ -47,7 +48,17 @@ UNREACHABLE = (
 _op = threading.local()  # .deadline: time.monotonic() by which this thread's remote operation ends
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
-_C = TypeVar("_C", bound="RemoteConnection")
+_C = TypeVar("_C", bound="_Bounded")
+
+
+class _Bounded(Protocol):
+    """What :func:`bounded` needs of the object whose method it bounds: a connection, or a part of
+    one (its leases) that reports to it."""
+
+    @property
+    def op_deadline_s(self) -> float: ...
+
+    def _took(self, elapsed_s: float, allowance_s: float) -> None: ...
 
 
 @contextlib.contextmanager
@@ -70,8 +81,9 @@ def extend_deadline(seconds: float) -> None:
 
 
 def bounded(method: Callable[Concatenate[_C, _P], _T]) -> Callable[Concatenate[_C, _P], _T]:
-    """Run a :class:`RemoteConnection` method under its operation deadline, and tell the connection
-    how much of its deadline it took (slow is a fault too: see :meth:`RemoteConnection._took`)."""
+    """Run a :class:`RemoteConnection` method (or a method of its leases) under its operation
+    deadline, and tell the connection how much of its deadline it took (slow is a fault too: see
+    :meth:`RemoteConnection._took`)."""
 
     @functools.wraps(method)
     def run_bounded(self: _C, *args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -241,6 +253,10 @@ def as_bytes(reply: object) -> bytes | None:
 class RemoteConnection:
     """A namespace of one Redis server (or Cluster) under ``keys``, reached through :func:`connect`,
     with a deadline per operation and a circuit breaker.
+
+    Its underscored members (the client, the key prefix, whether writes were refused) are shared
+    with the parts of the remote tier that use this connection, its leases included; not with
+    callers.
 
     Args:
         url: ``redis://``, ``rediss://`` or ``redis+cluster://`` URL (credentials in the URL).

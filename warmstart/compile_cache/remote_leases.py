@@ -6,8 +6,10 @@ transactions (WATCH, GET, then MULTI/EXEC), so a holder that stalled past its le
 extends or removes the lease another process took since. Only records this job's key verifies, for
 this entry and not expired, are honoured: anything else under a lease's name is ignored.
 
-A mixin over :class:`~warmstart.compile_cache.remote_client.RemoteConnection`: leases share the
-tier's client, keys, deadline and breaker, and are called as methods of the tier.
+:class:`Leases` is an object over the tier's
+:class:`~warmstart.compile_cache.remote_client.RemoteConnection` (``RemoteTier.leases``), as
+redis-py's ``Lock`` holds a client: leases share the tier's client, keys, deadline and breaker, and
+whoever takes them (single-flight) holds this object, not the tier.
 """
 
 from __future__ import annotations
@@ -21,32 +23,49 @@ import redis
 
 from warmstart import _defaults
 from warmstart.compile_cache import signing
-from warmstart.compile_cache.remote_client import UNREACHABLE, RemoteConnection, as_bytes, bounded
+from warmstart.compile_cache.remote_client import UNREACHABLE, Client, RemoteConnection, as_bytes, bounded
 from warmstart.compile_cache.storage import warn_once
 from warmstart.errors import IntegrityError
 
 log = logging.getLogger("warmstart.cache")
 
 
-class RemoteLeases(RemoteConnection):
-    """Take, check, renew and drop leases on entries of this namespace."""
+class Leases:
+    """Take, check, renew and drop leases on entries of ``connection``'s namespace, under its keys."""
+
+    def __init__(self, connection: RemoteConnection) -> None:
+        self.connection = connection
+
+    @property
+    def _client(self) -> Client:
+        return self.connection._client
+
+    @property
+    def op_deadline_s(self) -> float:
+        """The connection's deadline per operation: a lease operation is one."""
+        return self.connection.op_deadline_s
+
+    def _took(self, elapsed_s: float, allowance_s: float) -> None:
+        # A slow lease operation is as much a sign of a slow server as a slow lookup.
+        self.connection._took(elapsed_s, allowance_s)
 
     def _lease_key(self, kind: str, key: str) -> str:
-        return f"{self._prefix}l:{kind}:{self.key_id}:{key}"
+        return f"{self.connection._prefix}l:{kind}:{self.connection.key_id}:{key}"
 
     @bounded
-    def take_lease(self, kind: str, key: str, token: str, ttl_s: float) -> bool | None:
+    def take(self, kind: str, key: str, token: str, ttl_s: float) -> bool | None:
         """Take the lease on an entry (``SET NX PX`` of a signed lease record): True when taken, False
         when another process holds a lease this job trusts, None when leases cannot be used now
         (breaker open, the server failed, credentials that may not write, or a record under the
         lease's name that is no lease this job trusts: it is ignored, and this job compiles). Never
         raises."""
-        if self._write_refused or not self.keys.can_sign or not self._available():
+        conn = self.connection
+        if conn._write_refused or not conn.keys.can_sign or not conn._available():
             return None
         ttl_ms = max(1, int(ttl_s * 1000))
         name = self._lease_key(kind, key)
         try:
-            record = self.keys.sign_lease(signing.LeaseRecord(self.namespace, kind, key, token, _now_ms() + ttl_ms))
+            record = conn.keys.sign_lease(signing.LeaseRecord(conn.namespace, kind, key, token, _now_ms() + ttl_ms))
             if self._client.set(name, record, nx=True, px=ttl_ms):
                 return True
             return False if self._trusted_lease(as_bytes(self._client.get(name)), kind, key) is not None else None
@@ -55,10 +74,10 @@ class RemoteLeases(RemoteConnection):
             return None
 
     @bounded
-    def lease_held(self, kind: str, key: str) -> bool | None:
+    def held(self, kind: str, key: str) -> bool | None:
         """Whether some process holds a lease on an entry that this job trusts (signed by its key,
         for this entry, not expired); None when the server cannot say."""
-        if not self._available():
+        if not self.connection._available():
             return None
         try:
             return self._trusted_lease(as_bytes(self._client.get(self._lease_key(kind, key))), kind, key) is not None
@@ -67,33 +86,34 @@ class RemoteLeases(RemoteConnection):
             return None
 
     @bounded
-    def renew_leases(self, leases: list[tuple[str, str, str]], ttl_s: float) -> list[tuple[str, str]]:
+    def renew(self, leases: list[tuple[str, str, str]], ttl_s: float) -> list[tuple[str, str]]:
         """Extend each lease of ``(kind, key, token)`` that is still this process's by ``ttl_s``, and
         return the ``(kind, key)`` of those it no longer holds.
 
         Each renewal is a compare-and-set (WATCH, GET, then MULTI/SET XX PX/EXEC): it never extends or
         takes a lease another process took after this one's lapsed, even by a moment."""
-        if not self._available():
+        conn = self.connection
+        if not conn._available():
             return []
         ttl_ms = max(1, int(ttl_s * 1000))
         lost = []
         try:
             for kind, key, token in leases:
-                record = self.keys.sign_lease(signing.LeaseRecord(self.namespace, kind, key, token, _now_ms() + ttl_ms))
+                record = conn.keys.sign_lease(signing.LeaseRecord(conn.namespace, kind, key, token, _now_ms() + ttl_ms))
 
-                def renew(pipe: Any, name: str, record: bytes = record) -> None:
+                def extend(pipe: Any, name: str, record: bytes = record) -> None:
                     pipe.set(name, record, xx=True, px=ttl_ms)
 
-                if not self._compare_and_set(kind, key, token, renew):
+                if not self._compare_and_set(kind, key, token, extend):
                     lost.append((kind, key))
         except Exception as exc:
             self._lease_failed(exc)
         return lost
 
     @bounded
-    def drop_lease(self, kind: str, key: str, token: str) -> None:
+    def drop(self, kind: str, key: str, token: str) -> None:
         """Release a lease if it is still this process's (compare-and-delete, as renewals)."""
-        if not self._available():
+        if not self.connection._available():
             return
         try:
             self._compare_and_set(kind, key, token, lambda pipe, name: pipe.delete(name))
@@ -124,10 +144,11 @@ class RemoteLeases(RemoteConnection):
         else under a lease's name is ignored, once counted and warned about)."""
         if record is None:
             return None
+        conn = self.connection
         try:
-            lease = self.keys.verify_lease(record, namespace=self.namespace, kind=kind, key=key)
+            lease = conn.keys.verify_lease(record, namespace=conn.namespace, kind=kind, key=key)
         except IntegrityError as exc:
-            self.stats.bump("leases_ignored")
+            conn.stats.bump("leases_ignored")
             warn_once(
                 "lease-untrusted",
                 "warmstart: ignoring a lease record that this job's key does not verify (%s): "
@@ -141,11 +162,12 @@ class RemoteLeases(RemoteConnection):
         return lease
 
     def _lease_failed(self, exc: Exception) -> None:
-        if self._no_permission(exc):
-            self._write_refused = True  # reader credentials: this job waits on leases, never takes one
+        conn = self.connection
+        if conn._no_permission(exc):
+            conn._write_refused = True  # reader credentials: this job waits on leases, never takes one
             return
         if isinstance(exc, UNREACHABLE):
-            self.breaker.trip(f"{type(exc).__name__}: {exc}")
+            conn.breaker.trip(f"{type(exc).__name__}: {exc}")
         else:
             log.debug("warmstart: lease operation failed: %s", exc)
 

@@ -44,12 +44,16 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from warmstart import _defaults
 from warmstart._threads import start_daemon
 from warmstart.compile_cache.stats import Stats
-from warmstart.compile_cache.storage import Lookup, ReadOnly
+from warmstart.compile_cache.storage import Lookup
 from warmstart.compile_cache.wait_budget import WaitBudget
+
+if TYPE_CHECKING:
+    from warmstart.compile_cache.remote_leases import Leases
 
 log = logging.getLogger("warmstart.cache")
 
@@ -108,7 +112,9 @@ class SingleFlight:
     Args:
         local_dir: the local tier's directory (lock files go in ``leases/`` under it), or ``None``.
         local_writable: whether this process may take local locks (not in read-only mode).
-        remote: the remote tier, or ``None``; a :class:`ReadOnly` one is watched, never leased.
+        remote_leases: the remote tier's leases (``RemoteTier.leases``), or ``None``.
+        remote_writable: whether this process may take remote leases; a read-only job (a remote tier
+            that is not ``writable``) watches them, never takes one.
         stats: where ``leases``, ``waits``, ``wait_s``, ``takeovers``, ``wait_timeouts`` and
             ``leases_lapsed`` (leases let go without their entry, see :meth:`_lapsed`) are counted.
         wait_s: the longest one wait lasts (and a lease is held); 0 turns single-flight off.
@@ -123,7 +129,8 @@ class SingleFlight:
         *,
         local_dir: Path | None,
         local_writable: bool,
-        remote,
+        remote_leases: Leases | None,
+        remote_writable: bool,
         stats: Stats,
         wait_s: float = _defaults.COMPILE_WAIT_S,
         ttl_s: float = _defaults.LEASE_TTL_S,
@@ -132,8 +139,8 @@ class SingleFlight:
     ) -> None:
         self.lock_dir = Path(local_dir) / "leases" if local_dir is not None else None
         self.local_writable = local_writable and self.lock_dir is not None
-        self.remote = remote
-        self.remote_writable = remote is not None and not isinstance(remote, ReadOnly)
+        self.remote_leases = remote_leases
+        self.remote_writable = remote_leases is not None and remote_writable
         self.stats = stats
         self.wait_s = wait_s
         self.ttl_s = ttl_s
@@ -334,14 +341,14 @@ class SingleFlight:
                 lease.local_path = self._lock_path(kind, key) if lease.local_fd is not None else None
             elif self._local_held(kind, key):
                 return _Held(None)
-        if self.remote is None:
+        if self.remote_leases is None:
             return lease if lease.local_fd is not None else None
         if self.remote_writable:
-            taken = self.remote.take_lease(kind, key, lease.token, self.ttl_s)
+            taken = self.remote_leases.take(kind, key, lease.token, self.ttl_s)
             if taken is False:
                 return _Held(lease if lease.local_fd is not None else None)
             lease.remote = bool(taken)
-        if not lease.remote and self.remote.lease_held(kind, key):  # read-only: watch, never take
+        if not lease.remote and self.remote_leases.held(kind, key):  # read-only: watch, never take
             return _Held(lease if lease.local_fd is not None else None)
         if lease.local_fd is None and not lease.remote:
             return None
@@ -366,10 +373,10 @@ class SingleFlight:
                     del self._held[(lease.kind, lease.key)]
         if lease.pid != os.getpid():  # a forked child's copy: the parent's to release
             return
-        if lease.remote:
+        if lease.remote and self.remote_leases is not None:  # only a remote tier's leases are remote
             lease.remote = False
             try:
-                self.remote.drop_lease(lease.kind, lease.key, lease.token)
+                self.remote_leases.drop(lease.kind, lease.key, lease.token)
             except Exception:  # it lapses by itself within ttl_s
                 log.debug("could not release a lease", exc_info=True)
         fd, lease.local_fd = lease.local_fd, None
@@ -464,10 +471,10 @@ class SingleFlight:
                     with contextlib.suppress(OSError):
                         os.utime(lease.local_fd)
             remote = [lease for lease in leases if lease.remote and lease not in expired]
-            if remote and self.remote is not None:
+            if remote and self.remote_leases is not None:
                 try:
                     lost = set(
-                        self.remote.renew_leases([(lease.kind, lease.key, lease.token) for lease in remote], self.ttl_s)
+                        self.remote_leases.renew([(lease.kind, lease.key, lease.token) for lease in remote], self.ttl_s)
                         or ()
                     )
                 except Exception:  # the server failed: the leases lapse, waiters compile themselves

@@ -2,7 +2,8 @@
 
 Read this first. A tier maps ``(kind, key)`` to bytes. ``get`` answers a :class:`Hit` or a
 :class:`Miss` that says why (a :class:`MissReason`) and never raises: any failure is a miss,
-counted in the tier's stats. Read-only is a wrapper (:class:`ReadOnly`); the tiered store is built
+counted in the tier's stats. Read-only is a wrapper (:class:`ReadOnly`), and every store says
+whether it takes writes (``writable``): callers ask it, never its type. The tiered store is built
 from and typed against :class:`Storage`, and reports what it did to :class:`StoreObserver` s.
 """
 
@@ -16,7 +17,6 @@ import threading
 from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar, Union, runtime_checkable
 
 if TYPE_CHECKING:
-    from warmstart.compile_cache.remote import RemoteTier
     from warmstart.compile_cache.signing import Keys
     from warmstart.compile_cache.stats import Stats
 
@@ -135,16 +135,37 @@ class Storage(Protocol):
     stats: Stats
     """Where the tier counts; a tiered store sets its own on its tiers, so all count in one place."""
 
-    def get(self, kind: str, key: str) -> Lookup:
-        """A :class:`Hit`, or a :class:`Miss` that says why. Never raises: an error is a miss
-        (``timeout`` or ``error``), counted in the stats; so is a lookup after :meth:`close`."""
+    @property
+    def writable(self) -> bool:
+        """Whether :meth:`put` may store anything; False for a read-only view (or a tiered store of
+        read-only tiers), whose every ``put`` is refused. Fixed when the store is built: True does
+        not promise that a write succeeds (a tier may still refuse one, counted)."""
         ...
 
-    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
+    def get(self, kind: str, key: str, *, wait: bool = True, copy_local: bool = True) -> Lookup:
+        """A :class:`Hit`, or a :class:`Miss` that says why. Never raises: an error is a miss
+        (``timeout`` or ``error``), counted in the stats; so is a lookup after :meth:`close`.
+
+        Args:
+            kind: the artifact kind (a key of :data:`KINDS`).
+            key: the entry's key within ``kind``.
+            wait: whether a miss may wait for another process that is compiling the entry, and
+                take a lease on it (single-flight); False for values cheaper to make again than to
+                wait for. A single tier never waits.
+            copy_local: whether a hit from a farther tier is copied into a nearer one; False for a
+                value the caller keeps on this machine itself. A single tier has nothing to copy.
+        """
+        ...
+
+    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
         """Store ``value``; ``cost_s`` is what producing it cost (for "seconds saved").
 
+        Args:
+            sync: whether every tier is written before this returns, rather than some from a
+                background thread. A single tier always writes before it returns.
+
         Returns:
-            True if stored (or already present), False if the tier refused or failed (counted).
+            True if stored (or already present, or queued), False if the tier refused or failed (counted).
         """
         ...
 
@@ -153,15 +174,25 @@ class Storage(Protocol):
         ...
 
 
+class _Signed(Storage, Protocol):
+    """A storage whose entries are signed: the remote tier."""
+
+    keys: Keys
+    key_id: str
+
+
 _S = TypeVar("_S", bound=Storage)
+_SignedS = TypeVar("_SignedS", bound=_Signed)
 
 
 class ReadOnly(Generic[_S]):
     """``storage`` that never writes: ``put`` is refused (counted as ``dropped``), ``get`` passes
     through. What ``WARMSTART_CACHE_MODE=ro`` and a verify-only key make of a tier.
 
-    Only the :class:`Storage` contract is forwarded, plus what callers read of a read-only remote
-    tier (its keys, and whether an entry is leased); anything else is on ``storage``."""
+    Only the :class:`Storage` contract is forwarded, plus the keys of a signed tier (which jobs it
+    reads the entries of); anything else, such as the remote tier's leases, is on ``storage``."""
+
+    writable = False
 
     def __init__(self, storage: _S) -> None:
         self.storage: _S = storage
@@ -176,10 +207,10 @@ class ReadOnly(Generic[_S]):
     def stats(self, stats: Stats) -> None:
         self.storage.stats = stats
 
-    def get(self, kind: str, key: str) -> Lookup:
-        return self.storage.get(kind, key)
+    def get(self, kind: str, key: str, *, wait: bool = True, copy_local: bool = True) -> Lookup:
+        return self.storage.get(kind, key, wait=wait, copy_local=copy_local)
 
-    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0) -> bool:
+    def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
         self.storage.stats.add(self.name, kind, dropped=1)
         return False
 
@@ -187,18 +218,14 @@ class ReadOnly(Generic[_S]):
         self.storage.close()
 
     @property
-    def keys(self: ReadOnly[RemoteTier]) -> Keys:
-        """The remote tier's signing or verifying keys."""
+    def keys(self: ReadOnly[_SignedS]) -> Keys:
+        """The signed tier's signing or verifying keys."""
         return self.storage.keys
 
     @property
-    def key_id(self: ReadOnly[RemoteTier]) -> str:
-        """The remote tier's key id."""
+    def key_id(self: ReadOnly[_SignedS]) -> str:
+        """The signed tier's key id."""
         return self.storage.key_id
-
-    def lease_held(self: ReadOnly[RemoteTier], kind: str, key: str) -> bool | None:
-        """Whether another process holds a lease on the entry (a read-only job waits, never leases)."""
-        return self.storage.lease_held(kind, key)
 
 
 class StoreObserver(Protocol):

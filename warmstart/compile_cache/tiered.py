@@ -8,9 +8,10 @@ the remote tier from a background thread, at a lower CPU priority, so compilatio
 the network; ``flush`` (also run at exit, for at most ``EXIT_FLUSH_S``) drains them. Queued writes hold
 at most ``WRITE_QUEUE_BYTES`` of values: past that a write is dropped (counted), so a slow server
 never makes the job's memory grow with the artifacts it compiles.
-Read-only tiers (:class:`~warmstart.compile_cache.storage.ReadOnly`: ``WARMSTART_CACHE_MODE=ro``, a
-verify-only key) are never queued for. Each lookup's outcome, and each wait on the remote tier, goes
-to the store's observers (the metrics package attaches one that records ETT spans).
+Tiers that are not ``writable`` (a :class:`~warmstart.compile_cache.storage.ReadOnly` view:
+``WARMSTART_CACHE_MODE=ro``, a verify-only key) are never queued for. Each lookup's outcome, and
+each wait on the remote tier, goes to the store's observers (the metrics package attaches one that
+records ETT spans).
 
 With ``single_flight``, a miss of an entry another process is compiling right now waits for that
 process's result instead (see ``single_flight.py``); the lease this process takes on a miss is
@@ -40,7 +41,6 @@ from warmstart.compile_cache.storage import (
     Hit,
     Lookup,
     Miss,
-    ReadOnly,
     Storage,
     StoreObserver,
     warn_once,
@@ -169,7 +169,7 @@ class TieredStore:
             return Miss(TIMEOUT, self.remote.name, "the process's time for waiting on the cache is spent")
         with self._observed("waiting", kind), self.budget.waiting("the remote tier"):
             result = self.remote.get(kind, key)
-        if isinstance(result, Hit) and copy_local and self.local is not None and not isinstance(self.local, ReadOnly):
+        if isinstance(result, Hit) and copy_local and self.local is not None and self.local.writable:
             self._enqueue((self.local,), kind, key, result.value, result.cost_s)
         return result
 
@@ -211,12 +211,12 @@ class TieredStore:
         later: list[Storage] = []  # tiers written from the background thread
         try:
             if self.local is not None:  # a read-only tier refuses at once, and counts it
-                if not sync and len(value) >= _defaults.LOCAL_BACKGROUND_BYTES and not isinstance(self.local, ReadOnly):
+                if not sync and len(value) >= _defaults.LOCAL_BACKGROUND_BYTES and self.local.writable:
                     later.append(self.local)  # a large value (a precompiled header): not on the compile's path
                 else:
                     stored = self.local.put(kind, key, value, cost_s=cost_s)
             if self.remote is not None:
-                if sync or isinstance(self.remote, ReadOnly):
+                if sync or not self.remote.writable:
                     if not self.budget.exhausted:
                         with self.budget.waiting("the remote tier"):
                             stored = self.remote.put(kind, key, value, cost_s=cost_s) or stored
@@ -241,7 +241,7 @@ class TieredStore:
     @property
     def writable(self) -> bool:
         """Whether any tier takes writes (``WARMSTART_CACHE_MODE=ro`` makes none)."""
-        return any(t is not None and not isinstance(t, ReadOnly) for t in (self.local, self.remote))
+        return any(t is not None and t.writable for t in (self.local, self.remote))
 
     def _enqueue(
         self,

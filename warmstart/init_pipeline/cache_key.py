@@ -179,7 +179,11 @@ def _qualname(obj: Any) -> str:
 
 
 def _canonical(obj: Any, depth: int = 0, memo: dict[int, Any] | None = None) -> Any:
-    """JSON-ready, process-independent form of a settings object (no ids, no reprs with addresses)."""
+    """JSON-ready, process-independent form of a settings object (no ids, no reprs with addresses).
+
+    Each step answers for the values it knows, or :data:`_UNHANDLED` for the next one to try; the
+    order of the steps is part of the key (an enum that is also an ``int`` is named, not counted).
+    """
     kind: type = type(obj)
     if kind in _PLAIN:  # the common case first: this runs tens of thousands of times per key
         return obj
@@ -189,6 +193,22 @@ def _canonical(obj: Any, depth: int = 0, memo: dict[int, Any] | None = None) -> 
         return [_canonical(v, depth + 1, memo) for v in obj]
     if kind is dict:
         return {str(k): _canonical(obj[k], depth + 1, memo) for k in sorted(obj, key=str)}
+    out = _canonical_named(obj, kind, depth, memo)
+    if out is not _UNHANDLED:
+        return out
+    if depth > _MAX_DEPTH:
+        return _qualname(kind)
+    out = _canonical_collection(obj, depth, memo)
+    if out is _UNHANDLED:
+        out = _canonical_torch(obj, kind)
+    if out is _UNHANDLED:
+        out = _canonical_fields(obj, kind, depth, memo)
+    return out
+
+
+def _canonical_named(obj: Any, kind: type, depth: int, memo: dict[int, Any] | None) -> Any:
+    """Values known by their name or value at any depth: enum members, subclasses of the plain
+    types, partials, and classes and functions (by qualified name)."""
     if isinstance(obj, enum.Enum):
         return f"{kind.__qualname__}.{obj.name}"
     if isinstance(obj, (bool, int, str)):
@@ -203,19 +223,33 @@ def _canonical(obj: Any, depth: int = 0, memo: dict[int, Any] | None = None) -> 
         }
     if isinstance(obj, (type, *_FUNCTION_TYPES)) or callable(obj) and not hasattr(obj, "__dict__"):
         return _qualname(obj)
-    if depth > _MAX_DEPTH:
-        return _qualname(kind)
+    return _UNHANDLED
+
+
+def _canonical_collection(obj: Any, depth: int, memo: dict[int, Any] | None) -> Any:
+    """Mappings, sequences and sets other than the built-in ones, by their items (a set's sorted)."""
     if isinstance(obj, Mapping):
         return {str(k): _canonical(v, depth + 1, memo) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
     if isinstance(obj, (list, tuple)):
         return [_canonical(v, depth + 1, memo) for v in obj]
     if isinstance(obj, (set, frozenset)):
         return sorted((_canonical(v, depth + 1, memo) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
+    return _UNHANDLED
+
+
+def _canonical_torch(obj: Any, kind: type) -> Any:
+    """A tensor by its shape and dtype (never its values), a dtype or device by its name."""
     module = kind.__module__
     if module.startswith("torch") and hasattr(obj, "shape") and hasattr(obj, "dtype"):  # a tensor
         return {"tensor": [int(d) for d in obj.shape], "dtype": str(obj.dtype)}
     if module == "torch" or kind.__name__ in ("dtype", "device"):
         return str(obj)
+    return _UNHANDLED
+
+
+def _canonical_fields(obj: Any, kind: type, depth: int, memo: dict[int, Any] | None) -> Any:
+    """Any other object by its fields (a dataclass's, else its ``__dict__`` or ``__slots__``) and
+    its type; one without fields by its type alone."""
     # One topology is shared by the planner, its enumerator, estimators and perf model: walk it once.
     if memo is None:
         memo = {}
@@ -241,6 +275,7 @@ def _canonical(obj: Any, depth: int = 0, memo: dict[int, Any] | None = None) -> 
 
 _PLAIN = frozenset({type(None), bool, int, str})
 _IN_PROGRESS = object()
+_UNHANDLED = object()  # a step of _canonical that does not know the value: the next step tries
 _INF = float("inf")
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 

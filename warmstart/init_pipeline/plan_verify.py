@@ -43,23 +43,15 @@ def verify_plan(
     Raises:
         PlanMismatch: the first check that failed, in words.
     """
-    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.distributed.types import ShardingPlan
 
     if not isinstance(plan, ShardingPlan):
         raise PlanMismatch(f"expected a ShardingPlan, found {type(plan).__name__}")
-    topology = getattr(planner, "_topology", None)
-    world_size = world_size if world_size is not None else getattr(topology, "world_size", None)
-    compute_device = compute_device or getattr(topology, "compute_device", None)
-    if world_size is None or compute_device is None:
-        raise PlanMismatch("cannot tell the world size and compute device of the planner")
-    claimed = claimed_modules(module, sharders)
-    expected = {
-        path: (child, sharder, dict(sharder.shardable_parameters(child))) for path, (child, sharder) in claimed.items()
-    }
-    expected = {path: v for path, v in expected.items() if v[2]}
+    world_size, compute_device = _topology(planner, world_size, compute_device)
+    expected = _expected_modules(module, sharders)
     if set(plan.plan) != set(expected):
         raise PlanMismatch(f"module paths differ: plan has {sorted(plan.plan)}, model has {sorted(expected)}")
-    for path, (_child, sharder, params) in expected.items():
+    for path, (sharder, params) in expected.items():
         module_plan = plan.plan[path]
         if set(module_plan) != set(params):
             missing, extra = sorted(set(params) - set(module_plan)), sorted(set(module_plan) - set(params))
@@ -67,27 +59,58 @@ def verify_plan(
         allowed = sharder.sharding_types(compute_device)
         for name, sharding in module_plan.items():
             where = f"{path}.{name}" if path else name
-            if sharding.sharding_type not in allowed:
-                raise PlanMismatch(
-                    f"{where}: sharding type {sharding.sharding_type} is not offered on "
-                    f"{compute_device} (offered: {allowed})"
-                )
-            kernels = sharder.compute_kernels(sharding.sharding_type, compute_device)
-            if sharding.compute_kernel not in kernels:
-                raise PlanMismatch(
-                    f"{where}: compute kernel {sharding.compute_kernel} is not offered for "
-                    f"{sharding.sharding_type} on {compute_device}"
-                )
-            ranks = list(sharding.ranks or [])
-            if not ranks or any(not 0 <= int(r) < world_size for r in ranks):
-                raise PlanMismatch(f"{where}: ranks {ranks} are not all below the world size {world_size}")
             shape = [int(d) for d in params[name].shape]
-            spec = sharding.sharding_spec
-            if spec is None:
-                if sharding.sharding_type != ShardingType.DATA_PARALLEL.value:
-                    raise PlanMismatch(f"{where}: {sharding.sharding_type} without a sharding spec")
-                continue
-            _verify_tiling(where, shape, spec.shards, world_size, compute_device)
+            _verify_sharding(where, sharding, sharder, allowed, shape, world_size, compute_device)
+
+
+def _topology(planner: Any, world_size: int | None, compute_device: str | None) -> tuple[int, str]:
+    """The world size and compute device the plan must fit: those given, else the planner's."""
+    topology = getattr(planner, "_topology", None)
+    world_size = world_size if world_size is not None else getattr(topology, "world_size", None)
+    compute_device = compute_device or getattr(topology, "compute_device", None)
+    if world_size is None or compute_device is None:
+        raise PlanMismatch("cannot tell the world size and compute device of the planner")
+    return world_size, compute_device
+
+
+def _expected_modules(
+    module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]"
+) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """The sharder and shardable parameters of each module path a plan must cover: the sharded
+    modules that have tables."""
+    expected = {
+        path: (sharder, dict(sharder.shardable_parameters(child)))
+        for path, (child, sharder) in claimed_modules(module, sharders).items()
+    }
+    return {path: v for path, v in expected.items() if v[1]}
+
+
+def _verify_sharding(
+    where: str, sharding: Any, sharder: Any, allowed: list[str], shape: list[int], world_size: int, compute_device: str
+) -> None:
+    """One table's parameter sharding: a sharding type and kernel the sharder offers on the device,
+    ranks within the world, and shards that tile the table (a data-parallel table has none)."""
+    from torchrec.distributed.types import ShardingType
+
+    if sharding.sharding_type not in allowed:
+        raise PlanMismatch(
+            f"{where}: sharding type {sharding.sharding_type} is not offered on {compute_device} (offered: {allowed})"
+        )
+    kernels = sharder.compute_kernels(sharding.sharding_type, compute_device)
+    if sharding.compute_kernel not in kernels:
+        raise PlanMismatch(
+            f"{where}: compute kernel {sharding.compute_kernel} is not offered for "
+            f"{sharding.sharding_type} on {compute_device}"
+        )
+    ranks = list(sharding.ranks or [])
+    if not ranks or any(not 0 <= int(r) < world_size for r in ranks):
+        raise PlanMismatch(f"{where}: ranks {ranks} are not all below the world size {world_size}")
+    spec = sharding.sharding_spec
+    if spec is None:
+        if sharding.sharding_type != ShardingType.DATA_PARALLEL.value:
+            raise PlanMismatch(f"{where}: {sharding.sharding_type} without a sharding spec")
+        return
+    _verify_tiling(where, shape, spec.shards, world_size, compute_device)
 
 
 def _verify_tiling(where: str, shape: list[int], shards: list[Any], world_size: int, compute_device: str) -> None:

@@ -43,19 +43,66 @@ def _save(key: str) -> None:
     (regional compilation): each holds the frames it compiled (the first layer's input does not
     require grad, the next ones' does), and the stored entry must hold them all.
     """
-    from torch._dynamo.package import PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry
     from torch._dynamo.precompile_context import PrecompileContext
 
     from warmstart.compile_cache import get_store
 
     artifacts = PrecompileContext._backend_artifacts_by_key
-    merged: dict[tuple, Any] = {}
-    seen: set[bytes] = set()
-    identities: dict[tuple[str, str], str] = {}
-    values: dict[bytes, list] = {}
-    folds: dict[tuple[str, bytes], str] = {}
-    inlined: set = set()
-    compile_s, saved, device_type = 0.0, [], "cpu"
+    gathered = _gather(key, artifacts)
+    for state in gathered.saved:
+        state.dirty = False
+    codes = gathered.codes()
+    if not gathered.saved or not any(not code.bypassed for code in codes):
+        return
+    store_key = key
+    if gathered.folds:  # one entry per result of those calls, found through a record of which calls they are
+        calls = sorted(gathered.folds)
+        store_key = variant_key(key, frame_reads.variant(calls, [gathered.folds[c] for c in calls]))
+    frames = fingerprint(codes)
+    if STATE.stored.get(store_key) == frames:
+        return  # the store holds these frames already
+    data = _entry_bytes(gathered, codes, artifacts)
+    STATE.stored[store_key] = frames
+    store = get_store()
+    if store is not None:
+        if gathered.folds:
+            variants = pickle.dumps(
+                {"format": FORMAT, "variants_by": sorted(gathered.folds)}, protocol=pickle.HIGHEST_PROTOCOL
+            )
+            store.put(KIND, key, variants, cost_s=gathered.compile_s)
+        store.put(KIND, store_key, data, cost_s=gathered.compile_s)
+
+
+@dataclasses.dataclass
+class _Gathered:
+    """What this process's packages for one key hold, merged: one entry per code object, and what
+    the stored entry carries beside them."""
+
+    merged: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+    seen: set[bytes] = dataclasses.field(default_factory=set)
+    """Digests of the guarded codes merged so far: each is stored once."""
+    identities: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    values: dict[bytes, list] = dataclasses.field(default_factory=dict)
+    folds: dict[tuple[str, bytes], str] = dataclasses.field(default_factory=dict)
+    inlined: set = dataclasses.field(default_factory=set)
+    device_type: str = "cpu"
+    compile_s: float = 0.0
+    saved: list = dataclasses.field(default_factory=list)
+    """The packages' states merged here: no longer dirty once saved."""
+
+    def codes(self) -> list:
+        # A code object without guarded code is stored as not packaged: torch would mark it as one
+        # Dynamo skips, and a new machine must trace it instead.
+        return [
+            code if code.guarded_codes or code.bypassed else dataclasses.replace(code, bypassed=True)
+            for code in self.merged.values()
+        ]
+
+
+def _gather(key: str, artifacts: dict) -> _Gathered:
+    """Merge the packages for ``key`` that are ready: none compiling a frame now, and every
+    compiled graph their gathered call recorded."""
+    gathered = _Gathered()
     with STATE.lock:
         parts = [(p, s) for p, s in list(STATE.packages.items()) if s.key == key and p.is_initialized()]
     for package, state in parts:
@@ -66,50 +113,39 @@ def _save(key: str) -> None:
             continue  # the backward is compiled at the first backward: saved then
         for index, code in enumerate(entry.codes):
             if index == 0 or not _unresolved(code):  # the first is the compiled function's own
-                _merge(merged, code, seen)
-        inlined |= entry.source_info.inlined_sources
-        device_type = entry.device_type
-        identities.update(state.identities)
-        values.update(state.values)
-        folds.update(state.folds.calls)
-        compile_s += state.compile_s
-        saved.append(state)
-    for state in saved:
-        state.dirty = False
-    # A code object without guarded code is stored as not packaged: torch would mark it as one Dynamo
-    # skips, and a new machine must trace it instead.
-    codes = [
-        code if code.guarded_codes or code.bypassed else dataclasses.replace(code, bypassed=True)
-        for code in merged.values()
-    ]
-    if not saved or not any(not code.bypassed for code in codes):
-        return
-    store_key = key
-    if folds:  # one entry per result of those calls, found through a record of which calls they are
-        calls = sorted(folds)
-        store_key = variant_key(key, frame_reads.variant(calls, [folds[c] for c in calls]))
-    frames = fingerprint(codes)
-    if STATE.stored.get(store_key) == frames:
-        return  # the store holds these frames already
+                _merge(gathered.merged, code, gathered.seen)
+        gathered.inlined |= entry.source_info.inlined_sources
+        gathered.device_type = entry.device_type
+        gathered.identities.update(state.identities)
+        gathered.values.update(state.values)
+        gathered.folds.update(state.folds.calls)
+        gathered.compile_s += state.compile_s
+        gathered.saved.append(state)
+    return gathered
+
+
+def _entry_bytes(gathered: _Gathered, codes: list, artifacts: dict) -> bytes:
+    """The stored entry: torch's precompile entry for ``codes``, with what loading it needs."""
+    from torch._dynamo.package import PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry
+
     entry = _DynamoCacheEntry(
         codes=codes,
-        source_info=SourceInfo(inlined_sources=inlined),
-        device_type=device_type,
+        source_info=SourceInfo(inlined_sources=gathered.inlined),
+        device_type=gathered.device_type,
         fn_name=code_qualname(codes[0].python_code),
         fn_first_lineno=codes[0].python_code.co_firstlineno,
     )
     full = PrecompileCacheEntry.from_cache_entry(entry, artifacts)
-    data = pickle.dumps(
-        {"format": FORMAT, "entry": full, "identities": identities, "values": values, "folds": folds},
+    return pickle.dumps(
+        {
+            "format": FORMAT,
+            "entry": full,
+            "identities": gathered.identities,
+            "values": gathered.values,
+            "folds": gathered.folds,
+        },
         protocol=pickle.HIGHEST_PROTOCOL,
     )
-    STATE.stored[store_key] = frames
-    store = get_store()
-    if store is not None:
-        if folds:
-            variants = pickle.dumps({"format": FORMAT, "variants_by": sorted(folds)}, protocol=pickle.HIGHEST_PROTOCOL)
-            store.put(KIND, key, variants, cost_s=compile_s)
-        store.put(KIND, store_key, data, cost_s=compile_s)
 
 
 def _unresolved(code: Any) -> bool:
