@@ -1,5 +1,6 @@
 """The docs name only what exists: every ``warmstart`` command and option they show, every Python name,
-keyword and method their examples use, and every ``WARMSTART_*`` variable they mention.
+keyword and method their examples use, every file of the repository and every link (with its anchor),
+and every ``WARMSTART_*`` variable they mention.
 
 Commands are checked against the real click tree (nothing runs), Python names by importing them and
 reading their signatures, variables against the package's source. A doc that shows a call the code
@@ -294,6 +295,75 @@ def test_the_python_check_can_fail(tmp_path, monkeypatch):
     assert any(":1: warmstart.enable takes no argument 'colour'" in p for p in problems), problems
     assert any(":7: ckpt.save_async: Checkpointer has no attribute 'save_async'" in p for p in problems), problems
     assert any(":11: checkpointer.save_async: Checkpointer has no" in p for p in problems), problems
+
+
+# -- files and links -------------------------------------------------------------------------------------
+
+#: The repository's folders: inline code that starts with one of them names a file that must exist (not
+#: what a run leaves behind, such as ``warmstart-runs/``).
+_TOP_LEVEL = {"warmstart", "docs", "tests", "server", "benchmarks", ".ci"}
+
+
+def _path_problems(path: Path) -> list[str]:
+    """Every repository path in the prose's inline code (``warmstart/compile_cache/tiered.py``,
+    ``tests/preload/test_environment.py::test_x``, a glob) and every relative link, with its anchor
+    (a heading's, as GitHub makes it, or an ``<a id>``), must exist."""
+    text = path.read_text()
+    prose = _prose(text)
+    problems = []
+    for m in _INLINE.finditer(prose):
+        name = m.group(1).split("::")[0]
+        if "/" not in name or " " in name or name.split("/")[0] not in _TOP_LEVEL:
+            continue
+        if not any(ROOT.glob(name.rstrip("/"))):
+            problems.append((_line_of(text, m.start()), f"no file {name}"))
+    for m in re.finditer(r"\]\(([^)\s]+)\)", prose):
+        link = m.group(1)
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        file, _, anchor = link.partition("#")
+        target = (path.parent / file).resolve() if file else path
+        if not target.exists():
+            problems.append((_line_of(text, m.start()), f"no file {link}"))
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            problems.append((_line_of(text, m.start()), f"no anchor {link}"))
+    return [f"{path.relative_to(ROOT)}:{line}: {problem}" for line, problem in problems]
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file: each heading's (lower case, punctuation dropped,
+    spaces as hyphens, ``-1``, ``-2`` after repeats) and each ``<a id="...">``."""
+    prose = _prose(path.read_text())
+    anchors = set(re.findall(r'<a id="([^"]+)">', prose))
+    seen: dict[str, int] = {}
+    for m in re.finditer(r"^#{1,6} +(.+?) *$", prose, re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_and_link_in_the_docs_exists(path):
+    assert _path_problems(path) == []
+
+
+def test_the_file_and_link_check_can_fail(tmp_path, monkeypatch):
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# A title\n\nSee `warmstart/compile_cache/tiered.py`, `warmstart/compile_cache/nothing.py`,\n"
+        "`tests/preload/test_environment.py::test_x`, `~/warmstart-server/writer.url` and `/etc/x/y`.\n\n"
+        f"[ok](#a-title), [gone](#no-title), [file]({ROOT}/docs/preload.md#what-must-match), "
+        f"[no file]({ROOT}/docs/nothing.md), [bad anchor]({ROOT}/docs/preload.md#nothing), [web](https://x.org/a.md).\n"
+    )
+    monkeypatch.setattr(Path, "relative_to", lambda self, other: self)
+    problems = _path_problems(doc)
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "no file warmstart/compile_cache/nothing.py",
+        "no anchor #no-title",
+        f"no file {ROOT}/docs/nothing.md",
+        f"no anchor {ROOT}/docs/preload.md#nothing",
+    ], problems
 
 
 # -- environment variables -------------------------------------------------------------------------------
