@@ -67,13 +67,22 @@ def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
     """What a guard can see of ``value``, the same in every process: constants by value, tensors by
     their metadata, dicts by all their keys in order, lists, tuples and sets by their items (by their
     length alone past two levels or 32 items, where the guard does not compare the whole value: the
-    items read have guards of their own), classes by their name and what their bodies and their bases' bodies hold
-    (:func:`class_content`), other objects with a name (modules, functions) by that name, and anything
-    else by its type, or, for a guard that compares values (``by_value``), by its own ``repr``.
+    items read have guards of their own), classes by their name and what their bodies and their
+    bases' bodies hold (:func:`class_content`), other objects with a name (modules, functions) by
+    that name, and anything else by its type, or, for a guard that compares values (``by_value``), by
+    its own ``repr``.
 
     Raises:
         NotDescribable: a value compared by its ``repr`` whose ``repr`` is too long to keep whole.
     """
+    described = _scalar(value)
+    if described is None and isinstance(value, (tuple, list, dict, set, frozenset)):
+        described = _container(value, depth, by_value)
+    return described if described is not None else _object(value, by_value)
+
+
+def _scalar(value: Any) -> str | None:
+    """A constant, a numpy value or a tensor's metadata; ``None`` for anything else."""
     import numpy
     import torch
 
@@ -81,45 +90,49 @@ def describe(value: Any, depth: int = 0, by_value: bool = False) -> str:
         return f"{type(value).__qualname__} {value!r}"
     if isinstance(value, numpy.ndarray):
         return f"ndarray {value.dtype} {value.shape}"
-    if isinstance(value, _CONSTANTS) or isinstance(
-        value, (torch.dtype, torch.device, torch.layout, torch.memory_format)
-    ):
+    if isinstance(value, (*_CONSTANTS, torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return f"{type(value).__qualname__} {value!r}"
     if isinstance(value, torch.Tensor):
         return (
             f"tensor {value.dtype} {value.device.type} {tuple(value.shape)} {tuple(value.stride())} "
             f"requires_grad={value.requires_grad}"
         )
+    return None
+
+
+def _container(value: Any, depth: int, by_value: bool) -> str:
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    if isinstance(value, (tuple, list)):
-        # A guard on a container's length checks only that; each item a frame reads has a guard of
-        # its own. A guard that compares the whole value sees every item, at any depth.
-        if not by_value and (depth >= 2 or len(value) > _MAX_ITEMS):
-            return f"{kind} len {len(value)}"
-        return _whole(f"{kind} [" + ", ".join(describe(v, depth + 1, by_value) for v in value) + "]")
     if isinstance(value, dict):
         # Every key, in order (Dynamo's loops over a dict follow it), whatever its type or their number.
         if all(isinstance(k, _CONSTANTS) for k in value):
             return _whole(f"{kind} keys {list(value)!r}")
         return _whole(f"{kind} keys [" + ", ".join(describe(k, depth + 1, by_value) for k in value) + "]")
-    if isinstance(value, (set, frozenset)):
-        if not by_value and len(value) > _MAX_ITEMS:
-            return f"{kind} len {len(value)}"
-        return _whole(f"{kind} {sorted(describe(v, depth + 1, by_value) for v in value)}")
+    # A guard on a container's length checks only that; each item a frame reads has a guard of its
+    # own. A guard that compares the whole value sees every item, at any depth.
+    ordered = isinstance(value, (tuple, list))
+    if not by_value and (len(value) > _MAX_ITEMS or (ordered and depth >= 2)):
+        return f"{kind} len {len(value)}"
+    items = [describe(v, depth + 1, by_value) for v in value]
+    return _whole(f"{kind} [" + ", ".join(items) + "]" if ordered else f"{kind} {sorted(items)}")
+
+
+def _object(value: Any, by_value: bool) -> str:
+    """A module, class or function by its name; another object by its type (and ``repr``)."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
     identity = global_identity(value)
     if identity is not None:
         return f"{identity} {class_content(value)}" if isinstance(value, type) else identity
-    if by_value and type(value).__repr__ is not object.__repr__:
-        try:
-            text = repr(value)
-        except Exception:
-            return f"object {kind}"
-        if len(text) > _MAX_REPR:
-            raise NotDescribable(f"the repr of a {kind} is {len(text)} characters long")
-        return f"object {kind} {text}"
-    return f"object {kind}"
+    if not by_value or type(value).__repr__ is object.__repr__:
+        return f"object {kind}"
+    try:
+        text = repr(value)
+    except Exception:
+        return f"object {kind}"
+    if len(text) > _MAX_REPR:
+        raise NotDescribable(f"the repr of a {kind} is {len(text)} characters long")
+    return f"object {kind} {text}"
 
 
 def _whole(text: str) -> str:
