@@ -44,6 +44,8 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+from warmstart import torch_internals
+
 log = logging.getLogger("warmstart.cache")
 
 #: The largest module (parameters and buffers) a worker is given a copy of; above it the code
@@ -103,10 +105,9 @@ def state_of(compiled: Any) -> Background | None:
 
 
 def _wrap(model: Any, compiled: Any, kwargs: dict[str, Any]) -> Any:
-    import torch
-
     reason = _not_eligible(model, kwargs)
-    if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
+    optimized_module = torch_internals.resolve("OptimizedModule")
+    if optimized_module is not None and isinstance(compiled, optimized_module):
         if reason is None and hasattr(model, "_initialize_hook"):  # torch's own test for lazy modules
             reason = "a module with lazy parameters"
         state = Background(_describe(model), model, kwargs, eager=model.__call__, compiled=compiled.forward)
@@ -475,11 +476,12 @@ def recompile_probe(code: CodeType | None) -> BaseException | None:
         frame = frame.f_back
     if frame is None:
         return None
-    from torch._dynamo.exc import RecompileError
-
+    recompile_error = torch_internals.resolve("RecompileError")
+    if recompile_error is None:
+        return None
     name = getattr(code, "co_name", "?")
-    stop = RecompileError(f"warmstart: {name} would recompile; a background worker compiles it")
-    stop._warmstart_probe = True  # type: ignore[attr-defined]
+    stop = recompile_error(f"warmstart: {name} would recompile; a background worker compiles it")
+    stop._warmstart_probe = True
     return stop
 
 
@@ -555,7 +557,8 @@ def _payload(model: Any, compile_kwargs: dict[str, Any], calls: list[Any]) -> by
 def _specs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     """A call's inputs with each tensor replaced by its :class:`_TensorSpec` (other values as they are)."""
     import torch
-    from torch.utils._pytree import tree_map
+
+    tree_map = torch_internals.require("tree_map")
 
     def spec(value: Any) -> Any:
         return _spec(value) if isinstance(value, torch.Tensor) else value

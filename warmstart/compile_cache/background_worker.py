@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from warmstart import torch_internals
+
 #: How long the worker waits for the store's background writes before it says it is done.
 FLUSH_TIMEOUT_S = 120.0
 
@@ -77,7 +79,8 @@ def main(argv: list[str]) -> int:
     payload = pickle.loads(where["code"])
     # Inductor writes the thread count into the C++ it generates: the job's, or its keys differ.
     torch.set_num_threads(payload["num_threads"])
-    from torch.utils._pytree import tree_map
+    tree_map = torch_internals.require("tree_map")
+    tree_leaves = torch_internals.require("tree_leaves")
 
     from warmstart.compile_cache.background import _TensorSpec
 
@@ -96,7 +99,7 @@ def main(argv: list[str]) -> int:
         # asked for, and the ones before it make Dynamo decide as the job's did (what it marks dynamic).
         for args, kwargs in payload["calls"]:
             out = compiled(*tree_map(make, args), **tree_map(make, kwargs))
-            leaves = torch.utils._pytree.tree_leaves(out)
+            leaves = tree_leaves(out)
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.stack([t.float().sum() for t in tensors]).sum().backward()

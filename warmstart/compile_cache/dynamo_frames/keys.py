@@ -9,6 +9,7 @@ import pickle
 import types
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache.dynamo_frames.state import enabled
 from warmstart.compile_cache.dynamo_identity import code_digest, code_qualname, stable_repr
 
@@ -21,10 +22,7 @@ def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynami
     """The key of ``function``'s frames: the function (module, qualified name, code), the module's
     structure (``repr``) when a module is compiled, the backend's options, ``dynamic``,
     ``fullgraph`` and torch's Dynamo, AOTAutograd and Inductor configs."""
-    import torch._dynamo.config
-    import torch._functorch.config
-    import torch._inductor.config
-
+    configs = [torch_internals.require(name) for name in ("dynamo_config", "functorch_config", "inductor_config")]
     h = hashlib.sha256()
     for part in (
         f"format={FORMAT}",
@@ -36,7 +34,7 @@ def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynami
         f"dynamic={dynamic} fullgraph={fullgraph}",
     ):
         h.update(part.encode() + b"\0")
-    for config in (torch._dynamo.config, torch._functorch.config, torch._inductor.config):
+    for config in configs:
         # Paths (where torch is installed, where debug output goes: the working directory) are this
         # machine's and change nothing Dynamo or Inductor produce.
         settings = sorted(
@@ -57,9 +55,7 @@ def backend_id(backend: Any, kwargs: dict) -> str | None:
     backend, a ``guard_filter_fn`` (it drops guards on purpose), torch's own precompile, or off."""
     if kwargs.get("package") is not None or kwargs.get("guard_filter_fn") is not None or not enabled():
         return None
-    import torch._dynamo.config as dynamo_config
-
-    if dynamo_config.caching_precompile:
+    if torch_internals.require("dynamo_config").caching_precompile:
         return None
     if backend == "inductor":
         return "inductor"

@@ -7,6 +7,7 @@ import dataclasses
 import pickle
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache import frame_reads
 from warmstart.compile_cache.dynamo_frames.keys import (
     FORMAT,
@@ -43,8 +44,10 @@ def _save(key: str) -> None:
     (regional compilation): each holds the frames it compiled (the first layer's input does not
     require grad, the next ones' does), and the stored entry must hold them all.
     """
-    from torch._dynamo.package import PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry
-    from torch._dynamo.precompile_context import PrecompileContext
+    PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry, PrecompileContext = (
+        torch_internals.require(name)
+        for name in ("PrecompileCacheEntry", "SourceInfo", "DynamoCacheEntry", "PrecompileContext")
+    )
 
     from warmstart.compile_cache import get_store
 
