@@ -45,6 +45,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from warmstart import torch_internals
+from warmstart.compile_cache.background_job import TensorSpec, start_time
 
 log = logging.getLogger("warmstart.cache")
 
@@ -382,8 +383,6 @@ class Background:
         """Start a worker for ``self._calls`` (with the pending call): ``None`` when one runs now (this
         process's, or another's that took the lock first), ``"done"`` when the result is there, else
         why no worker can compile the code."""
-        from warmstart.compile_cache.background_worker import start_time
-
         assert self._dir is not None and self._key is not None
         lock = os.open(self._dir / f"{self._key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -555,7 +554,7 @@ def _payload(model: Any, compile_kwargs: dict[str, Any], calls: list[Any]) -> by
 
 
 def _specs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """A call's inputs with each tensor replaced by its :class:`_TensorSpec` (other values as they are)."""
+    """A call's inputs with each tensor replaced by its :class:`TensorSpec` (other values as they are)."""
     import torch
 
     tree_map = torch_internals.require("tree_map")
@@ -566,36 +565,8 @@ def _specs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return tree_map(spec, args), tree_map(spec, kwargs)
 
 
-def _spec(tensor: Any) -> _TensorSpec:
-    return _TensorSpec(tuple(tensor.shape), tensor.stride(), tensor.dtype, str(tensor.device), tensor.requires_grad)
-
-
-class _TensorSpec:
-    """A tensor's shape, strides, dtype, device and ``requires_grad``, for a worker to make one alike."""
-
-    def __init__(self, shape: tuple, stride: tuple, dtype: Any, device: str, requires_grad: bool) -> None:
-        self.shape, self.stride, self.dtype, self.device, self.requires_grad = (
-            shape,
-            stride,
-            dtype,
-            device,
-            requires_grad,
-        )
-
-    def make(self) -> Any:
-        import torch
-
-        empty = any(s == 0 for s in self.shape)
-        storage = 0 if empty else sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True)) + 1
-        if self.dtype.is_floating_point or self.dtype.is_complex:
-            flat = torch.randn(storage, dtype=self.dtype, device=self.device)
-        else:  # integers index: zeros are in range of anything they index
-            flat = torch.zeros(storage, dtype=self.dtype, device=self.device)
-        tensor = torch.as_strided(flat, self.shape, self.stride).detach()
-        return tensor.requires_grad_(self.requires_grad)
-
-    def __repr__(self) -> str:
-        return f"Tensor{self.shape}/{self.stride}/{self.dtype}/{self.device}/{self.requires_grad}"
+def _spec(tensor: Any) -> TensorSpec:
+    return TensorSpec(tuple(tensor.shape), tensor.stride(), tensor.dtype, str(tensor.device), tensor.requires_grad)
 
 
 def _key(model: Any, compile_kwargs: dict[str, Any], calls: list[Any]) -> str:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from warmstart import torch_internals
+from warmstart.compile_cache.background_job import TensorSpec, start_time
 
 #: How long the worker waits for the store's background writes before it says it is done.
 FLUSH_TIMEOUT_S = 120.0
@@ -52,17 +53,6 @@ def _end_with_the_job(job: str) -> None:
     threading.Thread(target=watch, name="ws-worker-watch", daemon=True).start()
 
 
-def start_time(pid: int) -> str | None:
-    """``pid``'s start time, ``None`` when it has ended (a zombie has ended: only its parent has not
-    read its status yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 def main(argv: list[str]) -> int:
     _end_with_the_job(os.environ["WARMSTART_COMPILE_WORKER_JOB"])
     job_path = Path(argv[0])
@@ -82,10 +72,8 @@ def main(argv: list[str]) -> int:
     tree_map = torch_internals.require("tree_map")
     tree_leaves = torch_internals.require("tree_leaves")
 
-    from warmstart.compile_cache.background import _TensorSpec
-
     def make(value):
-        return value.make() if isinstance(value, _TensorSpec) else value
+        return value.make() if isinstance(value, TensorSpec) else value
 
     target = payload["target"]
     start = time.perf_counter()

@@ -231,7 +231,7 @@ def request_message(argv: list[str], cwd: str, fds: list[int], ignored: list[int
         "environ": dict(os.environ),
         "umask": _umask(),
         "rlimits": _rlimits(),
-        "cgroup": _read("/proc/self/cgroup"),
+        "cgroup": kernel_state.read_proc("/proc/self/cgroup"),
         "isolation": isolation,
         "placement": kernel_state.placement(),
         "start_ts": _start_ts(),
@@ -430,14 +430,6 @@ def _start_ts() -> float | None:
     from warmstart import _launch
 
     return _launch.process_start_ts()
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def _info(line: str) -> None:

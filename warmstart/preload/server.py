@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from warmstart import torch_internals
 from warmstart.preload import environment, kernel_state, shutdown, wire
+from warmstart.preload.handoff import DRY_RUN, Request
 from warmstart.preload.watch import ImportedFiles, importable_entries, stamp
 from warmstart.torch_internals import COMPILE_ENTRY_MODULES, COMPILER_MODULES
 
@@ -92,24 +93,6 @@ STORE_MODULES = (
 #: them again whenever it has been idle half this long. Files on local filesystems are watched
 #: (:mod:`warmstart.preload.watch`): a change there is known at once.
 STALE_CHECK_S = 1.0
-
-#: A child that could not become the program (its setup failed) ends with this status before
-#: running any of it, after telling its process why.
-CHILD_DECLINED = 213
-#: What a child asked only whether it would run its process (``cache doctor``) writes where a child
-#: that cannot run its process writes why: counted neither as served nor as refused.
-DRY_RUN = b"\0dry run"
-
-
-@dataclass
-class Request:
-    """A process's request to be run, as the forked child receives it: the connection to read the
-    rest from (the process's command line, environment and descriptors), and where to write why, if
-    the child cannot run it."""
-
-    conn: socket.socket
-    reason_fd: int
-    preloader_socket: str
 
 
 @dataclass
