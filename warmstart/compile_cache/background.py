@@ -69,7 +69,7 @@ def mode(environ: Mapping[str, str] | None = None) -> str:
     """
     from warmstart.config import compile_mode_setting
 
-    return compile_mode_setting(os.environ if environ is None else environ)
+    return compile_mode_setting(environ)
 
 
 def hook_torch_compile(torch_module: Any) -> None:

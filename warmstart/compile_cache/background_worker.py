@@ -24,6 +24,7 @@ from pathlib import Path
 
 from warmstart import torch_internals
 from warmstart.compile_cache.background_job import TensorSpec, start_time
+from warmstart.config import compile_worker_job
 
 #: How long the worker waits for the store's background writes before it says it is done.
 FLUSH_TIMEOUT_S = 120.0
@@ -54,7 +55,7 @@ def _end_with_the_job(job: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    _end_with_the_job(os.environ["WARMSTART_COMPILE_WORKER_JOB"])
+    _end_with_the_job(compile_worker_job())
     job_path = Path(argv[0])
     with open(job_path, "rb") as f:
         blob = f.read()

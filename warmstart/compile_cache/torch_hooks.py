@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, cast
 from warmstart import torch_internals, torch_support
 from warmstart.compile_cache import dynamo_frames, import_hooks
 from warmstart.compile_cache.storage import fail_open
+from warmstart.config import torch_compile_job_id, torch_pgo_key_given, torch_variable_set
 from warmstart.torch_internals import (
     FRAME_HOOKS,
     FRAMES_MODULES,
@@ -123,7 +124,7 @@ def configure_environment(environ: MutableMapping[str, str], job_id: str | None 
     if has_triton:
         for name, value in TRITON_ENV.items():
             environ.setdefault(name, value)
-    if not (environ.get("TORCH_COMPILE_JOB_ID") or environ.get("TORCH_COMPILE_STICKY_PGO_KEY")):
+    if not torch_pgo_key_given(environ):
         environ["TORCH_COMPILE_JOB_ID"] = pgo_job_id(job_id)
 
 
@@ -312,8 +313,9 @@ def _set_job_id(module: ModuleType) -> None:
     # torch reads TORCH_COMPILE_JOB_ID when torch.compiler.config is imported; when that happened
     # before warmstart.enable() exported it, set it here.
     compiler_config = cast("ConfigModule", module)  # whose attributes are its settings
-    if compiler_config.job_id is None and os.environ.get("TORCH_COMPILE_JOB_ID"):
-        compiler_config.job_id = os.environ["TORCH_COMPILE_JOB_ID"]
+    job_id = torch_compile_job_id()
+    if compiler_config.job_id is None and job_id:
+        compiler_config.job_id = job_id
 
 
 def _patch(module_name: str, without: str) -> Callable[[Callable[[ModuleType], None]], Callable[[ModuleType], None]]:
@@ -504,7 +506,7 @@ def _meta_without_our_switches(inductor_meta: Any, where: str, exc: Exception) -
     if not _autotune_decided:
         # An Inductor compile worker: its parent decided and handed the switches over in the meta;
         # one the environment did not set was warmstart's.
-        ours |= {attr for _m, attr, env in TRITON_FLAGS if env not in os.environ}
+        ours |= {attr for _m, attr, env in TRITON_FLAGS if not torch_variable_set(env)}
     if not isinstance(inductor_meta, dict) or not any(inductor_meta.get(attr) for attr in ours):
         return None
     fail_open(f"torch's {where}, switched on by warmstart", exc)

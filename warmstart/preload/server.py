@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from warmstart import torch_internals
+from warmstart.config import take_preload_ready_fd
 from warmstart.preload import environment, kernel_state, shutdown, wire
 from warmstart.preload.handoff import DRY_RUN, Request
 from warmstart.preload.watch import ImportedFiles, importable_entries, stamp
@@ -518,14 +519,14 @@ def _say_ready(status: dict) -> None:
     import json
 
     line = json.dumps({k: v for k, v in status.items() if k != "fingerprint"}) + "\n"
-    fd = os.environ.pop("WARMSTART_PRELOAD_READY_FD", None)
+    fd = take_preload_ready_fd()
     if fd is None:
         sys.stdout.write(line)
         sys.stdout.flush()
         return
     with contextlib.suppress(OSError):
-        os.write(int(fd), line.encode())
-        os.close(int(fd))
+        os.write(fd, line.encode())
+        os.close(fd)
 
 
 def _listen(path: str) -> socket.socket:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import weakref
 from typing import Any
@@ -99,7 +98,7 @@ def enabled() -> bool:
         from warmstart.config import dynamo_frames_setting
 
         try:
-            STATE.enabled = dynamo_frames_setting(os.environ)
+            STATE.enabled = dynamo_frames_setting()
         except Exception:  # get_store() already warned about the setting
             STATE.enabled = False
         if STATE.enabled:
