@@ -126,6 +126,9 @@ INTERNALS: dict[str, Internal] = {
     ),
     # -- the preloader (preload/server.py)
     "funcname_cache": Internal("torch._dynamo.funcname_cache", None, "each forked child builds Dynamo's tables"),
+    "get_overridable_functions": Internal(
+        "torch.overrides", "_get_overridable_functions", "each forked child builds torch's overridable functions"
+    ),
     # -- compiled frames (dynamo_frames/, frame_reads.py)
     "innermost_fn": _frames("torch._dynamo.eval_frame", "innermost_fn"),
     "CompilePackage": _frames("torch._dynamo.package", "CompilePackage"),
@@ -317,6 +320,8 @@ PATCHED: dict[str, tuple[tuple[str, tuple[str, ...] | None], ...]] = {
     ),
     "torch._inductor.codecache": (
         ("_precompile_header", ("header", "hashable_cmd_line")),
+        ("_HEADER_DIR", None),
+        ("_HEADER_LOCK_DIR", None),
         ("write", None),
         ("CppTorchDeviceOptions", None),
         ("CppBuilder", None),

@@ -659,10 +659,8 @@ def _fill_dynamo_tables() -> None:
     whole file). Both depend only on the modules' code, which the preloader already watches: a forked
     child's first compile starts with them (20-40 ms of CPU less, on the reference job's model)."""
     try:
-        import torch.overrides
-
         funcname_cache = torch_internals.require("funcname_cache")
-        torch.overrides._get_overridable_functions()
+        torch_internals.require("get_overridable_functions")()
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None)
             if name.startswith(_INLINED_PACKAGES) and isinstance(path, str) and path.endswith(".py"):
