@@ -72,11 +72,14 @@ $(NEWEST_STAMP): requirements-cpu.txt pyproject.toml Makefile
 test-newest: $(NEWEST_STAMP) system-deps
 	$(NEWEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS)
 
-# ruff (pycodestyle, pyflakes, bugbear; the formatter) and mypy, configured in pyproject.toml.
+# ruff (pycodestyle, pyflakes, bugbear; the formatter) and mypy, configured in pyproject.toml; no import
+# cycle among warmstart's modules; WARMSTART_* read only in warmstart/config.py.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(PY) tools/check_imports.py
+	$(PY) tools/check_env_reads.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

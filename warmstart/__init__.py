@@ -80,6 +80,7 @@ def _activate(pgo_job_id: str | None) -> None:
     ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
     """
     from warmstart import compile_cache
+    from warmstart import torch_internals
     from warmstart.compile_cache import dynamo_frames, import_hooks, torch_hooks
 
     torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
@@ -87,7 +88,7 @@ def _activate(pgo_job_id: str | None) -> None:
     dynamo_frames.reset()
     # Compile spans for the ETT metrics, registered once torch's compile callbacks exist: importing
     # them here would import all of torch into every process.
-    import_hooks.on_import("torch._dynamo.callback", _install_compile_spans)
+    import_hooks.on_import(torch_internals.INTERNALS["callback_handler"].module, _install_compile_spans)
     # In torchrun's own process: its restarts rejoin without the first join's delay.
     import_hooks.on_import("torch.distributed.elastic.rendezvous.dynamic_rendezvous", _rejoin_at_once)
     compile_cache.add_observer(_cache_spans)

@@ -17,7 +17,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -518,13 +518,14 @@ class Settings:
         return cls(**values)  # type: ignore[arg-type]
 
 
-def compile_mode_setting(env: Mapping[str, str]) -> str:
+def compile_mode_setting(env: Mapping[str, str] | None = None) -> str:
     """``WARMSTART_COMPILE``: ``inline`` (torch's own way, the default) or ``background`` (run eagerly
     until a compile worker has filled the cache, then switch); always ``inline`` in a compile worker.
 
     Raises:
         ConfigError: another value.
     """
+    env = os.environ if env is None else env
     if env.get("WARMSTART_COMPILE_WORKER") == "1":
         return "inline"
     raw = env.get("WARMSTART_COMPILE", "").strip().lower() or "inline"
@@ -533,17 +534,96 @@ def compile_mode_setting(env: Mapping[str, str]) -> str:
     return raw
 
 
-def dynamo_frames_setting(env: Mapping[str, str]) -> bool:
+def dynamo_frames_setting(env: Mapping[str, str] | None = None) -> bool:
     """``WARMSTART_DYNAMO``: whether Dynamo's output is shared (``1``; off by default), read on its own
     for the hook that needs only it (``Settings.from_env`` also checks the key file and the URL).
 
     Raises:
         ConfigError: a value other than ``1``, ``0`` or empty.
     """
+    env = os.environ if env is None else env
     raw = env.get("WARMSTART_DYNAMO", "").strip()
     if raw not in ("", "0", "1"):
         raise ConfigError("WARMSTART_DYNAMO", env["WARMSTART_DYNAMO"], "1 (on), 0 or unset (off)")
     return raw == "1"
+
+
+def dynamo_frames_given(environ: Mapping[str, str] | None = None) -> str | None:
+    """``WARMSTART_DYNAMO`` as given, ``None`` where unset: passed on as it is to a job's processes,
+    which check it themselves (:func:`dynamo_frames_setting`)."""
+    env = os.environ if environ is None else environ
+    return env.get("WARMSTART_DYNAMO")
+
+
+def warmstart_on(environ: Mapping[str, str] | None = None) -> bool:
+    """``WARMSTART=1``: warmstart runs in a process started with ``environ`` (default this one's)."""
+    env = os.environ if environ is None else environ
+    return env.get("WARMSTART") == "1"
+
+
+def compile_worker_job(environ: Mapping[str, str] | None = None) -> str:
+    """``WARMSTART_COMPILE_WORKER_JOB``: ``<pid>:<start time>`` of the job a background compile's
+    worker was started for (set by the job; a worker ends with it).
+
+    Raises:
+        KeyError: unset, in a process no job started as its worker.
+    """
+    env = os.environ if environ is None else environ
+    return env["WARMSTART_COMPILE_WORKER_JOB"]
+
+
+# -- the preloader (warmstart/preload/); its hand-over in the start-up hook reads its own few, with
+# built-in modules only (preload/client.py, preload/environment.py)
+
+
+def preload_setting(environ: Mapping[str, str] | None = None) -> str:
+    """``WARMSTART_PRELOAD`` as given (empty where unset): ``1`` or empty hands a process over."""
+    env = os.environ if environ is None else environ
+    return env.get("WARMSTART_PRELOAD", "")
+
+
+def preload_socket(environ: Mapping[str, str] | None = None) -> str | None:
+    """``WARMSTART_PRELOAD_SOCKET``: the preloader's socket chosen by the user, ``None`` where unset
+    or empty (a path per user and environment then)."""
+    env = os.environ if environ is None else environ
+    return env.get("WARMSTART_PRELOAD_SOCKET") or None
+
+
+def preload_modules(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``WARMSTART_PRELOAD_MODULES``: comma-separated modules a preloader imports besides its own."""
+    env = os.environ if environ is None else environ
+    return [m.strip() for m in env.get("WARMSTART_PRELOAD_MODULES", "").split(",") if m.strip()]
+
+
+def take_preload_ready_fd(environ: MutableMapping[str, str] | None = None) -> int | None:
+    """``WARMSTART_PRELOAD_READY_FD``, removed from ``environ`` (default this process's, so that no
+    child inherits it): the descriptor a starting preloader says it serves on; ``None`` where unset."""
+    env = os.environ if environ is None else environ
+    fd = env.pop("WARMSTART_PRELOAD_READY_FD", None)
+    return None if fd is None else int(fd)
+
+
+# -- torch's own variables, read where warmstart decides whether to set torch's switches
+
+
+def torch_pgo_key_given(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the user named torch's PGO state (``TORCH_COMPILE_JOB_ID`` or
+    ``TORCH_COMPILE_STICKY_PGO_KEY``): warmstart then leaves it as it is."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("TORCH_COMPILE_JOB_ID") or env.get("TORCH_COMPILE_STICKY_PGO_KEY"))
+
+
+def torch_compile_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """``TORCH_COMPILE_JOB_ID``, ``None`` where unset or empty."""
+    env = os.environ if environ is None else environ
+    return env.get("TORCH_COMPILE_JOB_ID") or None
+
+
+def torch_variable_set(variable: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torch's environment variable ``variable`` (one of the switches ``torch_hooks`` turns
+    on) is set, so that its value is the user's and not warmstart's."""
+    env = os.environ if environ is None else environ
+    return variable in env
 
 
 def _read_secret(env: Mapping[str, str]) -> bytes | None:

@@ -14,11 +14,11 @@ import json
 import sys
 
 if "--checked" in sys.argv:
-    from warmstart.compile_cache import torch_support
+    from warmstart import torch_support
 
     torch_support.TORCH_VERSIONS_CHECKED = tuple(sys.argv[sys.argv.index("--checked") + 1].split(","))
 if "--frames-checked" in sys.argv:
-    from warmstart.compile_cache import torch_support
+    from warmstart import torch_support
 
     torch_support.FRAMES_VERSIONS_CHECKED = tuple(sys.argv[sys.argv.index("--frames-checked") + 1].split(","))
 if "--force-autotune" in sys.argv:
@@ -42,7 +42,8 @@ def main() -> None:
     losses = [_loss(16), _loss(24)]
     import torch._inductor.config as inductor_config
 
-    from warmstart.compile_cache import get_store, torch_hooks
+    from warmstart import torch_internals
+    from warmstart.compile_cache import get_store
 
     result = {
         "torch": torch.__version__,
@@ -52,7 +53,7 @@ def main() -> None:
         "fx_graph_remote_cache": inductor_config.fx_graph_remote_cache,
         # Whether every hook compiled frames need went in (asking dynamo_frames.enabled() here would
         # say a warning the job itself might not have said).
-        "frames": get_store() is not None and not torch_hooks.unhooked(torch_hooks.FRAMES_MODULES),
+        "frames": get_store() is not None and not torch_internals.unhooked(torch_internals.FRAMES_MODULES),
         "triton": "triton" in sys.modules,
     }
     print("RESULT " + json.dumps(result), flush=True)

@@ -20,7 +20,7 @@ import torch
 
 from _redis import RedisNode, closed_port_url
 
-from warmstart.compile_cache import torch_support
+from warmstart import torch_support
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "benchmarks" / "compile_job.py"

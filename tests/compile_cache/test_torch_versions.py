@@ -22,7 +22,7 @@ import pytest
 from _machine import machine_env
 from _redis import in_ci
 
-from warmstart.compile_cache import torch_hooks, torch_support
+from warmstart import torch_internals, torch_support
 
 JOB = Path(__file__).with_name("_versions_job.py")
 #: The Triton ``make setup`` installs beside the venv, outside its packages (see test_triton_manager).
@@ -97,8 +97,8 @@ def test_the_warning_names_the_version_and_what_is_off():
 def test_every_internal_a_hook_relies_on_is_there_in_this_torch():
     import importlib
 
-    for name in torch_hooks.INTERNALS:
-        torch_hooks.check_internals(name, importlib.import_module(name))
+    for name in torch_internals.PATCHED:
+        torch_internals.check_internals(name, importlib.import_module(name))
 
 
 def test_a_moved_internal_is_found_before_its_hook_goes_in():
@@ -109,9 +109,9 @@ def test_a_moved_internal_is_found_before_its_hook_goes_in():
     renamed = types.ModuleType("torch._inductor.cpu_vec_isa")
     renamed.VecISA = VecISA  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match="expected \\(self, output_path"):
-        torch_hooks.check_internals("torch._inductor.cpu_vec_isa", renamed)
+        torch_internals.check_internals("torch._inductor.cpu_vec_isa", renamed)
     with pytest.raises(AttributeError, match="GraphLowering.codegen is gone"):
-        torch_hooks.check_internals("torch._inductor.graph", types.ModuleType("torch._inductor.graph"))
+        torch_internals.check_internals("torch._inductor.graph", types.ModuleType("torch._inductor.graph"))
 
 
 # -- jobs --------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_a_switch_that_makes_torch_raise_is_turned_off_with_one_warning(tmp_path
 
 def test_the_doctor_says_when_torch_is_unchecked(tmp_path):
     code = (
-        "import sys; from warmstart.compile_cache import torch_support; "
+        "import sys; from warmstart import torch_support; "
         "torch_support.TORCH_VERSIONS_CHECKED = ('0.0.1',); "
         "from warmstart.cli import main; sys.argv = ['warmstart', 'cache', 'doctor', '--json']; main()"
     )

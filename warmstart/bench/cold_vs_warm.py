@@ -43,6 +43,7 @@ from warmstart.bench.supervise import (
     start_preloaders,
     stop_preloaders,
 )
+from warmstart.config import dynamo_frames_given
 
 CONFIGS = ("baseline", "cold", "warm")
 """The three configurations, in the order they run (``warm`` needs the cache ``cold`` filled)."""
@@ -357,8 +358,9 @@ def _job_env(
                 "WARMSTART_COMPILE": compile_mode,
             }
         )
-        if "WARMSTART_DYNAMO" in os.environ:  # the one setting the caller chooses: compiled frames on or off
-            env["WARMSTART_DYNAMO"] = os.environ["WARMSTART_DYNAMO"]
+        dynamo = dynamo_frames_given()  # the one setting the caller chooses: compiled frames on or off
+        if dynamo is not None:
+            env["WARMSTART_DYNAMO"] = dynamo
     return env
 
 

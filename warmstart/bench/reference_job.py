@@ -58,7 +58,9 @@ def _import_compiler() -> None:
     # compile bucket holds what caching can change.
     import importlib
 
-    for name in ("torch._dynamo", "torch._functorch._aot_autograd.autograd_cache", "torch._inductor.compile_fx"):
+    from warmstart.torch_internals import COMPILE_ENTRY_MODULES
+
+    for name in COMPILE_ENTRY_MODULES:
         importlib.import_module(name)
 
 

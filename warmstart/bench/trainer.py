@@ -31,7 +31,6 @@ from typing import IO
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 from torch.utils.data import DataLoader
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -45,6 +44,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from warmstart import torch_internals
 from warmstart.bench.config import JobConfig
 from warmstart.bench.data import NUM_DENSE, ClickLogDataset, make_loader, make_tables
 from warmstart.bench.model import DenseOverArch, DLRMTrain, embedding_configs
@@ -242,7 +242,7 @@ class Trainer:
         # an edit to one recompiles that one only (docs/compile_cache.md, "Edits")
         dense_over.compile_regions(**_COMPILE_KWARGS)
         # row-wise Adagrad, applied by TorchRec's fused kernels during backward
-        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": cfg.lr_sparse})
+        torch_internals.require("apply_optimizer_in_backward")(RowWiseAdagrad, ebc.parameters(), {"lr": cfg.lr_sparse})
         return DLRMTrain(ebc, dense_over)
 
     def _synthetic_dense_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,8 +296,7 @@ class Trainer:
         run_dir = getattr(self.rec, "run_dir", None)
         if run_dir is None:
             return
-        from torch._dynamo.utils import counters
-
+        counters = torch_internals.require("dynamo_counters")
         compile_counters = {
             key: counters[group][key]
             for group, key in (

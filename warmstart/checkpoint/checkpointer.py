@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from warmstart import torch_internals
 from warmstart.checkpoint import layout
 from warmstart.checkpoint.interval import AdaptiveInterval
 from warmstart.checkpoint.mode import AsyncMode
@@ -785,9 +786,10 @@ def _holds_key(path: Path, key: str) -> bool:
 
 
 def _has_sharded_tensor(obj: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(obj, ShardedTensor):
+    sharded_tensor = torch_internals.resolve("ShardedTensor")
+    if sharded_tensor is None:
+        return False
+    if isinstance(obj, sharded_tensor):
         return True
     if isinstance(obj, Mapping):
         return any(_has_sharded_tensor(v) for v in obj.values())

@@ -44,6 +44,9 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+from warmstart import torch_internals
+from warmstart.compile_cache.background_job import TensorSpec, start_time
+
 log = logging.getLogger("warmstart.cache")
 
 #: The largest module (parameters and buffers) a worker is given a copy of; above it the code
@@ -66,7 +69,7 @@ def mode(environ: Mapping[str, str] | None = None) -> str:
     """
     from warmstart.config import compile_mode_setting
 
-    return compile_mode_setting(os.environ if environ is None else environ)
+    return compile_mode_setting(environ)
 
 
 def hook_torch_compile(torch_module: Any) -> None:
@@ -103,10 +106,9 @@ def state_of(compiled: Any) -> Background | None:
 
 
 def _wrap(model: Any, compiled: Any, kwargs: dict[str, Any]) -> Any:
-    import torch
-
     reason = _not_eligible(model, kwargs)
-    if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
+    optimized_module = torch_internals.resolve("OptimizedModule")
+    if optimized_module is not None and isinstance(compiled, optimized_module):
         if reason is None and hasattr(model, "_initialize_hook"):  # torch's own test for lazy modules
             reason = "a module with lazy parameters"
         state = Background(_describe(model), model, kwargs, eager=model.__call__, compiled=compiled.forward)
@@ -381,8 +383,6 @@ class Background:
         """Start a worker for ``self._calls`` (with the pending call): ``None`` when one runs now (this
         process's, or another's that took the lock first), ``"done"`` when the result is there, else
         why no worker can compile the code."""
-        from warmstart.compile_cache.background_worker import start_time
-
         assert self._dir is not None and self._key is not None
         lock = os.open(self._dir / f"{self._key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -475,11 +475,12 @@ def recompile_probe(code: CodeType | None) -> BaseException | None:
         frame = frame.f_back
     if frame is None:
         return None
-    from torch._dynamo.exc import RecompileError
-
+    recompile_error = torch_internals.resolve("RecompileError")
+    if recompile_error is None:
+        return None
     name = getattr(code, "co_name", "?")
-    stop = RecompileError(f"warmstart: {name} would recompile; a background worker compiles it")
-    stop._warmstart_probe = True  # type: ignore[attr-defined]
+    stop = recompile_error(f"warmstart: {name} would recompile; a background worker compiles it")
+    stop._warmstart_probe = True
     return stop
 
 
@@ -553,9 +554,10 @@ def _payload(model: Any, compile_kwargs: dict[str, Any], calls: list[Any]) -> by
 
 
 def _specs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """A call's inputs with each tensor replaced by its :class:`_TensorSpec` (other values as they are)."""
+    """A call's inputs with each tensor replaced by its :class:`TensorSpec` (other values as they are)."""
     import torch
-    from torch.utils._pytree import tree_map
+
+    tree_map = torch_internals.require("tree_map")
 
     def spec(value: Any) -> Any:
         return _spec(value) if isinstance(value, torch.Tensor) else value
@@ -563,36 +565,8 @@ def _specs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return tree_map(spec, args), tree_map(spec, kwargs)
 
 
-def _spec(tensor: Any) -> _TensorSpec:
-    return _TensorSpec(tuple(tensor.shape), tensor.stride(), tensor.dtype, str(tensor.device), tensor.requires_grad)
-
-
-class _TensorSpec:
-    """A tensor's shape, strides, dtype, device and ``requires_grad``, for a worker to make one alike."""
-
-    def __init__(self, shape: tuple, stride: tuple, dtype: Any, device: str, requires_grad: bool) -> None:
-        self.shape, self.stride, self.dtype, self.device, self.requires_grad = (
-            shape,
-            stride,
-            dtype,
-            device,
-            requires_grad,
-        )
-
-    def make(self) -> Any:
-        import torch
-
-        empty = any(s == 0 for s in self.shape)
-        storage = 0 if empty else sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True)) + 1
-        if self.dtype.is_floating_point or self.dtype.is_complex:
-            flat = torch.randn(storage, dtype=self.dtype, device=self.device)
-        else:  # integers index: zeros are in range of anything they index
-            flat = torch.zeros(storage, dtype=self.dtype, device=self.device)
-        tensor = torch.as_strided(flat, self.shape, self.stride).detach()
-        return tensor.requires_grad_(self.requires_grad)
-
-    def __repr__(self) -> str:
-        return f"Tensor{self.shape}/{self.stride}/{self.dtype}/{self.device}/{self.requires_grad}"
+def _spec(tensor: Any) -> TensorSpec:
+    return TensorSpec(tuple(tensor.shape), tensor.stride(), tensor.dtype, str(tensor.device), tensor.requires_grad)
 
 
 def _key(model: Any, compile_kwargs: dict[str, Any], calls: list[Any]) -> str:

@@ -22,6 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+from warmstart import torch_internals
+from warmstart.compile_cache.background_job import TensorSpec, start_time
+from warmstart.config import compile_worker_job
+
 #: How long the worker waits for the store's background writes before it says it is done.
 FLUSH_TIMEOUT_S = 120.0
 
@@ -50,19 +54,8 @@ def _end_with_the_job(job: str) -> None:
     threading.Thread(target=watch, name="ws-worker-watch", daemon=True).start()
 
 
-def start_time(pid: int) -> str | None:
-    """``pid``'s start time, ``None`` when it has ended (a zombie has ended: only its parent has not
-    read its status yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 def main(argv: list[str]) -> int:
-    _end_with_the_job(os.environ["WARMSTART_COMPILE_WORKER_JOB"])
+    _end_with_the_job(compile_worker_job())
     job_path = Path(argv[0])
     with open(job_path, "rb") as f:
         blob = f.read()
@@ -77,12 +70,11 @@ def main(argv: list[str]) -> int:
     payload = pickle.loads(where["code"])
     # Inductor writes the thread count into the C++ it generates: the job's, or its keys differ.
     torch.set_num_threads(payload["num_threads"])
-    from torch.utils._pytree import tree_map
-
-    from warmstart.compile_cache.background import _TensorSpec
+    tree_map = torch_internals.require("tree_map")
+    tree_leaves = torch_internals.require("tree_leaves")
 
     def make(value):
-        return value.make() if isinstance(value, _TensorSpec) else value
+        return value.make() if isinstance(value, TensorSpec) else value
 
     target = payload["target"]
     start = time.perf_counter()
@@ -96,7 +88,7 @@ def main(argv: list[str]) -> int:
         # asked for, and the ones before it make Dynamo decide as the job's did (what it marks dynamic).
         for args, kwargs in payload["calls"]:
             out = compiled(*tree_map(make, args), **tree_map(make, kwargs))
-            leaves = torch.utils._pytree.tree_leaves(out)
+            leaves = tree_leaves(out)
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.stack([t.float().sum() for t in tensors]).sum().backward()

@@ -115,7 +115,7 @@ def diagnose(environ: Mapping[str, str] | None = None) -> Diagnosis:
 
 def _check_torch(settings, diagnosis: Diagnosis) -> None:
     # The installed torch's version, from its metadata: the doctor does not import torch.
-    from warmstart.compile_cache import torch_support
+    from warmstart import torch_support
 
     version = torch_support.torch_version()
     if version is None:

@@ -33,6 +33,7 @@ import types
 import weakref
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache.dynamo_identity import global_identity, named
 
 #: Guards that are not about a value a source names (checked by torch itself on every call).
@@ -248,7 +249,7 @@ def changed_value(expected: list[tuple[str, str]], guards_state: Any) -> str | N
     saw, as a phrase; ``None`` when all are the same."""
     import builtins
 
-    from torch._dynamo.guards import _get_closure_vars
+    _get_closure_vars = torch_internals.require("get_closure_vars")
 
     output_graph = guards_state.output_graph
     scope = {"L": output_graph.local_scope, "G": output_graph.global_scope, "__builtins__": builtins.__dict__.copy()}
@@ -344,7 +345,8 @@ def _call_text(name: str) -> str:
 def real_hook_guards():
     """While installing frames, the hook guards Dynamo recorded check for real that each hooks
     dictionary it found empty is still empty, on every call (Dynamo itself skips them by default)."""
-    from torch._dynamo.guards import GuardBuilder, get_verbose_code_parts
+    GuardBuilder = torch_internals.require("GuardBuilder")
+    get_verbose_code_parts = torch_internals.require("get_verbose_code_parts")
 
     original = GuardBuilder.__dict__["EMPTY_NN_MODULE_HOOKS_DICT"]
 

@@ -1,6 +1,7 @@
-"""The only module that touches torch's and Triton's internals. Checked against the torch releases in
+"""The hooks warmstart puts into torch's and Triton's internals. Checked against the torch releases in
 ``torch_support.TORCH_VERSIONS_CHECKED``; on any other, compiled frames stay off and each hook goes in
-only where the torch internals it wraps have the signature it expects (:data:`INTERNALS`).
+only where the torch internals it wraps have the signature it expects (``torch_internals.PATCHED``).
+Every private torch name used here, or anywhere in warmstart, is listed in ``torch_internals.py``.
 
 What it plugs in, all through the process-wide store (``get_store()``):
 
@@ -50,12 +51,20 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, MutableMapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
-from warmstart.compile_cache import dynamo_frames, import_hooks, torch_support
+from warmstart import torch_internals, torch_support
+from warmstart.compile_cache import dynamo_frames, import_hooks
 from warmstart.compile_cache.storage import fail_open
+from warmstart.config import torch_compile_job_id, torch_pgo_key_given, torch_variable_set
+from warmstart.torch_internals import (
+    FRAME_HOOKS,
+    FRAMES_MODULES,
+    REMOTE_CACHE_CLASSES,
+    check_internals,
+)
 
 if TYPE_CHECKING:
     from torch.utils._config_module import ConfigModule
@@ -63,15 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmstart.cache")
 
 TORCH_VERSIONS_CHECKED = torch_support.TORCH_VERSIONS_CHECKED
-
-#: Remote-cache class in ``torch._inductor.remote_cache`` -> artifact kind.
-REMOTE_CACHE_CLASSES = {
-    "RemoteFxGraphCache": "fx_graph",
-    "RemoteAOTAutogradCache": "aot_autograd",
-    "RemoteAutotuneCache": "autotune",
-    "RemoteBundledAutotuneCache": "autotune",
-    "RemoteDynamoPGOCache": "pgo",
-}
 
 #: torch's remote-cache switches: (config module, attribute, the environment variable torch reads it
 #: from). Set in this process's config when the module is imported, unless the user chose a value
@@ -124,7 +124,7 @@ def configure_environment(environ: MutableMapping[str, str], job_id: str | None 
     if has_triton:
         for name, value in TRITON_ENV.items():
             environ.setdefault(name, value)
-    if not (environ.get("TORCH_COMPILE_JOB_ID") or environ.get("TORCH_COMPILE_STICKY_PGO_KEY")):
+    if not torch_pgo_key_given(environ):
         environ["TORCH_COMPILE_JOB_ID"] = pgo_job_id(job_id)
 
 
@@ -198,8 +198,6 @@ def _entry_from_command_line(args: list[str]) -> str | None:
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {}
 #: torch module -> what warmstart does without its patch, said when the patch cannot go in.
 _WITHOUT: dict[str, str] = {}
-#: torch module -> whether its patch went in (False: it raised); absent until the module is imported.
-_hooked: dict[str, bool] = {}
 FRAMES_OFF = "compiled frames (WARMSTART_DYNAMO) are off"
 
 
@@ -218,7 +216,7 @@ def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -
     if name in FRAMES_ONLY_MODULES and not torch_support.frames_checked_here():
         # Compiled frames rest on Dynamo's internals: off, said by the version's warning, or here
         # where they are asked for (nothing of theirs runs later to say it).
-        _hooked[name] = False
+        torch_internals.record_hooked(name, False)
         if checked and _bundle_autograd:
             torch_support.warn_frames_off()
         return
@@ -226,7 +224,7 @@ def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -
         check_internals(name, module)
         patch(module)
     except Exception:  # a torch change must cost caching, never the job
-        _hooked[name] = False
+        torch_internals.record_hooked(name, False)
         # On a torch nobody checked, the one warning already said that such hooks are left out.
         log.log(
             logging.WARNING if checked else logging.DEBUG,
@@ -238,93 +236,7 @@ def _apply(name: str, patch: Callable[[ModuleType], None], module: ModuleType) -
             exc_info=log.isEnabledFor(logging.DEBUG),
         )
     else:
-        _hooked[name] = True
-
-
-#: torch module -> the internals its patch relies on: (dotted attribute, the names its leading
-#: parameters must have, or ``None`` where only its presence matters). Checked before the patch goes
-#: in, on every torch version, so that a torch whose internals moved loses that hook (compiling
-#: uncached there) rather than having a wrapper call its functions with the wrong arguments.
-INTERNALS: dict[str, tuple[tuple[str, tuple[str, ...] | None], ...]] = {
-    "torch._inductor.remote_cache": (
-        ("RemoteCache", None),
-        ("RemoteCacheBackend", None),
-        *((cls_name, None) for cls_name in REMOTE_CACHE_CLASSES),
-    ),
-    "torch._inductor.cpp_builder": (
-        ("CppBuilder.build", ("self",)),
-        ("CppBuilder.get_command_line", ("self",)),
-        ("CppBuilder.get_target_file_path", ("self",)),
-    ),
-    "torch._inductor.codecache": (
-        ("_precompile_header", ("header", "hashable_cmd_line")),
-        ("write", None),
-        ("CppTorchDeviceOptions", None),
-        ("CppBuilder", None),
-        ("_worker_compile_cpp", None),
-        ("get_compiler_version_info", None),
-        ("CppPythonBindingsCodeCache.load_pybinding_async", ("argtypes", "main_code")),
-    ),
-    "torch._inductor.codegen.wrapper": (
-        ("PythonWrapperCodegen.define_kernel", ("self", "kernel_name", "kernel_body", "metadata", "gpu")),
-    ),
-    "torch._inductor.graph": (("GraphLowering.codegen", ("self",)),),
-    "torch._inductor.cpu_vec_isa": (("VecISA._probe_load", ("self", "output_path")),),
-    "torch._inductor.compile_fx": (("compile_fx", ("model_", "example_inputs_")),),
-    "torch._inductor.runtime.autotune_cache": (
-        ("AutotuneCacheBundler.begin_compile", ("inductor_meta",)),
-        ("AutotuneCache.create", ("inductor_meta", "filename", "configs_hash")),
-    ),
-    "torch._functorch._aot_autograd.runtime_wrappers": (("_AutogradBackwardCompiler.get_or_compile", ("self",)),),
-    "torch._dynamo.convert_frame": (
-        ("_compile", ("code", "globals", "locals")),
-        ("get_and_maybe_log_recompilation_reasons", ("cache_entries", "frame")),
-    ),
-    "torch._dynamo.guards": (("profile_guard_manager", None),),
-}
-
-
-def check_internals(name: str, module: ModuleType) -> None:
-    """Check that ``module`` has the internals its patch relies on (:data:`INTERNALS`).
-
-    Raises:
-        AttributeError: one of them is missing.
-        TypeError: a function's leading parameters are not named as expected.
-    """
-    import inspect
-
-    for dotted, params in INTERNALS.get(name, ()):
-        obj: Any = module
-        for part in dotted.split("."):
-            if part not in dir(obj):  # dir(): a class attribute set only in __init__ would be missed
-                raise AttributeError(f"{name}.{dotted} is gone")
-            obj = getattr(obj, part)
-        if params is None:
-            continue
-        try:
-            signature = inspect.signature(inspect.unwrap(obj))
-        except (TypeError, ValueError):  # a builtin without a signature: its presence is all we know
-            continue
-        # Read from the class: a plain method's first parameter is ``self``; a classmethod's ``cls``
-        # is bound already, and a staticmethod has none.
-        if tuple(signature.parameters)[: len(params)] != params:
-            found = ", ".join(signature.parameters)
-            raise TypeError(f"{name}.{dotted} takes ({found}), expected ({', '.join(params)}, ...)")
-
-
-def unhooked(module_names: Iterable[str]) -> list[str]:
-    """Those of ``module_names`` whose patch is not in place. A module not imported yet is imported
-    first, so that its patch has run; one that cannot be imported counts as not hooked."""
-    missing = []
-    for name in module_names:
-        if name not in _hooked:
-            try:
-                importlib.import_module(name)
-            except Exception:
-                pass
-        if not _hooked.get(name, False):
-            missing.append(name)
-    return missing
+        torch_internals.record_hooked(name, True)
 
 
 # -- torch's switches, in this process's config ------------------------------------------------
@@ -401,8 +313,9 @@ def _set_job_id(module: ModuleType) -> None:
     # torch reads TORCH_COMPILE_JOB_ID when torch.compiler.config is imported; when that happened
     # before warmstart.enable() exported it, set it here.
     compiler_config = cast("ConfigModule", module)  # whose attributes are its settings
-    if compiler_config.job_id is None and os.environ.get("TORCH_COMPILE_JOB_ID"):
-        compiler_config.job_id = os.environ["TORCH_COMPILE_JOB_ID"]
+    job_id = torch_compile_job_id()
+    if compiler_config.job_id is None and job_id:
+        compiler_config.job_id = job_id
 
 
 def _patch(module_name: str, without: str) -> Callable[[Callable[[ModuleType], None]], Callable[[ModuleType], None]]:
@@ -491,8 +404,9 @@ def autotune_caches_usable() -> tuple[bool, str]:
 
     if importlib.util.find_spec("triton") is None:
         return False, "Triton is not installed"
-    from torch.utils import _triton
-
+    _triton = torch_internals.resolve("torch_triton")
+    if _triton is None:
+        return False, "this torch has no Triton helpers (torch.utils._triton)"
     if not _triton.has_triton():
         return False, "Triton has no device to compile for on this machine"
     try:
@@ -592,7 +506,7 @@ def _meta_without_our_switches(inductor_meta: Any, where: str, exc: Exception) -
     if not _autotune_decided:
         # An Inductor compile worker: its parent decided and handed the switches over in the meta;
         # one the environment did not set was warmstart's.
-        ours |= {attr for _m, attr, env in TRITON_FLAGS if env not in os.environ}
+        ours |= {attr for _m, attr, env in TRITON_FLAGS if not torch_variable_set(env)}
     if not isinstance(inductor_meta, dict) or not any(inductor_meta.get(attr) for attr in ours):
         return None
     fail_open(f"torch's {where}, switched on by warmstart", exc)
@@ -713,8 +627,8 @@ def _materialize_pch(command_line: str, original_build: Callable) -> None:
 def _place_pch(header: str, original_build: Callable | None) -> None:
     """Put ``header``'s deferred precompiled version in place: fetched from the store, else built
     (``original_build`` given) or left deferred (``None``: a prefetch)."""
-    from torch._inductor.codecache import LOCK_TIMEOUT
-    from torch.utils._filelock import FileLock
+    lock_timeout = torch_internals.require("codecache_lock_timeout")
+    file_lock = torch_internals.require("file_lock")
 
     with _pch_lock:
         header_lock = _header_locks.setdefault(header, threading.Lock())
@@ -730,7 +644,7 @@ def _place_pch(header: str, original_build: Callable | None) -> None:
         # truncated header has used 22 GB of memory).
         lock_path = pch_lock_path(header)
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-        with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+        with file_lock(lock_path, timeout=lock_timeout):
             placed = os.path.exists(target) or _fetch_pch(header, key, target)
             if not placed and original_build is None:
                 return  # a prefetch that found nothing: the first build that needs the header builds it
@@ -800,8 +714,10 @@ def cpp_object_key(command_line: str, target: str) -> str | None:
     flag (include paths, vector ISA, optimisation, compiler) stays as it is. ``None`` when an input
     cannot be read.
     """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
-
+    cache_dir = torch_internals.resolve("cache_dir")
+    default_cache_dir = torch_internals.resolve("default_cache_dir")
+    if cache_dir is None or default_cache_dir is None:
+        return None
     roots = sorted(
         {os.path.realpath(cache_dir()), cache_dir(), os.path.realpath(default_cache_dir()), default_cache_dir()},
         key=len,
@@ -964,7 +880,8 @@ def _hook_early_cpp_builds(wrapper: ModuleType) -> None:
 
 
 def _start_cpp_build(kernel_body: str) -> None:
-    from torch._inductor import async_compile, codecache
+    async_compile = torch_internals.require("async_compile")
+    codecache = torch_internals.require("codecache")
 
     # One compile thread: Inductor builds each kernel in line as the module loads, nothing to start.
     # (With cpp_wrapper, a kernel's body is its C++ alone, without this call: never started here.)
@@ -1020,9 +937,9 @@ _switch_saved = 0.0
 @contextlib.contextmanager
 def _short_switch_interval():
     global _switch_depth, _switch_saved
-    from torch._inductor import async_compile
-
-    if async_compile.get_compile_threads() <= 1:  # no compile threads: nothing waits for the GIL
+    async_compile = torch_internals.resolve("async_compile")
+    # no compile threads: nothing waits for the GIL
+    if async_compile is None or async_compile.get_compile_threads() <= 1:
         yield
         return
     with _switch_lock:
@@ -1190,15 +1107,6 @@ def _frames_scope(package):
 
 # -- Dynamo's output (see dynamo_frames) ------------------------------------------------------------
 
-#: torch module -> the function of ``dynamo_frames`` that hooks it.
-_FRAME_HOOKS = {
-    "torch._dynamo.eval_frame": "hook_eval_frame",
-    "torch._dynamo.package": "hook_package",
-    "torch._dynamo.variables.torch": "hook_constant_folds",
-    "torch._dynamo.precompile_context": "hook_precompile_context",
-    "torch._functorch._aot_autograd.autograd_cache": "hook_autograd_cache",
-}
-
 
 def _frames_hook(hook: str) -> Callable[[ModuleType], None]:
     def patch(module: ModuleType) -> None:
@@ -1207,11 +1115,9 @@ def _frames_hook(hook: str) -> Callable[[ModuleType], None]:
     return patch
 
 
-for _module_name, _hook in _FRAME_HOOKS.items():
+for _module_name, _hook in FRAME_HOOKS.items():
     _patch(_module_name, FRAMES_OFF)(_frames_hook(_hook))
 
-#: Every module whose patch compiled frames rely on: with one of them unhooked, they are off.
-FRAMES_MODULES = (*_FRAME_HOOKS, "torch._dynamo.guards", "torch._dynamo.convert_frame")
 #: Modules whose patch serves compiled frames alone: left unpatched on a torch compiled frames were
 #: not checked on, where they are off. ``convert_frame``'s also serves single-flight leases, and the
 #: guards' also times each frame's guards: they go in, without their frames' part (``_hook_guards``).

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from warmstart import torch_internals
+
 __all__ = ["GeneratorGuard", "undone_except_compiles"]
 
 log = logging.getLogger(__name__)
@@ -168,7 +170,8 @@ def _hooked() -> bool:
                 _hook_backward_compiles()
                 _hook_generator_setters()
                 _hooks_in_place = True
-            except (ImportError, AttributeError) as exc:  # another torch: the helper holds the guard throughout
+            except (torch_internals.MissingTorchInternal, AttributeError) as exc:
+                # another torch: the helper holds the guard throughout
                 log.debug("warmstart: cannot lend the generator guard during compiles: %s", exc)
                 _hooks_in_place = False
         return _hooks_in_place
@@ -182,9 +185,8 @@ def _hook_frame_compiles() -> None:
     after it has let go of its ``compile_lock``: a stage that holds the guard and compiles something
     itself never waits for a helper that waits for the guard.
     """
-    from torch._dynamo import convert_frame
-
-    callback_cls, convert_cls = convert_frame.CatchErrorsWrapper, convert_frame.ConvertFrameAssert
+    callback_cls = torch_internals.require("CatchErrorsWrapper")
+    convert_cls = torch_internals.require("ConvertFrameAssert")
     original_call, original_convert = callback_cls.__call__, convert_cls.__call__
 
     @functools.wraps(original_call)
@@ -207,15 +209,13 @@ def _hook_frame_compiles() -> None:
             hold.lend()
         return original_convert(self, *args, **kwargs)
 
-    callback_cls.__call__ = __call__  # type: ignore[method-assign]
-    convert_cls.__call__ = convert  # type: ignore[method-assign]
+    callback_cls.__call__ = __call__
+    convert_cls.__call__ = convert
 
 
 def _hook_backward_compiles() -> None:
     """Lend the guard while AOTAutograd compiles a backward at its first run on a helper's thread."""
-    from torch._functorch._aot_autograd import runtime_wrappers
-
-    compiler_cls = runtime_wrappers._AutogradBackwardCompiler
+    compiler_cls = torch_internals.require("AutogradBackwardCompiler")
     original = compiler_cls.get_or_compile
 
     @functools.wraps(original)
@@ -230,7 +230,7 @@ def _hook_backward_compiles() -> None:
             if hold.lent:
                 hold.take_again()
 
-    compiler_cls.get_or_compile = get_or_compile  # type: ignore[method-assign]
+    compiler_cls.get_or_compile = get_or_compile
 
 
 def _hook_generator_setters() -> None:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.utils.data
 from torch import nn
 
+from warmstart import torch_internals
 from warmstart.init_pipeline.generators import GeneratorGuard, undone_except_compiles
 from warmstart.init_pipeline.graph import StartupGraph
 from warmstart.init_pipeline.plan_cache import PlanOutcome, broadcast_plan, resolve_plan
@@ -252,9 +253,8 @@ def zero_initialized(build: Callable[[torch.device], nn.Module]) -> Callable[[to
 
 
 def _aot_autograd_counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return dict(counters["aot_autograd"])
+    counters = torch_internals.resolve("dynamo_counters")
+    return dict(counters["aot_autograd"]) if counters is not None else {}
 
 
 def _all_loaded_from_cache(before: dict[str, int]) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+from warmstart import torch_internals
 from warmstart.metrics.recorder import get_recorder
 
 _installed = False
@@ -36,9 +37,8 @@ def install_compile_spans() -> bool:
     with _lock:
         if _installed:
             return True
-        try:
-            from torch._dynamo.callback import callback_handler
-        except ImportError:
+        callback_handler = torch_internals.resolve("callback_handler")
+        if callback_handler is None:
             return False
         callback_handler.register_start_callback(_on_start)
         callback_handler.register_end_callback(_on_end)
@@ -52,8 +52,7 @@ def uninstall_compile_spans() -> None:
     with _lock:
         if not _installed:
             return
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = torch_internals.require("callback_handler")
         for registry, callback in (
             (callback_handler.start_callbacks, _on_start),
             (callback_handler.end_callbacks, _on_end),

@@ -28,8 +28,9 @@ import types
 from typing import Any, NoReturn
 
 from warmstart.preload import kernel_state, recording, shutdown, wire
-from warmstart.preload.client import HANDOVER_TIMEOUT_S, _read, program_mode
-from warmstart.preload.server import CHILD_DECLINED, DRY_RUN, Request
+from warmstart.preload.client import HANDOVER_TIMEOUT_S, program_mode
+from warmstart.preload.handoff import CHILD_DECLINED, DRY_RUN, Request
+from warmstart.preload.kernel_state import read_proc
 
 _PR_SET_PDEATHSIG = 1
 
@@ -195,7 +196,7 @@ def _die_with_parent() -> None:
 def _join_cgroup(theirs: str) -> None:
     """Move this child into the process's cgroups where they differ from the preloader's: a job's
     memory limits and its scheduler's cleanup must hold for its program. Raises when not allowed."""
-    mine = _read("/proc/self/cgroup")
+    mine = read_proc("/proc/self/cgroup")
     if not theirs or theirs == mine:
         return
     roots = _cgroup_roots()
@@ -218,7 +219,7 @@ def _join_cgroup(theirs: str) -> None:
 def _cgroup_roots() -> dict[str, tuple[str, str]]:
     """Hierarchy (its controllers, ``""`` for v2) -> (mount point, the hierarchy's path mounted there)."""
     roots = {}
-    for line in _read("/proc/self/mountinfo").splitlines():
+    for line in read_proc("/proc/self/mountinfo").splitlines():
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         if len(fields) < 5 or len(tail) < 3:

@@ -63,33 +63,48 @@ def program_mode(argv: list[str]) -> tuple[str, str, list[str]] | None:
     i = 1
     while i < len(argv):
         arg = argv[i]
-        if arg == "-c":
-            return ("command", argv[i + 1], argv[i + 2 :]) if i + 1 < len(argv) else None
-        if arg == "-m":
-            return ("module", argv[i + 1], argv[i + 2 :]) if i + 1 < len(argv) else None
+        if arg in ("-c", "-m"):
+            return _program_after(arg[1], argv, i + 1)
         if arg in ("-", "-i") or arg.startswith("--") and arg not in ("--check-hash-based-pycs",):
             return None
         if arg.startswith("-") and len(arg) > 1:
-            letters = arg[1:]
-            for j, letter in enumerate(letters):
-                if letter in "cm":  # -uc CODE, -um MOD
-                    rest = letters[j + 1 :] or (argv[i + 1] if i + 1 < len(argv) else None)
-                    if rest is None:
-                        return None
-                    skip = 1 if letters[j + 1 :] else 2
-                    return ("command" if letter == "c" else "module", rest, argv[i + skip :])
-                if letter in "WX" or letter == "-":  # -W arg, -X opt: the value is the rest or the next argument
-                    if not letters[j + 1 :]:
-                        i += 1
-                    break
-                if letter == "i":
-                    return None
-            if arg == "--check-hash-based-pycs":
-                i += 1
-            i += 1
+            after = _option_cluster(argv, i)
+            if not isinstance(after, int):
+                return after
+            i = after
             continue
         return ("script", arg, argv[i + 1 :])
     return None
+
+
+_MODES = {"c": "command", "m": "module"}
+
+
+def _program_after(letter: str, argv: list[str], i: int) -> tuple[str, str, list[str]] | None:
+    """The program of ``-c``/``-m`` (``letter``) whose code or module is ``argv[i]``; ``None`` when the
+    command line ends before it."""
+    return (_MODES[letter], argv[i], argv[i + 1 :]) if i < len(argv) else None
+
+
+def _option_cluster(argv: list[str], i: int) -> tuple[str, str, list[str]] | int | None:
+    """One argument of one-letter options at ``argv[i]`` (``-u``, ``-Bu``, ``-W error``, ``-uc CODE``):
+    the program it starts, ``None`` where it is one a preloader does not run (``-i``), else the index
+    of the argument after it and its value."""
+    arg = argv[i]
+    letters = arg[1:]
+    for j, letter in enumerate(letters):
+        rest = letters[j + 1 :]
+        if letter in _MODES:  # -uc CODE, -um MOD
+            return (_MODES[letter], rest, argv[i + 1 :]) if rest else _program_after(letter, argv, i + 1)
+        if letter in "WX-":  # -W arg, -X opt: the value is the rest or the next argument
+            if not rest:
+                i += 1
+            break
+        if letter == "i":
+            return None
+    if arg == "--check-hash-based-pycs":
+        i += 1
+    return i + 1
 
 
 def _unrunnable_script(path: str) -> str | None:
@@ -231,7 +246,7 @@ def request_message(argv: list[str], cwd: str, fds: list[int], ignored: list[int
         "environ": dict(os.environ),
         "umask": _umask(),
         "rlimits": _rlimits(),
-        "cgroup": _read("/proc/self/cgroup"),
+        "cgroup": kernel_state.read_proc("/proc/self/cgroup"),
         "isolation": isolation,
         "placement": kernel_state.placement(),
         "start_ts": _start_ts(),
@@ -430,14 +445,6 @@ def _start_ts() -> float | None:
     from warmstart import _launch
 
     return _launch.process_start_ts()
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def _info(line: str) -> None:

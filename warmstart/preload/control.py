@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from warmstart.config import preload_modules, preload_setting, preload_socket, warmstart_on
 from warmstart.errors import WarmstartError
 from warmstart.preload.client import handover_allowed, has_controlling_terminal
 
@@ -47,7 +48,7 @@ def start(
     base = dict(os.environ if environ is None else environ)
     path = socket_path or this_environment_socket(base)
     _check_socket_path(path)
-    wanted = [*DEFAULT_MODULES, *_split(base.get("WARMSTART_PRELOAD_MODULES", "")), *(modules or [])]
+    wanted = [*DEFAULT_MODULES, *preload_modules(base), *(modules or [])]
     running = status(path)
     if running is not None:
         tried = {*running.get("modules", []), *running.get("skipped", {})}
@@ -166,8 +167,9 @@ def preloaders() -> list[dict]:
     paths: set[str] = set()
     with contextlib.suppress(OSError):
         paths.update(os.path.join(private_dir(), n) for n in os.listdir(private_dir()) if n.endswith(".sock"))
-    if os.environ.get("WARMSTART_PRELOAD_SOCKET"):
-        paths.add(os.environ["WARMSTART_PRELOAD_SOCKET"])
+    given = preload_socket()
+    if given:
+        paths.add(given)
     for path in sorted(paths):
         answer = status(path)
         if answer is not None:
@@ -180,8 +182,9 @@ def this_environment_socket(environ: dict[str, str] | None = None) -> str:
     listen (``WARMSTART_PRELOAD_SOCKET``, else a path per user and fingerprint, as that
     interpreter's start-up hook sees it)."""
     base = dict(os.environ if environ is None else environ)
-    if base.get("WARMSTART_PRELOAD_SOCKET"):
-        return base["WARMSTART_PRELOAD_SOCKET"]
+    given = preload_socket(base)
+    if given:
+        return given
     probe = "from warmstart.preload import environment as e; print(e.default_socket(fp=e.site_fingerprint))"
     env = {**as_started(base), "WARMSTART": "1", "WARMSTART_PRELOAD_SERVE": "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
@@ -194,10 +197,10 @@ def would_hand_over(environ: dict[str, str] | None = None) -> tuple[bool, str]:
     """Whether a ``python`` started with ``environ`` (default: this one) would be handed over, and why
     (not)."""
     environ = dict(os.environ if environ is None else environ)
-    if environ.get("WARMSTART") != "1":
+    if not warmstart_on(environ):
         return False, "WARMSTART is not 1: warmstart is off in the process"
     if not handover_allowed(environ):
-        return False, f"WARMSTART_PRELOAD={environ['WARMSTART_PRELOAD']}"
+        return False, f"WARMSTART_PRELOAD={preload_setting(environ)}"
     # Asked from a new interpreter, whose start-up hook sees what the process's would.
     probe = "from warmstart.preload.control import _print_verdict; _print_verdict()"
     env = {**as_started(environ), "WARMSTART_PRELOAD_SERVE": "1"}
@@ -332,10 +335,6 @@ def _private_dir(path: str) -> None:
             f"{path} must be a directory of yours that nobody else can open (mode 0700); "
             "remove it, or set WARMSTART_PRELOAD_SOCKET to a path in a private directory"
         )
-
-
-def _split(text: str) -> list[str]:
-    return [m.strip() for m in text.split(",") if m.strip()]
 
 
 def _tail(path: str, lines: int = 15) -> str:

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import os
 
-from warmstart.preload.client import _read
-
 #: Namespaces a process can be in (``/proc/self/ns``), each compared by its inode.
 NAMESPACES = ("mnt", "net", "pid", "ipc", "uts", "user", "cgroup", "time")
 
@@ -62,6 +60,16 @@ _ISOLATION_NAMES = {
 }
 
 
+def read_proc(path: str) -> str:
+    """The text of ``path`` (a ``/proc`` file); empty where it cannot be read (another kernel, a
+    sandbox that hides it)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def isolation() -> dict:
     """This process's namespaces, root directory, group ids, capabilities, no-new-privileges flag,
     seccomp mode and security label."""
@@ -81,9 +89,9 @@ def isolation() -> dict:
         if field in status:
             found[field] = status[field]
     found["no_new_privs"] = status.get("NoNewPrivs", "0")
-    found["label"] = _read("/proc/self/attr/current").strip("\0\n ")
+    found["label"] = read_proc("/proc/self/attr/current").strip("\0\n ")
     for name in ("personality", "loginuid", "sessionid"):  # what the kernel fixes at exec or login
-        found[name] = _read(f"/proc/self/{name}").strip()
+        found[name] = read_proc(f"/proc/self/{name}").strip()
     found["session_keyring"] = _session_keyring()
     return found
 
@@ -118,8 +126,8 @@ def placement() -> dict:
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "policy": os.sched_getscheduler(0),
         "priority": os.sched_getparam(0).sched_priority,
-        "oom_score_adj": _read("/proc/self/oom_score_adj").strip(),
-        "timer_slack_ns": _read("/proc/self/timerslack_ns").strip(),
+        "oom_score_adj": read_proc("/proc/self/oom_score_adj").strip(),
+        "timer_slack_ns": read_proc("/proc/self/timerslack_ns").strip(),
     }
 
 
@@ -223,7 +231,7 @@ def _check_memory_policy(pid: int) -> None:
 
 def _status() -> dict[str, str]:
     fields = {}
-    for line in _read("/proc/self/status").splitlines():
+    for line in read_proc("/proc/self/status").splitlines():
         name, _, value = line.partition(":")
         fields[name] = value.strip()
     return fields

@@ -35,8 +35,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from warmstart import torch_internals
+from warmstart.config import take_preload_ready_fd
 from warmstart.preload import environment, kernel_state, shutdown, wire
+from warmstart.preload.handoff import DRY_RUN, Request
 from warmstart.preload.watch import ImportedFiles, importable_entries, stamp
+from warmstart.torch_internals import COMPILE_ENTRY_MODULES, COMPILER_MODULES
 
 log = logging.getLogger("warmstart.preload")
 
@@ -44,10 +48,7 @@ log = logging.getLogger("warmstart.preload")
 #: not installed is skipped, and named in its status.
 DEFAULT_MODULES = (
     "torch",
-    "torch._dynamo",
-    "torch._inductor.codecache",
-    "torch._inductor.compile_fx",
-    "torch._functorch._aot_autograd.autograd_cache",
+    *COMPILE_ENTRY_MODULES,
     "torch.distributed",
     "torch.utils.data",
     "torchrec",
@@ -55,77 +56,6 @@ DEFAULT_MODULES = (
     "torchrec.distributed.planner",
     "warmstart.metrics",
     "warmstart.compile_cache",
-)
-
-#: What torch loads lazily on a job's first ``torch.compile`` call (torch 2.13 on CPU; a name this torch
-#: lacks is skipped): Dynamo's backends, Inductor's per-device code generators, pattern passes and cache
-#: layers, ``torch.export``'s tracer and ``torch.utils.cpp_extension`` (which brings setuptools). A
-#: forked rank would otherwise import them in its first compile, on its critical path (about 0.1 s on
-#: a warm start). Imported after the requested modules and not listed with them.
-COMPILER_MODULES = (
-    "torch._appdirs",
-    "torch._dynamo.backends.cudagraphs",
-    "torch._dynamo.backends.distributed",
-    "torch._dynamo.backends.inductor",
-    "torch._dynamo.backends.onnxrt",
-    "torch._dynamo.backends.tensorrt",
-    "torch._dynamo.backends.torchxla",
-    "torch._dynamo.backends.tvm",
-    "torch._dynamo.dce_extra_outputs",
-    "torch._dynamo.repro.after_dynamo",
-    "torch._export.db.logging",
-    "torch._export.passes._node_metadata_hook",
-    "torch._export.passes.add_runtime_assertions_for_constraints_pass",
-    "torch._export.passes.collect_tracepoints_pass",
-    "torch._functorch._aot_autograd.subclass_codegen",
-    "torch._higher_order_ops.passes.inline_invoke_subgraph",
-    "torch._inductor.bounds",
-    "torch._inductor.choices",
-    "torch._inductor.codegen.cpp_wrapper_cpu_array_ref",
-    "torch._inductor.codegen.cpp_wrapper_gpu",
-    "torch._inductor.codegen.cpp_wrapper_mps",
-    "torch._inductor.codegen.cpu_device_op_overrides",
-    "torch._inductor.codegen.cuda.device_op_overrides",
-    "torch._inductor.codegen.cuda_combined_scheduling",
-    "torch._inductor.codegen.cutedsl.cutedsl_scheduling",
-    "torch._inductor.codegen.cutlass.scheduling",
-    "torch._inductor.codegen.halide",
-    "torch._inductor.codegen.memory_planning",
-    "torch._inductor.codegen.mps",
-    "torch._inductor.codegen.mps_device_op_overrides",
-    "torch._inductor.codegen.mtia.device_op_overrides",
-    "torch._inductor.codegen.nv_universal_gemm.nv_universal_gemm_scheduling",
-    "torch._inductor.codegen.nv_universal_gemm.nv_universal_gemm_utils",
-    "torch._inductor.codegen.pallas",
-    "torch._inductor.codegen.python_wrapper_mtia",
-    "torch._inductor.codegen.rocm.rocm_cpp_scheduling",
-    "torch._inductor.codegen.segmented_tree",
-    "torch._inductor.codegen.wrapper_fxir",
-    "torch._inductor.codegen.xpu.device_op_overrides",
-    "torch._inductor.codegen.xpu.xpu_combined_scheduling",
-    "torch._inductor.compiler_bisector",
-    "torch._inductor.extern_node_serializer",
-    "torch._inductor.fx_passes.apply_gumbel_max_trick",
-    "torch._inductor.fx_passes.efficient_conv_bn_eval",
-    "torch._inductor.fx_passes.freezing_patterns",
-    "torch._inductor.fx_passes.fuse_attention",
-    "torch._inductor.fx_passes.mkldnn_fusion",
-    "torch._inductor.fx_passes.pad_mm",
-    "torch._inductor.fx_passes.quantization",
-    "torch._inductor.fx_passes.serialized_patterns.addmm_pattern",
-    "torch._inductor.fx_passes.serialized_patterns.bmm_pattern",
-    "torch._inductor.fx_passes.serialized_patterns.mm_pattern",
-    "torch._inductor.hooks",
-    "torch._inductor.kernel_template_choice",
-    "torch._inductor.runtime.caching.implementations",
-    "torch._inductor.runtime.caching.memoizers",
-    "torch._subclasses.schema_check_mode",
-    "torch.export._leakage_detection_utils",
-    "torch.export._trace",
-    "torch.export._unlift",
-    "torch.fx.experimental.validator",
-    "torch.utils._cpp_embed_headers",
-    "torch.utils.cpp_extension",
 )
 
 #: What warmstart imports when a process opens its cache store, at its first ``torch.compile`` call
@@ -164,24 +94,6 @@ STORE_MODULES = (
 #: them again whenever it has been idle half this long. Files on local filesystems are watched
 #: (:mod:`warmstart.preload.watch`): a change there is known at once.
 STALE_CHECK_S = 1.0
-
-#: A child that could not become the program (its setup failed) ends with this status before
-#: running any of it, after telling its process why.
-CHILD_DECLINED = 213
-#: What a child asked only whether it would run its process (``cache doctor``) writes where a child
-#: that cannot run its process writes why: counted neither as served nor as refused.
-DRY_RUN = b"\0dry run"
-
-
-@dataclass
-class Request:
-    """A process's request to be run, as the forked child receives it: the connection to read the
-    rest from (the process's command line, environment and descriptors), and where to write why, if
-    the child cannot run it."""
-
-    conn: socket.socket
-    reason_fd: int
-    preloader_socket: str
 
 
 @dataclass
@@ -252,7 +164,7 @@ class Preloader:
         _skip_library_teardown()
         files = _module_files()
         files.update({path: stamp(path) for path in reads.files})  # data files read at import
-        if "torch._inductor.codecache" in sys.modules:
+        if torch_internals.INTERNALS["codecache"].module in sys.modules:
             files.update(_hash_torch_sources())
         # Python's advice for a process that forks without exec: what exists now is never touched by
         # a child's garbage collector (its pages stay shared), and a child's gc.get_objects() holds
@@ -607,14 +519,14 @@ def _say_ready(status: dict) -> None:
     import json
 
     line = json.dumps({k: v for k, v in status.items() if k != "fingerprint"}) + "\n"
-    fd = os.environ.pop("WARMSTART_PRELOAD_READY_FD", None)
+    fd = take_preload_ready_fd()
     if fd is None:
         sys.stdout.write(line)
         sys.stdout.flush()
         return
     with contextlib.suppress(OSError):
-        os.write(int(fd), line.encode())
-        os.close(int(fd))
+        os.write(fd, line.encode())
+        os.close(fd)
 
 
 def _listen(path: str) -> socket.socket:
@@ -705,8 +617,10 @@ def _hash_torch_sources() -> dict[str, tuple[int, int]]:
     import pkgutil
 
     import torch
-    from torch._inductor import codecache
 
+    codecache = torch_internals.resolve("codecache")
+    if codecache is None:  # each child computes the hash, as before
+        return {}
     try:
         codecache.torch_key()
     except Exception as exc:  # a torch whose key cannot be computed here: each child computes it, as before
@@ -745,10 +659,8 @@ def _fill_dynamo_tables() -> None:
     whole file). Both depend only on the modules' code, which the preloader already watches: a forked
     child's first compile starts with them (20-40 ms of CPU less, on the reference job's model)."""
     try:
-        import torch.overrides
-        from torch._dynamo import funcname_cache
-
-        torch.overrides._get_overridable_functions()
+        funcname_cache = torch_internals.require("funcname_cache")
+        torch_internals.require("get_overridable_functions")()
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None)
             if name.startswith(_INLINED_PACKAGES) and isinstance(path, str) and path.endswith(".py"):

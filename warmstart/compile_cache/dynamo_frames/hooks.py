@@ -11,6 +11,7 @@ import time
 import types
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache import frame_reads
 from warmstart.compile_cache.dynamo_frames.identities import NotPackaged, global_identities
 from warmstart.compile_cache.dynamo_frames.install import ReadChanged, installing_at_first_call, packaged_context
@@ -96,12 +97,11 @@ def note_flavor(flavor: str) -> None:
         installed = list(STATE.installed_codes)
         STATE.installed_codes.clear()
     if installed:
-        from torch._C._dynamo.eval_frame import _reset_precompile_entries
-
+        reset_precompile_entries = torch_internals.require("reset_precompile_entries")
         with dynamo_compile_lock():
             for code in installed:
                 with contextlib.suppress(Exception):
-                    _reset_precompile_entries(code)
+                    reset_precompile_entries(code)
     if installed or enabled():  # said only where compiled frames are on
         log.info(
             "warmstart: this process compiles in two ways (%s): compiled frames are not installed; Dynamo traces them",
@@ -198,7 +198,7 @@ def hook_constant_folds(torch_variables: types.ModuleType) -> None:
     and the like) in the package whose frame is being compiled."""
     variable = torch_variables.TorchInGraphFunctionVariable
     original = variable.call_function
-    from torch._dynamo.utils import check_unspec_or_constant_args
+    check_unspec_or_constant_args = torch_internals.require("check_unspec_or_constant_args")
 
     needs_guards = torch_variables.constant_fold_functions_need_guards
     pure = frame_reads.pure_folds()

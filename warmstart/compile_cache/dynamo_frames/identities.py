@@ -8,6 +8,7 @@ import sys
 import types
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache.dynamo_identity import global_identity
 
 #: Guards torch does not serialize that check an object's identity: kept for globals with a name.
@@ -53,7 +54,7 @@ def taken_name(entry: Any) -> str | None:
     in this process, or installed from another producer's entry, may hold the same name in the same
     module, and installing over it would make that function's frames resume in the wrong code.
     """
-    from torch._dynamo.package import SerializedCode
+    SerializedCode = torch_internals.require("SerializedCode")
 
     for code in entry.codes:
         if not code.install_to_global:

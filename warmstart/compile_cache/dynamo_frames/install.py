@@ -15,6 +15,7 @@ import types
 import weakref
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache import frame_reads
 from warmstart.compile_cache.dynamo_frames.identities import taken_name
 from warmstart.compile_cache.dynamo_frames.keys import FORMAT, KIND, entry_key, fingerprint, flavor, variant_key
@@ -39,8 +40,8 @@ def packaged_context(rebuild: tuple, fn: Any) -> Any:
     """A context like the one torch made, compiling ``fn`` with a package; ``None`` when ``fn`` is not
     a function with code of its own. The stored frames are looked up and installed at the first call
     (:func:`installing_at_first_call`)."""
-    from torch._dynamo.eval_frame import innermost_fn
-    from torch._dynamo.package import CompilePackage
+    innermost_fn = torch_internals.require("innermost_fn")
+    compile_package = torch_internals.require("CompilePackage")
 
     original_optimize, rebuild_ctx, backend, args, kwargs, backend_id = rebuild
     fn_key, module = _compiled_function(fn)
@@ -49,7 +50,7 @@ def packaged_context(rebuild: tuple, fn: Any) -> Any:
     if not isinstance(function, types.FunctionType):
         return None
     state = Package(label=function.__qualname__)
-    package = CompilePackage(fn=None, dynamo=None, ignore_inlined_sources=False)
+    package = compile_package(fn=None, dynamo=None, ignore_inlined_sources=False)
     package.initialize(fn_key, None, ignore_inlined_sources=False)
     state.pending = (
         package,
@@ -121,7 +122,7 @@ def _load(package: Any, state: Package, fn_key: Any, key: str) -> bool:
     """Install the stored frames of ``key`` (``state.key``) into ``package`` (initialized fresh, and
     fresh again when this fails); ``False`` (one log line where an entry was found but not used) when
     there is none or it cannot be used."""
-    from torch._dynamo.package import CompilePackage
+    compile_package = torch_internals.require("CompilePackage")
 
     if key in STATE.refused or STATE.mixed is not None:  # said once; traced as well
         return False
@@ -157,13 +158,12 @@ def _load(package: Any, state: Package, fn_key: Any, key: str) -> bool:
                 log.warning("warmstart: compiled frames of %s not used: %s; Dynamo traces them", state.label, unusable)
                 STATE.refused.add(key)
                 return False
-            CompilePackage.__init__(package, None)
+            compile_package.__init__(package, None)
             package.initialize(fn_key, entry.dynamo, ignore_inlined_sources=False)
             if store_key not in STATE.installed:  # another instance of the module installed the same frames
-                from torch._dynamo.precompile_context import PrecompileContext
-
+                precompile_context = torch_internals.require("PrecompileContext")
                 for artifact in entry.backends.values():  # so that a later save of this key has them
-                    PrecompileContext.record_artifact(artifact)
+                    precompile_context.record_artifact(artifact)
                 STATE.loading.values = stored["values"]
                 try:
                     with _keep_other_packages(), frame_reads.real_hook_guards():
@@ -244,27 +244,27 @@ def _reset(package: Any) -> None:
     gone. Globals left behind are unused names, and Dynamo's name counter moves past them; entries
     of other packages on the same code go too (those frames are traced).
     """
-    from torch._C._dynamo.eval_frame import _reset_precompile_entries
-    from torch._dynamo.package import CompilePackage
+    reset_precompile_entries = torch_internals.require("reset_precompile_entries")
+    compile_package = torch_internals.require("CompilePackage")
 
     for target in _package_codes(package):
         with contextlib.suppress(Exception):
-            _reset_precompile_entries(target)
+            reset_precompile_entries(target)
     with contextlib.suppress(Exception):
         _skip_installed_names({entry.python_module for entry in getattr(package, "_codes", {}).values()})
-    CompilePackage.__init__(package, None)
+    compile_package.__init__(package, None)
 
 
 def _package_codes(package: Any) -> list:
     """The code objects a package installs entries on (a helper's: the one its module holds)."""
-    from torch._dynamo.package import _lookup_code
+    lookup_code = torch_internals.require("lookup_code")
 
     targets = []
     for code, entry in list(getattr(package, "_codes", {}).items()):
         targets.append(code)
         if entry.code_source:
             with contextlib.suppress(Exception):  # not found: nothing was installed on it
-                targets.append(_lookup_code(entry))
+                targets.append(lookup_code(entry))
     return targets
 
 
@@ -273,7 +273,7 @@ def _keep_other_packages():
     # install() first clears the precompiled entries of the function's code: with regional
     # compilation several instances of one class share that code, and each installs its own entries
     # (their guards tell them apart). Clearing would throw away the ones installed before.
-    from torch._C._dynamo import eval_frame as c_eval_frame
+    c_eval_frame = torch_internals.require("c_eval_frame")
 
     original = c_eval_frame._reset_precompile_entries
     c_eval_frame._reset_precompile_entries = lambda code: None
@@ -287,7 +287,7 @@ def _skip_installed_names(module_names: set[str]) -> None:
     # Installing puts globals named by the producer's counter (``__builtins_dict___0``) into the
     # frames' modules. Dynamo names the globals of a frame it traces later with this process's
     # counter, starting at 0, and fails on a name that exists: move the counter past them.
-    from torch._dynamo import bytecode_transformation
+    bytecode_transformation = torch_internals.require("bytecode_transformation")
 
     highest = -1
     for module_name in module_names:

@@ -10,6 +10,7 @@ import pickle
 import types
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache.dynamo_frames.state import enabled
 from warmstart.compile_cache.dynamo_identity import code_digest, code_qualname, global_identity, stable_repr
 
@@ -27,10 +28,7 @@ def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynami
     say where or how fast, not what, it compiles (:data:`_NOT_WHAT_IS_COMPILED`); ``None`` when a
     setting cannot be described the same in every process (a custom pass with no ``uuid()``): its
     frames are not packaged."""
-    import torch._dynamo.config
-    import torch._functorch.config
-    import torch._inductor.config
-
+    configs = [torch_internals.require(name) for name in ("dynamo_config", "functorch_config", "inductor_config")]
     h = hashlib.sha256()
     for part in (
         f"format={FORMAT}",
@@ -42,7 +40,7 @@ def entry_key(function: types.FunctionType, module: Any, backend_id: str, dynami
         f"dynamic={dynamic} fullgraph={fullgraph}",
     ):
         h.update(part.encode() + b"\0")
-    for config in (torch._dynamo.config, torch._functorch.config, torch._inductor.config):
+    for config in configs:
         try:
             h.update(compile_settings(config).encode() + b"\0")
         except UndescribedSetting as exc:
@@ -116,9 +114,7 @@ def backend_id(backend: Any, kwargs: dict) -> str | None:
     backend, a ``guard_filter_fn`` (it drops guards on purpose), torch's own precompile, or off."""
     if kwargs.get("package") is not None or kwargs.get("guard_filter_fn") is not None or not enabled():
         return None
-    import torch._dynamo.config as dynamo_config
-
-    if dynamo_config.caching_precompile:
+    if torch_internals.require("dynamo_config").caching_precompile:
         return None
     if backend == "inductor":
         return "inductor"

@@ -7,6 +7,7 @@ import dataclasses
 import pickle
 from typing import Any
 
+from warmstart import torch_internals
 from warmstart.compile_cache import frame_reads
 from warmstart.compile_cache.dynamo_frames.keys import (
     FORMAT,
@@ -43,7 +44,7 @@ def _save(key: str) -> None:
     (regional compilation): each holds the frames it compiled (the first layer's input does not
     require grad, the next ones' does), and the stored entry must hold them all.
     """
-    from torch._dynamo.precompile_context import PrecompileContext
+    PrecompileContext = torch_internals.require("PrecompileContext")
 
     from warmstart.compile_cache import get_store
 
@@ -126,7 +127,9 @@ def _gather(key: str, artifacts: dict) -> _Gathered:
 
 def _entry_bytes(gathered: _Gathered, codes: list, artifacts: dict) -> bytes:
     """The stored entry: torch's precompile entry for ``codes``, with what loading it needs."""
-    from torch._dynamo.package import PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry
+    PrecompileCacheEntry, SourceInfo, _DynamoCacheEntry = (
+        torch_internals.require(name) for name in ("PrecompileCacheEntry", "SourceInfo", "DynamoCacheEntry")
+    )
 
     entry = _DynamoCacheEntry(
         codes=codes,

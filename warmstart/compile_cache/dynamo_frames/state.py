@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import weakref
 from typing import Any
 
+from warmstart import torch_internals, torch_support
 from warmstart.compile_cache import frame_reads
 
 log = logging.getLogger("warmstart.cache")
@@ -98,7 +98,7 @@ def enabled() -> bool:
         from warmstart.config import dynamo_frames_setting
 
         try:
-            STATE.enabled = dynamo_frames_setting(os.environ)
+            STATE.enabled = dynamo_frames_setting()
         except Exception:  # get_store() already warned about the setting
             STATE.enabled = False
         if STATE.enabled:
@@ -109,15 +109,15 @@ def enabled() -> bool:
 def _all_hooked() -> bool:
     # A frame runs from the store only where every check warmstart adds is in place: with one of its
     # patches missing (torch changed), none runs, rather than some with fewer checks.
-    from warmstart.compile_cache import torch_support
-    from warmstart.compile_cache.torch_hooks import FRAMES_MODULES, unhooked
-
     if not torch_support.checked_here():  # off on a torch nobody checked, as its one warning said
         return False
     if not torch_support.frames_checked_here():
         torch_support.warn_frames_off()
         return False
-    missing = unhooked(FRAMES_MODULES)
+    missing = torch_internals.unhooked(torch_internals.FRAMES_MODULES)
+    missing += [
+        torch_internals.INTERNALS[name].dotted for name in torch_internals.missing(torch_internals.FRAMES_INTERNALS)
+    ]
     if missing:
         log.warning(
             "warmstart: compiled frames are off: %s could not be hooked; torch compiles every frame itself",
@@ -134,6 +134,4 @@ def reset() -> None:
 
 def dynamo_compile_lock() -> Any:
     """Dynamo's own lock around frame compiles (reentrant: taken again inside a compile)."""
-    from torch._dynamo import convert_frame
-
-    return convert_frame.compile_lock
+    return torch_internals.require("compile_lock")

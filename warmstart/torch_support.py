@@ -1,12 +1,13 @@
 """Which torch releases warmstart was checked against, and what it leaves off on any other.
 
-warmstart's hooks reach into torch's internals (``torch_hooks.py``), which change between releases
-without notice. On a release in :data:`TORCH_VERSIONS_CHECKED` every hook goes in. On any other the
-job still runs, degraded and never failed: one warning per process names the version and what is off
-(compiled frames, whose safety rests on Dynamo's internals; any hook whose torch internals do not
-have the signature warmstart expects), and ``warmstart cache doctor`` says the same. This module only
-compares versions: it imports no torch internals, and reads torch's version from ``torch.version``
-(a plain generated module) or, where torch is not imported, from its installed metadata.
+warmstart reaches into torch's internals (each name listed in ``torch_internals.py``; the hooks are
+``compile_cache/torch_hooks.py``), which change between releases without notice. On a release in
+:data:`TORCH_VERSIONS_CHECKED` every hook goes in. On any other the job still runs, degraded and
+never failed: one warning per process names the version and what is off (compiled frames, whose
+safety rests on Dynamo's internals; any hook whose torch internals do not have the signature
+warmstart expects), and ``warmstart cache doctor`` says the same. This module only compares
+versions: it imports no torch internals, and reads torch's version from ``torch.version`` (a plain
+generated module) or, where torch is not imported, from its installed metadata.
 """
 
 from __future__ import annotations
