@@ -103,11 +103,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write all figures here")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each warm configuration (median reported)")
     args = parser.parse_args()
-    from rich.console import Console
-    from rich.table import Table
-
     from _new_machine import finish
     from _redis import RedisNode
+    from rich.console import Console
+    from rich.table import Table
 
     from warmstart.compile_cache.signing import generate_key_pair
 

@@ -60,10 +60,9 @@ def main() -> None:
     parser.add_argument("--machines", default="1,2,4")
     parser.add_argument("--json", default=None, help="write all figures here")
     args = parser.parse_args()
+    from _redis import RedisNode
     from rich.console import Console
     from rich.table import Table
-
-    from _redis import RedisNode
 
     console = Console(width=160)
     models = args.models.split(",")

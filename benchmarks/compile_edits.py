@@ -61,10 +61,9 @@ def main() -> None:
     parser.add_argument("--edits", default="act,deeper,wider")
     parser.add_argument("--json", default=None, help="write all figures here")
     args = parser.parse_args()
+    from _redis import RedisNode
     from rich.console import Console
     from rich.table import Table
-
-    from _redis import RedisNode
 
     console = Console(width=160)
     families, edits = args.models.split(","), args.edits.split(",")

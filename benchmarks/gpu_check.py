@@ -319,10 +319,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT / "tests"))
+    from _redis import RedisNode
     from rich.console import Console
     from rich.table import Table
-
-    from _redis import RedisNode
 
     from warmstart.compile_cache.signing import generate_key_pair
 

@@ -149,11 +149,10 @@ def main() -> None:
         print("RESULT " + json.dumps(machine(tables, world)), flush=True)
         return
 
+    from _redis import RedisNode
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
-
-    from _redis import RedisNode
 
     cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
     results = []

@@ -126,9 +126,8 @@ class _StoreClient:
     def __init__(self, url: str, key_file: str, run: str) -> None:
         import logging
 
-        from warmstart.compile_cache.remote import RemoteTier
-
         from warmstart.compile_cache import signing
+        from warmstart.compile_cache.remote import RemoteTier
 
         self.tier = RemoteTier(url, keys=signing.load_key_file(key_file), namespace=run)
         self.read_errors = self.write_errors = self._failures = 0
@@ -515,9 +514,8 @@ def phase_cost(args, workdir: Path, console) -> dict:
     finally:
         admin.close()
         stop(directory)
-    from warmstart.compile_cache.remote import RemoteTier
-
     from warmstart.compile_cache import signing
+    from warmstart.compile_cache.remote import RemoteTier
 
     tier = RemoteTier(
         url, keys=signing.load_key_file(key_file), namespace="steps"

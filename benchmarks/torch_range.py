@@ -61,7 +61,6 @@ def bench_model(model: str, work: Path, url: str, signing: Path, verify: Path) -
 
 def main() -> None:
     import torch
-
     from _redis import RedisNode
 
     from warmstart.compile_cache.signing import generate_key_pair

@@ -121,10 +121,9 @@ def main() -> None:
     )
     parser.add_argument("--json", default=None, help="write all figures here")
     args = parser.parse_args()
+    from _redis import RedisNode
     from rich.console import Console
     from rich.table import Table
-
-    from _redis import RedisNode
 
     from warmstart.compile_cache.signing import generate_key_pair
 

@@ -51,7 +51,7 @@ class PrometheusServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "PrometheusServer":
+    def start(self) -> PrometheusServer:
         binary = require_prometheus()
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = {  # JSON is YAML: prometheus reads it as is

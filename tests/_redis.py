@@ -97,7 +97,7 @@ def closed_port_url() -> str:
 # -- nodes and clusters ------------------------------------------------------------------------
 
 
-def _wait_ping(node: "RedisNode", timeout: float = 10.0, password: str | None = None) -> None:
+def _wait_ping(node: RedisNode, timeout: float = 10.0, password: str | None = None) -> None:
     import redis
 
     deadline = time.monotonic() + timeout  # hang guard for start-up, not a speed check
@@ -139,7 +139,7 @@ class RedisNode:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisNode":
+    def start(self) -> RedisNode:
         binary = require_redis_server()
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
@@ -194,7 +194,7 @@ class RedisCluster:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
-    def start(self) -> "RedisCluster":
+    def start(self) -> RedisCluster:
         require_redis_server()
         cli = require_redis_binary("redis-cli")
         try:

@@ -79,8 +79,7 @@ def _activate(pgo_job_id: str | None) -> None:
 
     ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
     """
-    from warmstart import compile_cache
-    from warmstart import torch_internals
+    from warmstart import compile_cache, torch_internals
     from warmstart.compile_cache import dynamo_frames, import_hooks, torch_hooks
 
     torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)

@@ -448,7 +448,7 @@ class Settings:
     """Which job, rank and attempt this process belongs to (see :func:`job_identity`)."""
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Build settings from ``environ`` (default ``os.environ``); keyword overrides win.
 
         Raises:

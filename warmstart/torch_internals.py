@@ -13,6 +13,7 @@ imported when the name is first asked for, where the caller would have imported 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -400,10 +401,8 @@ def unhooked(module_names: Iterable[str]) -> list[str]:
     not_hooked = []
     for name in module_names:
         if name not in _hooked:
-            try:
+            with contextlib.suppress(Exception):
                 importlib.import_module(name)
-            except Exception:
-                pass
         if not _hooked.get(name, False):
             not_hooked.append(name)
     return not_hooked

@@ -18,8 +18,8 @@ from _redis import require_redis_server
 
 from warmstart.bench import supervise
 from warmstart.bench.cold_vs_warm import BenchError, BenchOptions, run_cold_vs_warm
-from warmstart.bench.supervise import launcher_args, short_tmp_root
 from warmstart.bench.config import JobConfig
+from warmstart.bench.supervise import launcher_args, short_tmp_root
 from warmstart.compile_cache.doctor_checks import AF_UNIX_PATH_MAX, longest_socket_path
 
 

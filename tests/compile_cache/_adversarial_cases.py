@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import _adversarial_helper as helper
 import torch
 from torch import nn
 
-CASES: dict[str, tuple[str, Callable[[str], "Case"]]] = {}
+CASES: dict[str, tuple[str, Callable[[str], Case]]] = {}
 
 
 @dataclasses.dataclass

@@ -17,10 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _adversarial_cases as cases
 import torch
 from torch._dynamo.utils import counters
-
-import _adversarial_cases as cases
 
 
 class _Said(logging.Handler):

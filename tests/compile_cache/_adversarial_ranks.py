@@ -16,9 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-
-from _adversarial_job import run_case
 from _adversarial_cases import CASES, Case, _x, case
+from _adversarial_job import run_case
 
 
 def times_rank(x):

@@ -111,10 +111,10 @@ def test_import_hooks_run_once_after_the_import_and_never_break_it():
 
 def test_enable_exports_settings_to_children(tmp_path):
     proc = _python(
-        "import os, subprocess, sys, warmstart; warmstart.enable(cache_dir=%r, namespace='team-a'); "
+        f"import os, subprocess, sys, warmstart; warmstart.enable(cache_dir={str(tmp_path)!r}, namespace='team-a'); "
         "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"WARMSTART\"], "
         'os.environ["WARMSTART_NAMESPACE"], os.environ["WARMSTART_JOB_ID"][:4])\'], '
-        "capture_output=True, text=True).stdout.strip())" % str(tmp_path)
+        "capture_output=True, text=True).stdout.strip())"
     )
     assert proc.stdout.strip() == "1 team-a job-", proc.stderr
 

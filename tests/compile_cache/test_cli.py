@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import redis
-from click.testing import CliRunner
-
 from _isolation import short_tmpdir
 from _redis import closed_port_url
+from click.testing import CliRunner
+
 from warmstart.cli import cli
 from warmstart.compile_cache import open_store
 from warmstart.config import Settings

@@ -11,9 +11,9 @@ import os
 import time
 
 import pytest
+from _redis import RedisNode
 from click.testing import CliRunner
 
-from _redis import RedisNode
 from warmstart.cli import cli
 from warmstart.compile_cache import open_store
 from warmstart.compile_cache.explain import explain

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from _redis import RedisNode, free_port_block
 from _wait import until
+
 from warmstart import _defaults
 from warmstart.compile_cache import RemoteTier, TieredStore, get_store, open_store, signing
 from warmstart.compile_cache.storage import BREAKER_OPEN, ERROR, TIMEOUT
@@ -200,7 +200,7 @@ class DripServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -213,7 +213,7 @@ class DripServer:
                 try:
                     if not conn.recv(1 << 16):
                         return
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except OSError:
                     return

@@ -102,17 +102,19 @@ def test_private_settings_and_custom_passes_change_the_key():
 
 
 def test_a_setting_nothing_names_in_another_process_leaves_the_frames_unpackaged(caplog):
-    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
-        with caplog.at_level("DEBUG", logger="warmstart.cache"):
-            assert _key() is None
+    with (
+        torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None),
+        caplog.at_level("DEBUG", logger="warmstart.cache"),
+    ):
+        assert _key() is None
     assert "post_grad_custom_post_pass" in caplog.text and "not packaged" in caplog.text
 
 
 def test_what_says_where_or_how_fast_is_not_part_of_the_key():
     base = _key()
-    with torch._inductor.config.patch(compile_threads=torch._inductor.config.compile_threads + 3):
-        with torch._inductor.config.patch({"trace.enabled": not torch._inductor.config.trace.enabled}):
-            assert _key() == base
+    inductor = torch._inductor.config
+    with inductor.patch(compile_threads=inductor.compile_threads + 3, **{"trace.enabled": not inductor.trace.enabled}):
+        assert _key() == base
 
 
 def test_where_this_machine_keeps_files_is_not_part_of_the_key():

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from _redis import RedisNode
 from _wait import until
+
 from warmstart import _defaults
 from warmstart.compile_cache import open_store
 from warmstart.compile_cache.storage import Hit, Miss
@@ -110,12 +110,11 @@ def test_ranks_of_one_host_wait_on_the_local_lock_without_a_server(tmp_path):
 def test_a_compile_that_raises_releases_the_lease_and_a_waiter_takes_over(redis_node, tmp_path):
     a, b = _store(tmp_path / "a", redis_node.url), _store(tmp_path / "b", redis_node.url)
     waiter = None
-    with pytest.raises(RuntimeError, match="g\\+\\+ failed"):
-        with a.single_flight.scope():  # what a frame's compile is
-            assert not a.get(KIND, KEY)
-            waiter = _Lookup(b)
-            until(waiter.waiting)
-            raise RuntimeError("g++ failed")
+    with pytest.raises(RuntimeError, match="g\\+\\+ failed"), a.single_flight.scope():  # what a frame's compile is
+        assert not a.get(KIND, KEY)
+        waiter = _Lookup(b)
+        until(waiter.waiting)
+        raise RuntimeError("g++ failed")
     result = waiter.outcome()
     assert not result and result.reason == "absent"
     assert b.stats.counters_dict()["takeovers"] == 1 and b.single_flight.held == 1  # B compiles now
@@ -369,7 +368,8 @@ def test_a_read_only_job_waits_but_never_takes_a_lease(redis_node, tmp_path):
 
 @pytest.fixture(scope="module")
 def acl_server(tmp_path_factory):
-    from _redis import require_redis_server, free_port_block
+    from _redis import free_port_block, require_redis_server
+
     from warmstart.server import Credentials, ServerOptions, start, stop
 
     require_redis_server()

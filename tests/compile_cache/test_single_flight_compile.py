@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _machine import machine_env
 import redis
-
+from _machine import machine_env
 from _wait import until
 
 ROOT = Path(__file__).resolve().parents[2]

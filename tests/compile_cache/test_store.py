@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 import redis
-
 from _wait import until
+
 from warmstart.compile_cache import LocalTier, RemoteTier, TieredStore, open_store
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import BREAKER_OPEN, ERROR

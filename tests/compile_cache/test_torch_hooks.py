@@ -13,9 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 import _machine
+import pytest
 
 
 def machine_env(machine: Path, store: Path) -> dict[str, str]:
@@ -460,10 +459,9 @@ def test_the_gils_interval_comes_back_when_code_generation_raises(monkeypatch):
 
     monkeypatch.setattr(config, "compile_threads", 2)
     before = sys.getswitchinterval()
-    with pytest.raises(RuntimeError, match="codegen failed"):
+    with pytest.raises(RuntimeError, match="codegen failed"), torch_hooks._short_switch_interval():
         with torch_hooks._short_switch_interval():
-            with torch_hooks._short_switch_interval():
-                assert sys.getswitchinterval() == 0.001
-            assert sys.getswitchinterval() == 0.001  # the outer one is still generating
-            raise RuntimeError("codegen failed")
+            assert sys.getswitchinterval() == 0.001
+        assert sys.getswitchinterval() == 0.001  # the outer one is still generating
+        raise RuntimeError("codegen failed")
     assert sys.getswitchinterval() == before

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-
 from _redis import RedisNode, closed_port_url
 
 from warmstart import torch_support

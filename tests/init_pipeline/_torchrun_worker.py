@@ -16,13 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+import _plan_models as m
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import _plan_models as m
 from warmstart.init_pipeline import (
     CompileWarmup,
     StageFailed,

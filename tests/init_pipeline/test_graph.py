@@ -203,9 +203,10 @@ def test_thread_stage_timeout_fails_the_graph():
 
 
 def test_peer_failure_on_the_channel_fails_this_rank_naming_the_peer_stage():
-    from warmstart.init_pipeline import StoreFailureChannel
     import torch.distributed as dist
     from _redis import free_port
+
+    from warmstart.init_pipeline import StoreFailureChannel
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
     peer = StoreFailureChannel(store=store, name="startup")
@@ -223,9 +224,10 @@ def test_peer_failure_on_the_channel_fails_this_rank_naming_the_peer_stage():
 
 
 def test_local_failure_is_published_for_the_peers():
-    from warmstart.init_pipeline import StoreFailureChannel
     import torch.distributed as dist
     from _redis import free_port
+
+    from warmstart.init_pipeline import StoreFailureChannel
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
     g = StartupGraph("startup", rank=3, recorder=_null(), channel=StoreFailureChannel(store=store, name="startup"))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _plan_models as m
 import pytest
 from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner, SortBy
 from torchrec.distributed.planner.proposers import GreedyProposer
@@ -16,7 +17,6 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
-import _plan_models as m
 from warmstart.init_pipeline import PLAN_KIND, PlanMismatch, cached_plan, plan_key, resolve_plan, verify_plan
 from warmstart.init_pipeline.plan_cache import VERIFY_TIER
 

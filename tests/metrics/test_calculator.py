@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from _timelines import ev, nonzero, run_of, span
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _timelines import ev, nonzero, run_of, span
 from warmstart.metrics.buckets import STANDARD_BUCKETS
 from warmstart.metrics.calculator import Run, compute, load_runs
 from warmstart.metrics.events import EventFormatError, TornLineWarning, parse_event

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from click.testing import CliRunner
-
 from _chromium import CHROMIUM, assert_titles_clear, load
 from _timelines import T0, ev, span
+from click.testing import CliRunner
+
 from warmstart.cli import cli
 from warmstart.metrics.events import write_events
 from warmstart.metrics.windows import DEFAULT_WINDOWS, default_every

@@ -6,9 +6,9 @@ import html
 from pathlib import Path
 
 import pytest
-
 from _chromium import CHROMIUM, assert_titles_clear, load, overlaps
 from _timelines import ev, run_of, span
+
 from warmstart.metrics.calculator import compute, load_runs
 from warmstart.metrics.report_html import render_html
 from warmstart.metrics.windows import TimeFilter, apply

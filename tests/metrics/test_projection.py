@@ -8,9 +8,9 @@ import math
 import random
 
 import pytest
+from _timelines import ev, run_of, span
 from click.testing import CliRunner
 
-from _timelines import ev, run_of, span
 from warmstart.cli import cli
 from warmstart.errors import ConfigError
 from warmstart.metrics.events import write_events

@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from _wait import until
+
 from warmstart.errors import ConfigError
 from warmstart.metrics import NullRecorder, Recorder, get_recorder, read_events, reset_process_recorder
 

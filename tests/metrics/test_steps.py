@@ -7,12 +7,12 @@ import json
 import math
 
 import pytest
+from _steps_reference import analyse_steps as reference_analyse_steps
+from _timelines import ev, run_of, span
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _steps_reference import analyse_steps as reference_analyse_steps
-from _timelines import ev, run_of, span
 from warmstart.cli import cli
 from warmstart.metrics.events import parse_event, write_events
 from warmstart.metrics.steps import analyse_steps, margin_s, trimmed_median

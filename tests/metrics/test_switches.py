@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from _timelines import ev, nonzero, run_of, span
 from click.testing import CliRunner
 
-from _timelines import ev, nonzero, run_of, span
 from warmstart.cli import cli
 from warmstart.metrics.events import write_events
 

@@ -8,13 +8,13 @@ import json
 import math
 
 import pytest
+from _timelines import T0, ev, nonzero, span
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from _timelines import T0, ev, nonzero, span
 from test_calculator import _timelines as random_timelines
 from test_html_report import CHROMIUM, _load_in_chromium
+
 from warmstart.cli import cli
 from warmstart.metrics.calculator import Run, compute, load_runs
 from warmstart.metrics.events import parse_event, write_events

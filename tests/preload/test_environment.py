@@ -36,9 +36,12 @@ def _import_time_reads(source: str) -> set[str]:
                     names.update(name for name in map(text, values) if name)
         elif isinstance(node, ast.Subscript) and ast.unparse(node.value) in _ENVIRON and text(node.slice):
             names.add(text(node.slice))
-        elif isinstance(node, ast.Compare) and text(node.left):
-            if any(ast.unparse(c) in _ENVIRON for c in node.comparators):
-                names.add(text(node.left))
+        elif (
+            isinstance(node, ast.Compare)
+            and text(node.left)
+            and any(ast.unparse(c) in _ENVIRON for c in node.comparators)
+        ):
+            names.add(text(node.left))
         for child in ast.iter_child_nodes(node):
             visit(child)
 

@@ -14,7 +14,7 @@ from redis.retry import Retry
 
 from warmstart.compile_cache import signing
 from warmstart.compile_cache.remote import RemoteTier
-from warmstart.server import Credentials, KEY_PREFIX
+from warmstart.server import KEY_PREFIX, Credentials
 from warmstart.server.acl import CLUSTER_TOPOLOGY, CONNECTION, READ, WRITE
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import socket
 
 import pytest
-from click.testing import CliRunner
 from _redis import free_port_block
+from click.testing import CliRunner
 
 from warmstart.cli import cli
 from warmstart.server import ServerState

@@ -8,9 +8,9 @@ import os
 
 import pytest
 import redis
-from click.testing import CliRunner
 from _cli import start_json as _start_json
 from _redis import free_port_block
+from click.testing import CliRunner
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -171,12 +171,14 @@ def test_tls_cluster_serves_the_store_and_its_bus_wants_a_client_certificate(ser
     # TLS that trusts the server but shows no client certificate: refused.
     context = ssl.create_default_context(cafile=str(cert))
     context.check_hostname = False
-    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
-        with socket.create_connection(("127.0.0.1", bus), timeout=5) as raw:
-            with context.wrap_socket(raw) as tls:
-                tls.sendall(b"RCmb" + b"\0" * 64)
-                if not tls.recv(100):  # TLS 1.3 reports the missing certificate on the first read
-                    raise ConnectionError("closed")
+    with (
+        pytest.raises((ssl.SSLError, ConnectionError, OSError)),
+        socket.create_connection(("127.0.0.1", bus), timeout=5) as raw,
+        context.wrap_socket(raw) as tls,
+    ):
+        tls.sendall(b"RCmb" + b"\0" * 64)
+        if not tls.recv(100):  # TLS 1.3 reports the missing certificate on the first read
+            raise ConnectionError("closed")
     # With the nodes' certificate the bus does take the connection (mutual TLS, not a closed port).
     context.load_cert_chain(str(cert), str(key))
     with socket.create_connection(("127.0.0.1", bus), timeout=5) as raw, context.wrap_socket(raw) as tls:

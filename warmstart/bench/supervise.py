@@ -12,6 +12,7 @@ what the figures are, is ``cold_vs_warm``'s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -211,14 +212,10 @@ def _stop(proc: subprocess.Popen) -> None:
 def _kill(proc: subprocess.Popen) -> None:
     """Kill torchrun first (so that it restarts nothing), then every process under it."""
     left = _descendants(proc.pid)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
     _kill_all(left)
 
 
@@ -227,10 +224,8 @@ def _kill_all(pids: list[int]) -> None:
     # its loader workers, its compile workers), then any stray process by pid
     for pid in pids:
         for kill in (os.killpg, os.kill):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 # -- the no-progress watchdog ------------------------------------------------------------------------
@@ -484,7 +479,5 @@ class CacheServer:
         """Stop the server and wait for its processes; a failure is ignored (the server is a throwaway)."""
         from warmstart import server
 
-        try:
+        with contextlib.suppress(WarmstartError, OSError):
             server.stop(self.directory)
-        except (WarmstartError, OSError):
-            pass

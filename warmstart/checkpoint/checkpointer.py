@@ -26,12 +26,13 @@ import time
 import uuid
 import warnings
 import weakref
+from collections.abc import Iterator, Mapping, MutableMapping
 from concurrent.futures import Future
 from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, MutableMapping
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -659,7 +660,7 @@ class Checkpointer:
         latest = layout.latest_committed(self.directory)
         return (
             f"checkpoint of step {step} was not saved in {self.directory}: {cause}; earlier "
-            f"checkpoints are intact (latest committed: {'step %d' % latest.step if latest else 'none'})",
+            f"checkpoints are intact (latest committed: {f'step {latest.step}' if latest else 'none'})",
             cause,
         )
 

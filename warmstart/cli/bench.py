@@ -146,8 +146,8 @@ def cold_vs_warm(
       warmstart bench cold-vs-warm --steps 60 --tables 64 --work-dir /tmp/bench --keep
     """
     from warmstart.bench.cold_vs_warm import BenchOptions, summary
-    from warmstart.bench.page import render_page, table_rows
     from warmstart.bench.config import JobConfig
+    from warmstart.bench.page import render_page, table_rows
 
     checkpoint_every = checkpoint_every or max(1, steps // 4)
     fail_at_step = fail_at_step if fail_at_step is not None else (steps * 5) // 8

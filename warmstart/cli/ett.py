@@ -19,10 +19,8 @@ from warmstart.metrics.event_files import event_files
 from warmstart.metrics.events import EventFormatError
 from warmstart.metrics.fleet import FleetResult
 from warmstart.metrics.projection import ProjectionError, Scale, measure, project
-from warmstart.metrics.report import print_projections
-from warmstart.metrics.report import print_fleet, print_interval, print_run
+from warmstart.metrics.report import print_fleet, print_interval, print_projections, print_run, results_json
 from warmstart.metrics.report_html import render_fleet_html, render_html
-from warmstart.metrics.report import results_json
 from warmstart.metrics.windows import FleetWindow, FleetWindows, TimeFilter, apply, default_every
 
 

@@ -211,8 +211,8 @@ def rotate(directory, users, secret, key_pair, as_json) -> None:
       warmstart server rotate --dir ./cache-server --key-pair
     """
     from warmstart.server import Credentials
-    from warmstart.server.credentials import rotate as rotate_files
     from warmstart.server.config import URL_FILES
+    from warmstart.server.credentials import rotate as rotate_files
     from warmstart.server.process import reload_acl
 
     directory = directory or _default_dir()

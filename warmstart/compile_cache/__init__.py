@@ -64,14 +64,14 @@ log = logging.getLogger("warmstart.cache")
 
 _T = TypeVar("_T", bound=Storage)
 
-_store: "TieredStore | None" = None
+_store: TieredStore | None = None
 _store_lock = threading.Lock()
 _store_loaded = False
 _warned_no_secret = False
-_observers: list["StoreObserver | Callable[[], StoreObserver]"] = []
+_observers: list[StoreObserver | Callable[[], StoreObserver]] = []
 
 
-def add_observer(observer: "StoreObserver | Callable[[], StoreObserver]") -> None:
+def add_observer(observer: StoreObserver | Callable[[], StoreObserver]) -> None:
     """Attach ``observer`` to the process-wide store, now and whenever it is built again.
 
     ``observer`` may also be a function that makes one, called only when a store is built: the
@@ -85,7 +85,7 @@ def add_observer(observer: "StoreObserver | Callable[[], StoreObserver]") -> Non
         _attach(_store, [observer])
 
 
-def _attach(store: "TieredStore", observers: list) -> None:
+def _attach(store: TieredStore, observers: list) -> None:
     for observer in observers:
         try:
             made = observer if hasattr(observer, "looked_up") else observer()
@@ -295,7 +295,7 @@ def _scrub(text: str, url: str) -> str:
     return text.replace(password, "***").replace(unquote(password), "***") if password else text
 
 
-def get_store() -> "TieredStore | None":
+def get_store() -> TieredStore | None:
     """The process-wide store, built on first use from the environment; ``None`` when warmstart is off
     or no tier could be opened. Never raises: torch's C++ build and Triton's cache call it."""
     global _store, _store_loaded
@@ -322,7 +322,7 @@ def reset_store() -> None:
         _store, _store_loaded = None, False
 
 
-def set_store(store: "TieredStore | None") -> None:
+def set_store(store: TieredStore | None) -> None:
     """Make ``store`` the process-wide store (``warmstart.enable`` and tests use this); the
     observers added with :func:`add_observer` are attached to it."""
     global _store, _store_loaded

@@ -129,7 +129,7 @@ class RemoteTier(RemoteRegistry):
         self._rejected_logged = False
         self._error_logged = False
         options = url_options(url)
-        level = options["compress"] if "compress" in options else _defaults.COMPRESS_LEVEL
+        level = options.get("compress", _defaults.COMPRESS_LEVEL)
         self._level: int | None = level if isinstance(level, int) else None
         self._codecs = threading.local()
         self.leases = Leases(self)

@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, Union
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
@@ -121,7 +121,7 @@ class _DeadlineSocket:
             return
         remaining = end - time.monotonic()
         if remaining <= 0:
-            raise socket.timeout("warmstart: remote operation deadline passed")
+            raise TimeoutError("warmstart: remote operation deadline passed")
         self._sock.settimeout(remaining if self._timeout is None else min(self._timeout, remaining))
 
     def recv(self, *args: Any) -> bytes:
@@ -190,7 +190,7 @@ class _LazyCluster:
         return getattr(self._client, name)
 
 
-Client = Union[redis.Redis, _LazyCluster]
+Client = redis.Redis | _LazyCluster
 """What :func:`connect` makes: a single-node client, or a Cluster client that connects on first use."""
 
 
@@ -320,10 +320,8 @@ class RemoteConnection:
     def close(self) -> None:
         """Close the client's connections: later operations miss or refuse. Idempotent, never raises."""
         self.closed = True
-        try:
+        with contextlib.suppress(Exception):
             self._client.close()
-        except Exception:
-            pass
 
     @staticmethod
     def _no_permission(exc: Exception) -> bool:

@@ -306,13 +306,13 @@ class Ed25519Keys(Keys):
         self.key_id = hashlib.sha256(b"warmstart ed25519 key id\0" + self.public_bytes).hexdigest()[:8]
 
     @classmethod
-    def generate(cls) -> "Ed25519Keys":
+    def generate(cls) -> Ed25519Keys:
         from cryptography.hazmat.primitives.asymmetric import ed25519
 
         return cls(private_key=ed25519.Ed25519PrivateKey.generate())
 
     @classmethod
-    def from_pem(cls, data: bytes) -> "Ed25519Keys":
+    def from_pem(cls, data: bytes) -> Ed25519Keys:
         """Keys from PEM text: a PKCS#8 private key or a SubjectPublicKeyInfo public key.
 
         Raises:
@@ -374,7 +374,7 @@ class Ed25519Keys(Keys):
         b64 = base64.b64encode(der).decode()
         return ("-----BEGIN PUBLIC KEY-----\n" + b64 + "\n-----END PUBLIC KEY-----\n").encode()
 
-    def verify_only(self) -> "Ed25519Keys":
+    def verify_only(self) -> Ed25519Keys:
         """The same keys without the private half."""
         return Ed25519Keys(public_key=self._public)
 

@@ -386,10 +386,8 @@ class SingleFlight:
                     os.unlink(lease.local_path)  # while still locked: a new taker makes a new file
             except OSError:
                 pass
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)  # releases the flock
-            except OSError:
-                pass
 
     def _lock_path(self, kind: str, key: str) -> Path:
         assert self.lock_dir is not None

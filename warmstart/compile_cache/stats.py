@@ -51,7 +51,7 @@ class Counts:
     saved_s: float = 0.0
     """Estimated compile seconds saved by hits (producer's cost minus our read time)."""
 
-    def __add__(self, other: "Counts") -> "Counts":
+    def __add__(self, other: Counts) -> Counts:
         return Counts(**{f: getattr(self, f) + getattr(other, f) for f in FIELDS})
 
     def to_dict(self) -> dict[str, float | int]:
@@ -106,7 +106,7 @@ class Stats:
         with self._lock:
             return dict(self.counters)
 
-    def take(self) -> "Stats":
+    def take(self) -> Stats:
         """Return the counts so far and reset them (for merging into the shared file)."""
         with self._lock:
             taken = Stats()
@@ -176,7 +176,7 @@ def load(path: Path) -> Stats:
     return stats
 
 
-_instances: "weakref.WeakSet[Stats]" = weakref.WeakSet()
+_instances: weakref.WeakSet[Stats] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:

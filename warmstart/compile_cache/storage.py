@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import logging
 import threading
-from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar, Union, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from warmstart.compile_cache.signing import Keys
@@ -120,7 +120,7 @@ class Miss:
         return False
 
 
-Lookup = Union[Hit, Miss]
+Lookup = Hit | Miss
 """What :meth:`Storage.get` answers."""
 
 

@@ -62,7 +62,7 @@ _STATE_ATTRS = frozenset(
 )
 
 
-def plan_key(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *, salt: str = "") -> str:
+def plan_key(planner: Any, module: nn.Module, sharders: list[ModuleSharder[nn.Module]], *, salt: str = "") -> str:
     """SHA-256 (hex) of :func:`plan_key_inputs`. Costs milliseconds; enumerates nothing."""
     text = json.dumps(
         plan_key_inputs(planner, module, sharders, salt=salt), sort_keys=True, separators=(",", ":"), allow_nan=False
@@ -71,7 +71,7 @@ def plan_key(planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn
 
 
 def plan_key_inputs(
-    planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]", *, salt: str = ""
+    planner: Any, module: nn.Module, sharders: list[ModuleSharder[nn.Module]], *, salt: str = ""
 ) -> dict[str, Any]:
     """Everything the plan depends on, as JSON-ready data (what :func:`plan_key` hashes)."""
     return {
@@ -103,7 +103,7 @@ def _versions() -> dict[str, str | None]:
     }
 
 
-def claimed_modules(module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]") -> dict[str, tuple[Any, Any]]:
+def claimed_modules(module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> dict[str, tuple[Any, Any]]:
     """Module path to ``(module, sharder)`` for every module a sharder claims, found as the planner does.
 
     Mirrors ``EmbeddingEnumerator.enumerate``: walk the children, stop at a module whose type a
@@ -124,7 +124,7 @@ def claimed_modules(module: "nn.Module", sharders: "list[ModuleSharder[nn.Module
     return found
 
 
-def _model_inputs(module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]") -> dict[str, Any]:
+def _model_inputs(module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> dict[str, Any]:
     modules = []
     for path, (child, sharder) in sorted(claimed_modules(module, sharders).items()):
         configs = _table_configs(child)
@@ -280,6 +280,6 @@ _INF = float("inf")
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_names(kind: type) -> tuple[str, ...] | None:
     return tuple(f.name for f in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else None

@@ -19,8 +19,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from warmstart.errors import WarmstartError
-from warmstart.init_pipeline.child_process import call_in_subprocess
 from warmstart.init_pipeline.cache_key import FORMAT, plan_key
+from warmstart.init_pipeline.child_process import call_in_subprocess
 from warmstart.init_pipeline.plan_verify import PlanMismatch, verify_plan
 
 if TYPE_CHECKING:  # torch and TorchRec are imported where used: importing warmstart stays cheap
@@ -54,7 +54,7 @@ class PlanOutcome:
         error: ``ExceptionType: message`` when planning failed.
     """
 
-    plan: "ShardingPlan | None"
+    plan: ShardingPlan | None
     source: str
     key: str | None = None
     seconds: float = 0.0
@@ -65,14 +65,14 @@ class PlanOutcome:
 
 def cached_plan(
     planner: Any,
-    module: "nn.Module",
-    sharders: "list[ModuleSharder[nn.Module]] | None" = None,
+    module: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]] | None = None,
     *,
-    pg: "dist.ProcessGroup | None" = None,
+    pg: dist.ProcessGroup | None = None,
     store: Any = None,
     plan_in_subprocess: bool = False,
     salt: str = "",
-) -> "ShardingPlan":
+) -> ShardingPlan:
     """The plan ``planner`` would return for ``module``, served from the cache when nothing changed.
 
     Same result as ``planner.collective_plan(module, sharders, pg)`` (or ``planner.plan(module,
@@ -123,8 +123,8 @@ def cached_plan(
 
 def resolve_plan(
     planner: Any,
-    module: "nn.Module",
-    sharders: "list[ModuleSharder[nn.Module]]",
+    module: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]],
     *,
     store: Any,
     plan_in_subprocess: bool = False,
@@ -170,7 +170,7 @@ def resolve_plan(
     return PlanOutcome(plan, "planner", key, time.perf_counter() - start, plan_s, rejected)
 
 
-def broadcast_plan(outcome: PlanOutcome | None, pg: "dist.ProcessGroup") -> "ShardingPlan":
+def broadcast_plan(outcome: PlanOutcome | None, pg: dist.ProcessGroup) -> ShardingPlan:
     """Hand rank 0's outcome to every rank of ``pg`` with one ``broadcast_object_list``.
 
     A collective: every rank of ``pg`` must call it, rank 0 with its outcome, the others with ``None``.
@@ -190,7 +190,7 @@ def broadcast_plan(outcome: PlanOutcome | None, pg: "dist.ProcessGroup") -> "Sha
     return _plan_or_raise(outcome)
 
 
-def _plan_or_raise(outcome: PlanOutcome) -> "ShardingPlan":
+def _plan_or_raise(outcome: PlanOutcome) -> ShardingPlan:
     if outcome.plan is None:
         raise PlanningFailed(f"sharding planner failed on rank 0: {outcome.error}")
     return outcome.plan
@@ -200,7 +200,7 @@ def _plan_or_raise(outcome: PlanOutcome) -> "ShardingPlan":
 
 
 def _load_plan(
-    store: Any, key: str, planner: Any, module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]"
+    store: Any, key: str, planner: Any, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]
 ) -> PlanOutcome | int:
     """Look ``key`` up and verify the entry.
 
@@ -226,7 +226,7 @@ def _load_plan(
     return PlanOutcome(plan, "cache", key, plan_s=float(entry.get("plan_s", 0.0)))
 
 
-def _store_plan(store: Any, key: str, plan: "ShardingPlan", plan_s: float) -> None:
+def _store_plan(store: Any, key: str, plan: ShardingPlan, plan_s: float) -> None:
     """Write ``plan`` under ``key`` (the remote write goes in the background). Never raises."""
     try:
         blob = pickle.dumps(

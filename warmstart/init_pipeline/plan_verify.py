@@ -23,8 +23,8 @@ class PlanMismatch(WarmstartError, ValueError):
 def verify_plan(
     plan: Any,
     planner: Any,
-    module: "nn.Module",
-    sharders: "list[ModuleSharder[nn.Module]]",
+    module: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]],
     *,
     world_size: int | None = None,
     compute_device: str | None = None,
@@ -74,7 +74,7 @@ def _topology(planner: Any, world_size: int | None, compute_device: str | None) 
 
 
 def _expected_modules(
-    module: "nn.Module", sharders: "list[ModuleSharder[nn.Module]]"
+    module: nn.Module, sharders: list[ModuleSharder[nn.Module]]
 ) -> dict[str, tuple[Any, dict[str, Any]]]:
     """The sharder and shardable parameters of each module path a plan must cover: the sharded
     modules that have tables."""

@@ -150,7 +150,7 @@ class PrefetchedLoader:
                 break
         self.prefetched = len(self._ready)
 
-    def __iter__(self) -> "PrefetchedLoader":
+    def __iter__(self) -> PrefetchedLoader:
         return self
 
     def __next__(self) -> Any:
@@ -345,6 +345,16 @@ def _wait_for_rank0_store(env: Any, timeout_s: float) -> bool:
             time.sleep(_LISTEN_POLL_S)
 
 
+def _topology(rank: int | None, world_size: int | None, local_world_size: int | None) -> tuple[int, int, int]:
+    """The rank, world size and local world size given, or else torchrun's (``RANK``...)."""
+    env = os.environ
+    rank = int(env.get("RANK", "0")) if rank is None else rank
+    world_size = int(env.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    if local_world_size is None:
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return rank, world_size, local_world_size
+
+
 def torchrec_startup_graph(
     spec: TorchRecStartup,
     *,
@@ -375,11 +385,7 @@ def torchrec_startup_graph(
         The graph, not yet run.
     """
     env = os.environ
-    rank = int(env.get("RANK", "0")) if rank is None else rank
-    world_size = int(env.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    local_world_size = (
-        int(env.get("LOCAL_WORLD_SIZE", str(world_size))) if local_world_size is None else local_world_size
-    )
+    rank, world_size, local_world_size = _topology(rank, world_size, local_world_size)
     device = torch.device(spec.device)
     if world_size > 1:
         graph_kwargs.setdefault("channel", StoreFailureChannel(name=name))
@@ -498,22 +504,27 @@ def torchrec_startup_graph(
             bucket="model_transform",
         )
     if spec.load_checkpoint is not None:
-        hook = spec.load_checkpoint
-        if spec.build_optimizer is not None:
-            graph.add(
-                "checkpoint_load",
-                lambda model_transform, optimizer_init: _exclusive(generators, hook, model_transform, optimizer_init),
-                deps=["model_transform", "optimizer_init"],
-                collective=True,
-            )
-        else:
-            graph.add(
-                "checkpoint_load",
-                lambda model_transform: _exclusive(generators, hook, model_transform, None),
-                deps=["model_transform"],
-                collective=True,
-            )
+        _add_checkpoint_load(graph, spec.load_checkpoint, generators, with_optimizer=spec.build_optimizer is not None)
     return graph
+
+
+def _add_checkpoint_load(
+    graph: StartupGraph, hook: Callable[..., Any], generators: GeneratorGuard, *, with_optimizer: bool
+) -> None:
+    if with_optimizer:
+        graph.add(
+            "checkpoint_load",
+            lambda model_transform, optimizer_init: _exclusive(generators, hook, model_transform, optimizer_init),
+            deps=["model_transform", "optimizer_init"],
+            collective=True,
+        )
+    else:
+        graph.add(
+            "checkpoint_load",
+            lambda model_transform: _exclusive(generators, hook, model_transform, None),
+            deps=["model_transform"],
+            collective=True,
+        )
 
 
 def _fetches_in_workers(loader: Iterable[Any]) -> bool:

@@ -51,6 +51,7 @@ from warmstart.metrics.buckets import (
     STANDARD_BUCKETS,
     span_bucket,
 )
+from warmstart.metrics.event_files import event_files
 from warmstart.metrics.events import (
     AttemptEnd,
     AttemptStart,
@@ -64,7 +65,6 @@ from warmstart.metrics.events import (
     TrainEnd,
     read_events,
 )
-from warmstart.metrics.event_files import event_files
 from warmstart.metrics.steps import SlowSteps, analyse_steps
 from warmstart.metrics.switches import CompileSwitch, compile_switches
 from warmstart.metrics.window_results import Window

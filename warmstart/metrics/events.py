@@ -19,7 +19,7 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 
@@ -93,7 +93,7 @@ class AttemptEnd(_Event, tag="attempt_end", frozen=True):
     """The attempt released its hardware."""
 
 
-Event = Union[AttemptStart, Begin, End, Step, CheckpointCommitted, Failure, TrainEnd, AttemptEnd]
+Event = AttemptStart | Begin | End | Step | CheckpointCommitted | Failure | TrainEnd | AttemptEnd
 """One line of an event file, as the struct of its kind."""
 
 _KINDS: tuple[type[_Event], ...] = get_args(Event)

@@ -13,6 +13,7 @@ delivery that fails (a port taken, an unwritable file) is turned off with one wa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -269,10 +270,8 @@ class Exporter:
 def _read_cache_counts_at_exit(ref: weakref.ReferenceType[Exporter]) -> None:
     exporter = ref()
     if exporter is not None:
-        try:
+        with contextlib.suppress(Exception):  # at exit: the metrics never fail the job
             exporter._read_cache_counts()
-        except Exception:  # at exit: the metrics never fail the job
-            pass
 
 
 class _Collector:
@@ -418,10 +417,8 @@ def _decode(data: bytes) -> list[Event]:
             continue
         except msgspec.DecodeError:
             pass
-        try:
+        with contextlib.suppress(ValueError):
             events.append(parse_event(json.loads(raw)))  # an integer written as 3.0, as the report accepts
-        except ValueError:
-            pass
     return events
 
 

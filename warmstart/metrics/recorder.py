@@ -14,6 +14,7 @@ Building it starts the live-metrics exporter (``live.py``) when ``WARMSTART_METR
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -417,10 +418,8 @@ def _run_hooks(rec: Recorder) -> None:
 def _undo_process_hooks(at_exit: bool = False) -> None:
     while _undo_hooks:
         undo = _undo_hooks.pop()
-        try:
+        with contextlib.suppress(Exception):  # at exit too: the metrics never fail the job
             undo(at_exit)
-        except Exception:  # at exit too: the metrics never fail the job
-            pass
 
 
 def get_recorder() -> Recorder | NullRecorder:
@@ -510,10 +509,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def _at_exit() -> None:
     for rec in list(_live):
-        try:
+        with contextlib.suppress(Exception):
             rec._at_exit()
-        except Exception:
-            pass
     _undo_process_hooks(at_exit=True)  # after the last flush: a hook's last look sees the attempt's last events
 
 

@@ -20,8 +20,6 @@ from warmstart.metrics.advisor import IntervalAdvice
 from warmstart.metrics.buckets import EFFECTIVE, LOST, RECOVERY
 from warmstart.metrics.calculator import RunResult
 from warmstart.metrics.fleet import FleetResult
-from warmstart.metrics.projection import Projection
-from warmstart.metrics.window_results import FleetWindow, Window
 from warmstart.metrics.formatting import (
     L1_LABELS,
     LAG_NOTE,
@@ -37,6 +35,8 @@ from warmstart.metrics.formatting import (
     step_time,
     switch_row,
 )
+from warmstart.metrics.projection import Projection
+from warmstart.metrics.window_results import FleetWindow, Window
 
 
 def _bar(fraction: float, width: int = 20) -> str:

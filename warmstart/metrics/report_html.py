@@ -27,14 +27,14 @@ from warmstart.metrics.calculator import AttemptTimeline, RunResult, ordered_buc
 from warmstart.metrics.fleet import FleetResult
 from warmstart.metrics.formatting import (
     L1_LABELS,
+    LAG_NOTE,
+    STRAGGLER_COLUMNS,
     SWITCH_COLUMNS,
     SWITCH_TITLE,
     ett_grade,
     ett_text,
     format_duration,
     pct_text,
-    LAG_NOTE,
-    STRAGGLER_COLUMNS,
     rank_rows,
     slow_summary,
     step_time,

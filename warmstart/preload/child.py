@@ -332,7 +332,7 @@ def _standard_streams(unbuffered: bool) -> None:
             return None
         write = mode == "w"
         buffering = 0 if unbuffered and write else -1
-        binary: Any = io.open(fd, mode + "b", buffering, closefd=False)
+        binary: Any = open(fd, mode + "b", buffering, closefd=False)  # noqa: SIM115 (the program's sys.std*)
         raw = binary if buffering == 0 else binary.raw
         raw.name = ("<stdin>", "<stdout>", "<stderr>")[fd]  # as the interpreter names them
         text = io.TextIOWrapper(

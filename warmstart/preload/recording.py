@@ -208,10 +208,7 @@ def working_directory_strings(directory: str) -> Strings:
 
 def _holds(values: list, directory: str) -> bool:
     # A loop, not a generator expression: its closure would be one more holder of the directory.
-    for value in values:
-        if type(value) is str and directory in value:
-            return True
-    return False
+    return any(type(value) is str and directory in value for value in values)
 
 
 def replace_strings(found: Strings, old: str, new: str) -> None:

@@ -149,7 +149,7 @@ class ServerOptions:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> "ServerOptions":
+    def from_dict(cls, data: dict[str, object]) -> ServerOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})  # type: ignore[arg-type]
 

@@ -38,7 +38,7 @@ class Credentials:
     """Its public key (PEM): ``WARMSTART_KEY_FILE`` of jobs that only read."""
 
     @classmethod
-    def load_or_create(cls, directory: Path) -> "Credentials":
+    def load_or_create(cls, directory: Path) -> Credentials:
         """Read the secrets in ``directory``, generating any that are missing.
 
         Raises:
@@ -59,7 +59,7 @@ class Credentials:
         )
 
     @classmethod
-    def load(cls, directory: Path) -> "Credentials":
+    def load(cls, directory: Path) -> Credentials:
         """Read existing secrets (no generation), for ``status`` and ``stop``.
 
         Raises:

@@ -98,10 +98,7 @@ def _check_private(directory: Path) -> None:
             "its keys and passwords would not be this user's alone; use a directory of your own",
         )
     for path in directory.iterdir():
-        if path.is_symlink():
-            found = path.lstat()
-        else:
-            found = path.stat()
+        found = path.lstat() if path.is_symlink() else path.stat()
         if found.st_uid != uid or (not path.is_dir() and found.st_mode & 0o022):
             raise OptionError(
                 "--dir",

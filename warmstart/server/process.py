@@ -10,6 +10,7 @@ waits until every process has exited. A start that fails half-way stops what it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -247,7 +248,7 @@ def _finish(state: ServerState, credentials: Credentials, redis_cli: str | None)
 def _spawn_exporter(options: ServerOptions) -> int:
     """Start the metrics exporter as its own session, so it outlives this process."""
     host = _listen_host(options)
-    log = open(options.dir / "metrics.log", "ab")
+    log = open(options.dir / "metrics.log", "ab")  # noqa: SIM115 (closed below, once the exporter has it)
     try:
         proc = subprocess.Popen(
             [
@@ -315,10 +316,8 @@ def _abort(state: ServerState) -> None:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _last_line(text: str) -> str:

@@ -41,7 +41,7 @@ class ServerState:
         return self.options.dir / STATE_FILE
 
     @classmethod
-    def load(cls, directory: Path) -> "ServerState | None":
+    def load(cls, directory: Path) -> ServerState | None:
         """The state in ``directory``, or ``None`` when no server was ever started from it."""
         try:
             data = json.loads((Path(directory) / STATE_FILE).read_text())
