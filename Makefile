@@ -72,8 +72,9 @@ $(NEWEST_STAMP): requirements-cpu.txt pyproject.toml Makefile
 test-newest: $(NEWEST_STAMP) system-deps
 	$(NEWEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS)
 
-# ruff (pycodestyle, pyflakes, bugbear; the formatter) and mypy, configured in pyproject.toml; no import
-# cycle among warmstart's modules; WARMSTART_* read only in warmstart/config.py.
+# ruff (pycodestyle, pyflakes, bugbear, isort, pyupgrade, simplify, a complexity limit of 20; the formatter)
+# and mypy, configured in pyproject.toml; no import cycle among warmstart's modules; WARMSTART_* read only
+# in warmstart/config.py.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
