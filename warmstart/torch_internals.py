@@ -151,6 +151,10 @@ INTERNALS: dict[str, Internal] = {
     "get_closure_vars": _frames("torch._dynamo.guards", "_get_closure_vars"),
     "GuardBuilder": _frames("torch._dynamo.guards", "GuardBuilder"),
     "get_verbose_code_parts": _frames("torch._dynamo.guards", "get_verbose_code_parts"),
+    "top_saved_tensors_hooks": _frames("torch._functorch._aot_autograd.utils", "top_saved_tensors_hooks"),
+    "saved_tensors_hooks_are_inlineable": _frames(
+        "torch._functorch._aot_autograd.utils", "saved_tensors_hooks_are_inlineable"
+    ),
 }
 
 #: Names the compiled frames need; with one missing they are off (``dynamo_frames.state``).

@@ -880,3 +880,41 @@ def _many_keys(reverse: bool) -> dict:
 def _(cond):
     helper.MANY_KEYS = _many_keys(reverse=cond != "x")
     return Case(folds_many_keys_in_order, (_x(),), teardown=lambda: setattr(helper, "MANY_KEYS", _many_keys(False)))
+
+
+# -- torch function modes: a mode on torch's stack whose class holds another body ----------------------
+
+
+def _mode_doubles(self, func, types, args=(), kwargs=None):
+    out = func(*args, **(kwargs or {}))
+    return out * 2.0 if func is torch.Tensor.add else out
+
+
+def _mode_triples(self, func, types, args=(), kwargs=None):
+    out = func(*args, **(kwargs or {}))
+    return out * 3.0 if func is torch.Tensor.add else out
+
+
+class ScalingMode(torch.overrides.TorchFunctionMode):
+    __torch_function__ = _mode_doubles  # chosen at import: another machine may choose the other
+
+
+def adds_under_a_mode(x):
+    return x.add(1.0) - 0.5
+
+
+def _entered_mode(cond):
+    ScalingMode.__torch_function__ = _mode_doubles if cond == "x" else _mode_triples
+    mode = ScalingMode()
+    mode.__enter__()
+
+    def leave():
+        mode.__exit__(None, None, None)
+        ScalingMode.__torch_function__ = _mode_doubles
+
+    return leave
+
+
+@case("torch_function_mode_chosen_at_import", "classes")
+def _(cond):
+    return Case(adds_under_a_mode, (_x(),), teardown=_entered_mode(cond))

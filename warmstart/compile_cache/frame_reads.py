@@ -47,7 +47,7 @@ _NOT_VALUES = frozenset(
         "DETERMINISTIC_ALGORITHMS",
         "BACKEND_MATCH",
         "EMPTY_NN_MODULE_HOOKS_DICT",
-        "AUTOGRAD_SAVED_TENSORS_HOOKS",
+        "AUTOGRAD_SAVED_TENSORS_HOOKS",  # and, by content, in guard_values
     }
 )
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, slice, range, enum.Enum)
@@ -220,9 +220,10 @@ def _checked(guard: Any) -> bool:
     return guard.create_fn_name() not in _NOT_VALUES and bool(guard.name)
 
 
-def guard_values(builder: Any, guards: list) -> list[tuple[str, str]]:
+def guard_values(builder: Any, guards: list, output_graph: Any) -> list[tuple[str, str]]:
     """``(guard, description of the value behind it)`` for the value guards of a frame, as the
-    producer's Dynamo saw them (``builder`` is the one that built the guards)."""
+    producer's Dynamo saw them (``builder`` is the one that built the guards, ``output_graph`` the
+    frame's graph), and the torch function modes it was traced under."""
     found = []
     for guard in guards:
         if not _checked(guard):
@@ -234,7 +235,33 @@ def guard_values(builder: Any, guards: list) -> list[tuple[str, str]]:
             raise
         except Exception:
             continue  # nothing to compare: torch's own guard is all there is
+    kinds = {guard.create_fn_name() for guard in guards}
+    if "TORCH_FUNCTION_STATE" in kinds:
+        # torch checks the modes on its stack by their classes' identity: by content here
+        found.append((_MODES, _modes(output_graph.torch_function_mode_stack)))
+    if "AUTOGRAD_SAVED_TENSORS_HOOKS" in kinds:
+        # torch checks the ids of inlineable saved-tensors hooks, which mean nothing in another process
+        hooks = _saved_tensors_hooks()
+        if hooks != "none":
+            raise NotDescribable("the frame was traced under inlineable saved-tensors hooks")
+        found.append((_SAVED_TENSORS_HOOKS, hooks))
     return found
+
+
+#: The entries of :func:`guard_values` for the torch function modes a frame was traced under and for
+#: the saved-tensors hooks around it.
+_MODES = "TORCH_FUNCTION_STATE modes"
+_SAVED_TENSORS_HOOKS = "AUTOGRAD_SAVED_TENSORS_HOOKS inlineable"
+
+
+def _saved_tensors_hooks() -> str:
+    hooks = torch_internals.require("top_saved_tensors_hooks")()
+    inlineable = torch_internals.require("saved_tensors_hooks_are_inlineable")(hooks)
+    return "inlineable" if inlineable else "none"
+
+
+def _modes(stack: list) -> str:
+    return "[" + ", ".join(describe(type(mode)) for mode in stack) + "]"
 
 
 def _guarded(kind: str, value: Any) -> str:
@@ -256,6 +283,12 @@ def changed_value(expected: list[tuple[str, str]], guards_state: Any) -> str | N
     by_name = {f"{g.create_fn_name()} {g.name}": g for g in output_graph.guards}
     cache: dict = {}
     for name, was in expected:
+        if name in (_MODES, _SAVED_TENSORS_HOOKS):
+            now = _modes(output_graph.torch_function_mode_stack) if name == _MODES else _saved_tensors_hooks()
+            if now != was:
+                what = "the torch function modes" if name == _MODES else "the saved-tensors hooks"
+                return f"{what} are {now} here, were {was}"
+            continue
         guard = by_name.get(name)
         if guard is None:
             return f"{name.partition(' ')[2]} is not guarded here"

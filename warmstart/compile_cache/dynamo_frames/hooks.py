@@ -133,7 +133,7 @@ def hook_guards(guards: types.ModuleType) -> None:
                 finally:
                     manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES = kept
             state.identities.update(found)
-            state.values[hashlib.sha256(data).digest()] = frame_reads.guard_values(builder, sorted_guards)
+            state.values[hashlib.sha256(data).digest()] = frame_reads.guard_values(builder, sorted_guards, output_graph)
             return data
         except Exception as exc:  # a guard that cannot be kept, or that torch cannot pickle
             state.unpackaged = None
