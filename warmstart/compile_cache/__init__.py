@@ -15,25 +15,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from warmstart.compile_cache import signing
-from warmstart.compile_cache.miss_log import MissLog
-from warmstart.compile_cache.namespace import components, namespace
-from warmstart.compile_cache.single_flight import SingleFlight
-from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import KINDS, Hit, Miss, ReadOnly, Storage, StoreObserver, warn_once
-from warmstart.compile_cache.tiered import TieredStore
-from warmstart.compile_cache.wait_budget import WaitBudget
 from warmstart.config import Settings, redact_url
 
 if TYPE_CHECKING:
+    from warmstart.compile_cache import signing
     from warmstart.compile_cache.local import LocalTier
+    from warmstart.compile_cache.miss_log import MissLog
     from warmstart.compile_cache.remote import RemoteTier
+    from warmstart.compile_cache.single_flight import SingleFlight
+    from warmstart.compile_cache.stats import Stats
+    from warmstart.compile_cache.tiered import TieredStore
+    from warmstart.compile_cache.wait_budget import WaitBudget
 
-_LAZY = {"LocalTier": "local", "RemoteTier": "remote"}
+_LAZY = {"LocalTier": "local", "RemoteTier": "remote", "Stats": "stats", "TieredStore": "tiered"}
 
 
 def __getattr__(name: str):
-    # The tiers import redis, diskcache and zstandard: only pay for that when a store is built.
+    # The store's parts load only when a store is built (the functions below import what each
+    # uses): the tiers import redis, diskcache and zstandard, the keys blake3 and cryptography, and a
+    # process that never compiles, or a preloader's client, pays for none of them.
     if name in _LAZY:
         import importlib
 
@@ -121,6 +122,10 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     settings = settings or Settings.from_env()
     if settings.mode == "off":
         return None
+    from warmstart.compile_cache.stats import Stats
+    from warmstart.compile_cache.tiered import TieredStore
+    from warmstart.compile_cache.wait_budget import WaitBudget
+
     stats = Stats()
     budget = WaitBudget(settings.max_wait_s)
     # keys: what remote entries are signed and verified with (none: no remote tier)
@@ -158,6 +163,8 @@ def _remote_keys(settings: Settings) -> tuple[Settings, signing.Keys | None]:
     without a cache URL then."""
     if not settings.cache_url:
         return settings, None
+    from warmstart.compile_cache import signing
+
     try:
         return settings, signing.keys_for(settings.key_file, settings.secret)
     except Exception as exc:  # this runs inside torch's hooks: a fault costs the tier, never the job
@@ -181,6 +188,7 @@ def _open_remote(settings: Settings, keys: signing.Keys | None, stats: Stats) ->
             _warned_no_secret = True
         return None
     # Imported here: redis and zstandard load only when a store has a remote tier.
+    from warmstart.compile_cache.namespace import components, namespace
     from warmstart.compile_cache.remote import RemoteTier
 
     try:
@@ -224,6 +232,9 @@ def _read_only_unless_written(tier: _T | None, settings: Settings) -> _T | ReadO
 def _miss_log(settings: Settings, local: Storage | None, key_id: str) -> MissLog:
     """The observer that logs this process's misses for ``warmstart cache explain``: beside a usable
     local tier only."""
+    from warmstart.compile_cache.miss_log import MissLog
+    from warmstart.compile_cache.namespace import namespace
+
     return MissLog(
         None,
         settings.cache_dir if local is not None else None,
@@ -244,6 +255,8 @@ def _single_flight(
     and the remote tier's leases, each taken only where this job writes to the tier."""
     if settings.compile_wait_s <= 0:
         return None
+    from warmstart.compile_cache.single_flight import SingleFlight
+
     return SingleFlight(
         local_dir=settings.cache_dir if local is not None else None,
         local_writable=local is not None and local.writable,
@@ -259,6 +272,7 @@ def _open_local(settings: Settings, stats: Stats, key_id: str) -> LocalTier | No
     """The local tier, or ``None`` (one warning) when its directory is unsafe or unusable."""
     # Imported here: diskcache loads only when a store is built.
     from warmstart.compile_cache.local import LocalTier, UnsafeCacheDir, check_private
+    from warmstart.compile_cache.namespace import namespace
 
     try:
         if not settings.cache_dir_shared:
