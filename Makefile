@@ -34,13 +34,14 @@ $(STAMP): requirements-cpu.txt pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/triton-reference $(TRITON_REFERENCE)
 	touch $(STAMP)
 
-# redis-server (and chromium, for the HTML report test, and prometheus, for the live-metrics tests) from
-# Debian when running as root.
+# redis-server (and chromium, for the HTML report test, prometheus, for the live-metrics tests, and
+# iproute2's ip, for the network-namespace harness) from Debian when running as root.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing$$missing"; \

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +31,23 @@ def machine_env(machine: Path, extra: dict[str, str]) -> dict[str, str]:
         **extra,
     )
     return env
+
+
+def run_job(machine: Path, model: str, env: dict[str, str], job_args=(), prefix=()) -> dict:
+    """``compile_job.py --model model`` on a new machine under ``machine`` (run under ``prefix``, a
+    command such as ``ip netns exec NAME``): its ``RESULT`` and ``wall_s``. Raises on failure."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [*prefix, sys.executable, str(JOB), "--model", model, *job_args],
+        env=machine_env(machine, env),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{model} on {machine.name} failed:\n{proc.stderr[-3000:]}")
+    return {**job_result(proc.stdout), "wall_s": wall}
 
 
 def job_result(stdout: str) -> dict:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _new_machine import JOB, MACHINE, finish, job_result, machine_env
+from _new_machine import MACHINE, finish, machine_env, run_job
 
 CONFIGS = ("cold", "torch local-warm", "warmstart", "warmstart, frames on", "warmstart, preloaded")
 WARM = CONFIGS[1:]
@@ -53,18 +52,7 @@ PHASES = (
 
 
 def run(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> dict:
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(JOB), "--model", model, *job_args],
-        env=machine_env(machine, env),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{model} on {machine.name} failed:\n{proc.stderr[-3000:]}")
-    return {**job_result(proc.stdout), "wall_s": wall}
+    return run_job(machine, model, env, job_args)
 
 
 def run_preloaded(machine: Path, model: str, env: dict[str, str], job_args: list[str]) -> dict:

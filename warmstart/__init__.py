@@ -9,6 +9,7 @@ Turn it on with the environment alone (``WARMSTART=1``; see docs/reference.md), 
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
 __version__ = "0.1.0"
@@ -92,6 +93,8 @@ def _activate(pgo_job_id: str | None) -> None:
     import_hooks.on_import("torch.distributed.elastic.rendezvous.dynamic_rendezvous", _rejoin_at_once)
     compile_cache.add_observer(_cache_spans)
     torch_hooks.install()  # also runs the hooks of modules already imported
+    if "torch._dynamo" in sys.modules:  # a preloaded child, or enable() late: about to compile
+        compile_cache.fetch_ahead_now()
 
 
 def _cache_spans():
@@ -109,6 +112,13 @@ def _rejoin_at_once(module: ModuleType) -> None:
 
 
 def _install_compile_spans(_module: object) -> None:
+    from warmstart import compile_cache, torch_internals
     from warmstart.metrics import install_compile_spans
 
     install_compile_spans()
+    # A process that imports Dynamo is about to compile: fetch the remote entries its program looked
+    # up last time while the compiler's modules import (and, should this not run, at its first compile).
+    compile_cache.fetch_ahead_now()
+    handler = torch_internals.resolve("callback_handler")
+    if handler is not None and compile_cache.fetch_ahead_now not in handler.start_callbacks:
+        handler.register_start_callback(compile_cache.fetch_ahead_now)

@@ -65,3 +65,8 @@ FLUSH_INTERVAL_S = 1.0  # ETT event files are flushed at least this often
 METRICS_INTERVAL_S = 15.0
 METRICS_WINDOW_S = 300.0
 METRICS_MAX_CPU_SHARE = 0.02
+
+# Fetch ahead (compile_cache/fetch_ahead.py): the most a manifest names, and the most bytes of entries
+# a process holds in memory from it before its lookups take them.
+FETCH_AHEAD_ENTRIES = 4096
+FETCH_AHEAD_BYTES = 256 * 1024**2

@@ -439,6 +439,10 @@ class Settings:
     max_wait_s: float = _defaults.MAX_WAIT_S
     """``WARMSTART_MAX_WAIT_S``: the most seconds this process spends waiting on the cache in total
     (tiers, peers' leases, the exit flush); past it, it waits no more (see ``wait_budget.py``)."""
+    fetch_ahead: bool = True
+    """``WARMSTART_FETCH_AHEAD``: ``1`` (default) fetches the remote entries this program looked up
+    last time in one exchange when it starts compiling (see ``compile_cache/fetch_ahead.py``); ``0``
+    looks each one up when it is needed."""
     dynamo_frames: bool = False
     """``WARMSTART_DYNAMO``: ``1`` shares Dynamo's output (each compiled frame's bytecode and guards),
     so a new machine does not trace frames another one compiled; off by default."""
@@ -495,6 +499,9 @@ class Settings:
             zero_ok=True,
             accepted="seconds, a number >= 0 (0: never wait on the cache)",
         )
+        fetch_ahead_raw = env.get("WARMSTART_FETCH_AHEAD", "").strip()
+        if fetch_ahead_raw not in ("", "0", "1"):
+            raise ConfigError("WARMSTART_FETCH_AHEAD", fetch_ahead_raw, "1 or unset (fetch ahead), 0 (off)")
         dynamo_frames = dynamo_frames_setting(env)
         compile_mode = compile_mode_setting(env)
         job = job_identity(env)
@@ -511,6 +518,11 @@ class Settings:
             compile_wait_s=compile_wait_s,
             job=job,
             max_wait_s=max_wait_s,
+            # A background compile's worker serves many programs under one name: no manifest of its own;
+            # the preloader never compiles, and forks: no thread of its own either.
+            fetch_ahead=fetch_ahead_raw != "0"
+            and env.get("WARMSTART_COMPILE_WORKER") != "1"
+            and not env.get("WARMSTART_PRELOAD_SERVE"),
             dynamo_frames=dynamo_frames,
             compile_mode=compile_mode,
         )

@@ -194,7 +194,7 @@ def test_explicit_job_ids_win(tmp_path):
 
 
 def test_entry_point_parsing_of_interpreter_command_lines():
-    from warmstart.compile_cache.torch_hooks import _entry_from_command_line as entry
+    from warmstart.compile_cache.entry_point import _entry_from_command_line as entry
 
     assert entry(["-m", "pkg.train", "--lr", "3"]) == "pkg.train"
     assert (

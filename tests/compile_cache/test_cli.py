@@ -93,10 +93,12 @@ def test_stats_and_clear(redis_node, tmp_path, monkeypatch):
     assert stats["tiers"]["remote"]["fx_graph"]["writes"] == 1
     human = _invoke(["cache", "stats"], env)
     assert human.exit_code == 0 and "fx graph" in human.output.lower()
+    assert "round trips to the shared cache: " in human.output  # the lookups' own (no fetch ahead here)
 
     cleared = _invoke(["cache", "clear", "--local", "--remote"], env)
     assert cleared.exit_code == 0, cleared.output
-    assert "local: removed 1 entries" in cleared.output and "remote: removed 1 keys" in cleared.output
+    # the entry, and the manifest of this program's lookups (stored at close: it writes)
+    assert "local: removed 1 entries" in cleared.output and "remote: removed 2 keys" in cleared.output
     assert json.loads(_invoke(["cache", "stats", "--json"], env).stdout)["local"]["entries"] == 0
     assert list(redis.Redis.from_url(redis_node.url).scan_iter("ws:*")) == []
 

@@ -106,6 +106,36 @@ def test_hit_across_processes_with_fresh_local_dirs(shared_cache, tmp_path):
     assert result["aot_autograd"].get("autograd_cache_hit") == 1
 
 
+def test_a_new_machine_takes_its_entries_from_one_fetch_ahead(shared_cache, tmp_path):
+    """The producer stored the manifest of its lookups: a new machine's lookups take every entry from
+    the fetch ahead (begun at its first compile), and none waits on a round trip of its own; with
+    ``WARMSTART_FETCH_AHEAD=0`` each remote hit costs at least one. Same losses either way."""
+    node, produced = shared_cache
+    result, _ = run_job(tmp_path / "on", "tiny", url=node.url)
+    off, _ = run_job(tmp_path / "off", "tiny", url=node.url, extra_env={"WARMSTART_FETCH_AHEAD": "0"})
+    assert result["losses"] == off["losses"] == produced["losses"]
+    hits = total(result, "remote", "hits")
+    assert hits >= 3 and total(off, "remote", "hits") == hits
+    assert result["counters"]["fetched_ahead_hits"] == hits
+    assert result["counters"].get("round_trips", 0) == 0
+    assert off["counters"]["round_trips"] >= hits and "fetched_ahead" not in off["counters"]
+
+
+def test_a_process_that_imports_torch_but_never_compiles_fetches_nothing(shared_cache, tmp_path):
+    """A data-loader worker, torchrun's own process: ``import torch`` with warmstart on and the
+    producer's manifest on the server opens no connection to it."""
+    node, _ = shared_cache
+    server = redis.Redis.from_url(node.url)
+    before = server.info("stats")["total_connections_received"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARMSTART", "TORCHINDUCTOR"))}
+    env.update(WARMSTART="1", WARMSTART_CACHE_URL=node.url, WARMSTART_SECRET=SECRET, HOME=str(tmp_path))
+    env["WARMSTART_CACHE_DIR"] = str(tmp_path / "warmstart")
+    code = "import torch; import torch.utils.data; print(torch.ones(2).sum().item())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "2.0", proc.stderr[-2000:]
+    assert server.info("stats")["total_connections_received"] == before  # none but this client's own, made before
+
+
 def test_seconds_saved_count_a_hit_once_and_stay_under_the_cold_compile(shared_cache, tmp_path):
     """The per-kind ``saved_s`` counts nested artifacts again (AOTAutograd > FX graph > C++ object);
     the wall time saved counts each hit's outermost kind, and stays within the cold compile's time."""
@@ -218,7 +248,10 @@ def test_unreachable_server_from_the_start_costs_one_failed_connection(shared_ca
     _, produced = shared_cache
     result, stderr = run_job(tmp_path, "tiny", url=closed_port_url())
     assert result["losses"] == produced["losses"]
-    assert total(result, "remote", "errors") == 1  # then the breaker kept it off
+    # One failed connection, then the breaker kept the server off: the fetch ahead's (on its own
+    # thread, as the compiler imported), or a lookup's when fetching ahead had not begun.
+    failed = total(result, "remote", "errors") + result["counters"].get("fetch_ahead_failed", 0)
+    assert failed == 1
     assert stderr.count("cache tier unavailable") == 1
 
 

@@ -115,6 +115,8 @@ def stats(as_json: bool) -> None:
         print_lines("", f"recompilations: {counters['recompiles']}")
     if counters.get("leases") or counters.get("waits"):
         print_lines("", _single_flight_line(counters), indent=2)
+    if counters.get("round_trips") or counters.get("round_trips_ahead"):
+        print_lines("", _round_trips_line(counters), indent=2)
 
 
 def _local_usage(settings) -> dict[str, int]:
@@ -345,6 +347,21 @@ def _print_explanation(result) -> None:
 def _short(text: str, width: int = 40) -> str:
     # A CPU's ISA list runs to 130 characters: the table shows its start, --json all of it.
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _round_trips_line(counters: dict[str, float]) -> str:
+    """One line: the round trips to the shared cache on lookups' paths and fetching ahead."""
+    line = (
+        f"round trips to the shared cache: {int(counters.get('round_trips', 0))} on lookups' paths, "
+        f"{int(counters.get('round_trips_ahead', 0))} fetching ahead"
+    )
+    if counters.get("fetched_ahead"):
+        line += (
+            f"; {int(counters.get('fetched_ahead_hits', 0))} lookups served from "
+            f"{int(counters['fetched_ahead'])} entries fetched ahead ({counters.get('fetch_ahead_wait_s', 0.0):.1f} s "
+            "waited for them)"
+        )
+    return line
 
 
 def _single_flight_line(counters: dict[str, float]) -> str:

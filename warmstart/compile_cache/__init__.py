@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from warmstart.config import Settings, redact_url
 
 if TYPE_CHECKING:
     from warmstart.compile_cache import signing
+    from warmstart.compile_cache.fetch_ahead import FetchAhead
     from warmstart.compile_cache.local import LocalTier
     from warmstart.compile_cache.miss_log import MissLog
     from warmstart.compile_cache.remote import RemoteTier
@@ -145,6 +147,8 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
         observers.append(_miss_log(settings, local, key_id if remote is not None else ""))
     # single-flight
     single_flight = _single_flight(settings, local, remote, remote_tier, stats, budget)
+    # fetch ahead
+    ahead = _fetch_ahead(settings, remote, remote_tier)
     # Counts go next to a usable local tier only: never into a directory that was refused.
     return TieredStore(
         local,
@@ -153,6 +157,7 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
         observers=observers,
         single_flight=single_flight,
         budget=budget,
+        ahead=ahead,
         stats_file=stats_path(settings) if persist_stats and local is not None else None,
     )
 
@@ -268,6 +273,24 @@ def _single_flight(
     )
 
 
+def _fetch_ahead(settings: Settings, remote: Storage | None, remote_tier: RemoteTier | None) -> FetchAhead | None:
+    """The remote tier's fetch ahead, named after this program (``None`` without a remote tier or
+    with ``WARMSTART_FETCH_AHEAD=0``); begun at once when :func:`fetch_ahead_now` was called."""
+    if remote_tier is None or remote is None or not settings.fetch_ahead:
+        return None
+    import hashlib
+
+    from warmstart.compile_cache import fetch_ahead
+    from warmstart.compile_cache.entry_point import entry_point
+
+    name = hashlib.sha256(entry_point().encode()).hexdigest()[:32]
+    ahead = fetch_ahead.FetchAhead(remote_tier, name, writes=remote.writable and settings.mode == "rw")
+    remote_tier.ahead = ahead
+    if _fetching_pid == os.getpid():
+        ahead.start()
+    return ahead
+
+
 def _open_local(settings: Settings, stats: Stats, key_id: str) -> LocalTier | None:
     """The local tier, or ``None`` (one warning) when its directory is unsafe or unusable."""
     # Imported here: diskcache loads only when a store is built.
@@ -307,6 +330,37 @@ def _scrub(text: str, url: str) -> str:
     except ValueError:
         return text
     return text.replace(password, "***").replace(unquote(password), "***") if password else text
+
+
+_fetching_pid = 0  # the process that began fetching ahead (a forked child has not)
+
+
+def fetch_ahead_now(_args: object = None) -> None:
+    """Begin fetching ahead (``fetch_ahead.py``) in this process, once, on a thread that builds the
+    process-wide store first: called when the process imports Dynamo (it is about to compile), and
+    as Dynamo's start callback. Not where fetching ahead is off (``WARMSTART_FETCH_AHEAD=0``, the
+    preloader, a compile worker). Never raises."""
+    global _fetching_pid
+    if _fetching_pid == os.getpid():
+        return
+    try:
+        if not Settings.from_env().fetch_ahead:
+            return
+        _fetching_pid = os.getpid()
+        from warmstart._threads import start_daemon
+
+        start_daemon(_start_fetch_ahead, "warmstart-fetch-ahead-start")
+    except Exception:  # never a fault of the job's: its lookups ask the server
+        log.debug("fetch ahead did not start", exc_info=True)
+
+
+def _start_fetch_ahead() -> None:
+    try:
+        store = get_store()
+        if store is not None and store.ahead is not None:
+            store.ahead.start()
+    except Exception:
+        log.debug("fetch ahead did not start", exc_info=True)
 
 
 def get_store() -> TieredStore | None:

@@ -35,13 +35,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import redis
 import zstandard
 
 from warmstart import _defaults
 from warmstart.compile_cache import signing
+from warmstart.compile_cache.fetch_ahead import (
+    AHEAD_ABSENT,
+    AHEAD_HITS,
+    AHEAD_REJECTED,
+    MANIFEST,
+    FetchAhead,
+    Fetched,
+    ManifestEntry,
+)
 from warmstart.compile_cache.keyspace import KEY_PREFIX, REGISTRY_KEY
 from warmstart.compile_cache.remote_client import (
     UNREACHABLE,
@@ -134,6 +143,8 @@ class RemoteTier(RemoteRegistry):
         self._codecs = threading.local()
         self.leases = Leases(self)
         """Leases on this namespace's entries, over this tier's connection (see ``single_flight.py``)."""
+        self.ahead: FetchAhead | None = None
+        """This process's fetch ahead (see ``fetch_ahead.py``): lookups take what it fetched."""
 
     @property
     def writable(self) -> bool:
@@ -176,12 +187,26 @@ class RemoteTier(RemoteRegistry):
         return [f"{self._prefix}b:{{{digest}}}:{i}" for i in range(chunks)]
 
     # -- Storage -----------------------------------------------------------------------------
-    @bounded
     def get(self, kind: str, key: str, *, wait: bool = True, copy_local: bool = True) -> Lookup:
         """A :class:`Hit` (with the producer's cost), or a :class:`Miss`: ``absent``, ``evicted`` (the
         record is there, a chunk of its blob is not), ``rejected`` (does not verify: never returned),
         ``breaker_open`` (not asked: the server failed recently), ``timeout`` (this lookup's deadline
-        passed) or ``error`` (this lookup failed otherwise, or the tier is closed). Never raises."""
+        passed) or ``error`` (this lookup failed otherwise, or the tier is closed). Never raises.
+
+        An entry fetched ahead (:attr:`ahead`) is taken from memory, verified as a reply would be;
+        one that does not verify is looked up again, as if it had not been fetched."""
+        fetched = self.ahead.take(kind, key) if self.ahead is not None else None
+        if fetched is not None:
+            result = self._get(kind, key, fetched)
+            if result is not None:
+                return result
+        result = self._get(kind, key, None)
+        return result if result is not None else Miss(ERROR, self.name, "no reply")
+
+    @bounded
+    def _get(self, kind: str, key: str, fetched: Fetched | None) -> Lookup | None:
+        """``get``, from the server or from what was ``fetched`` ahead (``None`` then when that does
+        not verify: the caller asks the server)."""
         if self.closed:
             self.stats.add(self.name, kind, misses=1)
             return Miss(ERROR, self.name, "the tier is closed")
@@ -190,19 +215,29 @@ class RemoteTier(RemoteRegistry):
             return Miss(BREAKER_OPEN, self.name, "breaker open (the server failed recently)")
         start = time.perf_counter()
         try:
-            record = self._read_pointer(self._pointer_key(kind, key))
+            record = fetched.record if fetched is not None else self._read_pointer(self._pointer_key(kind, key))
             if record is None:
                 self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
+                if fetched is not None:
+                    self.stats.bump(AHEAD_ABSENT)
                 return Miss(ABSENT, self.name)
             pointer, blob = self.keys.verify(record, namespace=self.namespace, kind=kind, key=key)
             if pointer.chunks:
-                chunked = self._read_blob(pointer)
+                chunked = None
+                if fetched is not None and fetched.digest == pointer.digest and fetched.replies:
+                    chunked = self._join_blob(pointer, fetched.replies)
+                if chunked is None:
+                    chunked = self._read_blob(pointer)
                 if chunked is None:  # blob evicted before its pointer
                     self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
                     return Miss(EVICTED, self.name, f"{pointer.chunks} chunk(s) of a {pointer.size}-byte blob")
                 blob = chunked
             value = self._zd.decompress(blob) if pointer.compressed else blob
         except IntegrityError as exc:
+            if fetched is not None:  # not what the server holds now, perhaps: ask it
+                self.stats.bump(AHEAD_REJECTED)
+                log.debug("warmstart: an entry fetched ahead did not verify (%s); looking it up", exc)
+                return None
             self.stats.add(self.name, kind, rejected=1, misses=1)
             if not self._rejected_logged:
                 log.warning("warmstart: rejected a remote %s entry: %s (treated as a miss)", kind, exc)
@@ -218,6 +253,10 @@ class RemoteTier(RemoteRegistry):
         self.stats.add(
             self.name, kind, hits=1, bytes_read=len(blob), read_s=elapsed, saved_s=max(0.0, pointer.cost_s - elapsed)
         )
+        if fetched is not None:
+            self.stats.bump(AHEAD_HITS)
+        if self.ahead is not None:
+            self.ahead.saw(kind, key, pointer)
         return Hit(value, self.name, pointer.cost_s)
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
@@ -225,6 +264,21 @@ class RemoteTier(RemoteRegistry):
         if not self.keys.can_sign or self._write_refused or not self._available():
             self.stats.add(self.name, kind, dropped=1)
             return False
+        try:
+            pointer = self._write(kind, key, value, cost_s, replace=kind in REPLACED_KINDS)
+        except Exception as exc:
+            self._failed(kind, exc, writing=True)
+            return False
+        self.stats.add(self.name, kind, writes=1, bytes_written=pointer.size)
+        if self.ahead is not None:
+            self.ahead.saw(kind, key, pointer)
+        if not self._registered:
+            self.register()
+        return True
+
+    def _write(self, kind: str, key: str, value: bytes, cost_s: float, *, replace: bool) -> signing.Pointer:
+        """Store one entry (``replace``: over an entry already there, else the first writer wins);
+        the signed pointer it was stored under. Raises what the server raised."""
         blob, compressed = self._compress(value)
         pkey = self._pointer_key(kind, key)
         if len(blob) <= self._inline_bytes:
@@ -235,30 +289,114 @@ class RemoteTier(RemoteRegistry):
             chunk_keys = self._chunk_keys(digest, -(-len(blob) // self._chunk_bytes))
             pointer = signing.Pointer(self.namespace, kind, key, digest, len(blob), len(chunk_keys), compressed, cost_s)
             record = self.keys.sign(pointer)
-        try:
-            with deadline(self.op_deadline_s + len(blob) / self.min_bytes_per_s):
-                # One round trip: the blob's chunks, then the pointer. A reader that finds the pointer
-                # before the chunks (another Cluster node) sees a miss, never a wrong value.
-                pipe = self._client.pipeline(transaction=False)
-                view = memoryview(blob)  # chunks without copies
-                chunks = [view[i * self._chunk_bytes : (i + 1) * self._chunk_bytes] for i in range(len(chunk_keys))]
-                for ckey, chunk in zip(chunk_keys, chunks, strict=True):
-                    pipe.set(ckey, chunk, nx=True, ex=self._ttl_s)
-                pipe.set(pkey, record, nx=kind not in REPLACED_KINDS, ex=self._ttl_s)
-                pipe.sadd(self._index_key, pkey, *chunk_keys)  # what `cache clear` deletes, without SCAN
-                results = pipe.execute()[:-1]  # the chunks' SET NX, then the pointer's
-                existing = [(k, c) for k, c, done in zip(chunk_keys, chunks, results[:-1], strict=True) if not done]
-                if existing:
-                    self._check_chunks(existing)
-                if not results[-1]:
-                    self._repair_pointer(pkey, record, kind, key, pointer)
-        except Exception as exc:
-            self._failed(kind, exc, writing=True)
+        with deadline(self.op_deadline_s + len(blob) / self.min_bytes_per_s):
+            # One round trip: the blob's chunks, then the pointer. A reader that finds the pointer
+            # before the chunks (another Cluster node) sees a miss, never a wrong value.
+            pipe = self._client.pipeline(transaction=False)
+            view = memoryview(blob)  # chunks without copies
+            chunks = [view[i * self._chunk_bytes : (i + 1) * self._chunk_bytes] for i in range(len(chunk_keys))]
+            for ckey, chunk in zip(chunk_keys, chunks, strict=True):
+                pipe.set(ckey, chunk, nx=True, ex=self._ttl_s)
+            pipe.set(pkey, record, nx=not replace, ex=self._ttl_s)
+            pipe.sadd(self._index_key, pkey, *chunk_keys)  # what `cache clear` deletes, without SCAN
+            results = pipe.execute()[:-1]  # the chunks' SET NX, then the pointer's
+            existing = [(k, c) for k, c, done in zip(chunk_keys, chunks, results[:-1], strict=True) if not done]
+            if existing:
+                self._check_chunks(existing)
+            if not results[-1]:
+                self._repair_pointer(pkey, record, kind, key, pointer)
+        return pointer
+
+    # -- fetched ahead (fetch_ahead.py) ------------------------------------------------------------
+    @bounded
+    def read_manifest(self, name: str) -> bytes | None:
+        """The manifest stored under ``name``, verified; ``None`` when there is none.
+
+        Raises:
+            IntegrityError: it does not verify under this tier's keys.
+            redis.exceptions.RedisError, OSError: the server failed.
+        """
+        record = self._read_pointer(self._pointer_key(MANIFEST, name))
+        if record is None:
+            return None
+        pointer, blob = self.keys.verify(record, namespace=self.namespace, kind=MANIFEST, key=name)
+        if pointer.chunks:
+            chunked = self._read_blob(pointer)
+            if chunked is None:
+                return None
+            blob = chunked
+        return self._zd.decompress(blob) if pointer.compressed else blob
+
+    @bounded
+    def write_manifest(self, name: str, value: bytes) -> bool:
+        """Store the manifest ``name`` over the one there; False when this tier does not write now.
+
+        Raises:
+            redis.exceptions.RedisError, OSError: the server failed.
+        """
+        if not self.keys.can_sign or self._write_refused or not self._available():
             return False
-        self.stats.add(self.name, kind, writes=1, bytes_written=len(blob))
-        if not self._registered:
-            self.register()
+        self._write(MANIFEST, name, value, 0.0, replace=True)
         return True
+
+    @bounded
+    def fetch_entries(self, entries: Sequence[ManifestEntry], max_bytes: int) -> dict[tuple[str, str], Fetched]:
+        """Every entry of ``entries`` in one pipelined exchange: its pointer record, and its blob's
+        chunks where the entry names the blob; then, in a second, the chunks of the blobs whose
+        records name another (at most ``max_bytes`` of blobs in all). Each record is checked here only
+        to know which chunks to fetch: a lookup verifies what it takes.
+
+        Raises:
+            redis.exceptions.RedisError, OSError: the server failed.
+        """
+        cap = self._inline_bytes + _POINTER_HEADER_MAX
+        extend_deadline(sum(e.size for e in entries) / self.min_bytes_per_s)
+        pipe = self._client.pipeline(transaction=False)
+        for entry in entries:
+            pipe.getrange(self._pointer_key(entry.kind, entry.key), 0, cap)
+            if entry.chunks:
+                self._ask_chunks(pipe, entry.digest, entry.chunks, self._chunk_cap(entry.size, entry.chunks))
+        replies = pipe.execute()
+        fetched: dict[tuple[str, str], Fetched] = {}
+        others: list[tuple[ManifestEntry, bytes, signing.Pointer]] = []  # records naming another blob
+        budget = max_bytes - sum(e.size for e in entries)
+        i = 0
+        for entry in entries:
+            record = as_bytes(replies[i]) or None
+            chunk_replies = list(replies[i + 1 : i + 1 + 2 * entry.chunks])
+            i += 1 + 2 * entry.chunks
+            if record is not None and len(record) > cap:
+                continue  # no pointer record is that large: the lookup finds why
+            fetched[(entry.kind, entry.key)] = Fetched(record, entry.digest, chunk_replies)
+            if record is None:
+                continue
+            try:
+                pointer, _ = self.keys.verify(record, namespace=self.namespace, kind=entry.kind, key=entry.key)
+            except IntegrityError:
+                continue
+            if pointer.chunks and pointer.digest != entry.digest and pointer.size <= budget:
+                budget -= pointer.size
+                others.append((entry, record, pointer))
+        if others:
+            extend_deadline(sum(p.size for _, _, p in others) / self.min_bytes_per_s)
+            pipe = self._client.pipeline(transaction=False)
+            for _, _, pointer in others:
+                self._ask_chunks(pipe, pointer.digest, pointer.chunks, self._chunk_cap(pointer.size, pointer.chunks))
+            replies = pipe.execute()
+            i = 0
+            for entry, record, pointer in others:
+                n = 2 * pointer.chunks
+                fetched[(entry.kind, entry.key)] = Fetched(record, pointer.digest, list(replies[i : i + n]))
+                i += n
+        return fetched
+
+    def fetch_failed(self, exc: Exception) -> None:
+        """A fetch ahead failed: a server that cannot serve opens the breaker, as a lookup's failure
+        would; anything else is logged once at debug level (the lookups go on as before)."""
+        if isinstance(exc, UNREACHABLE):
+            self.breaker.trip(f"{type(exc).__name__}: {exc}")
+        else:
+            log.debug("warmstart: fetch ahead failed (%s: %s)", type(exc).__name__, exc)
 
     def _read_pointer(self, pkey: str) -> bytes | None:
         """A pointer record, or ``None`` when there is none. Never more than a pointer can be: one
@@ -297,16 +435,35 @@ class RemoteTier(RemoteRegistry):
         """
         n = pointer.chunks
         extend_deadline(pointer.size / self.min_bytes_per_s)
-        # The writer's chunk size is not signed, but the size and count bound it: all chunks but the
-        # last have one length L, with (n - 1) * L < size <= n * L.
-        cap = pointer.size if n == 1 else -(-pointer.size // (n - 1)) - 1
+        cap = self._chunk_cap(pointer.size, n)
         if cap < 1:  # GETRANGE 0 -1 would fetch everything
             raise IntegrityError(f"signed pointer names {n} chunks for a {pointer.size}-byte blob")
         pipe = self._client.pipeline(transaction=False)
-        for ckey in self._chunk_keys(pointer.digest, n):
+        self._ask_chunks(pipe, pointer.digest, n, cap)
+        return self._join_blob(pointer, pipe.execute())
+
+    def _ask_chunks(self, pipe, digest: str, n: int, cap: int) -> None:
+        """Queue on ``pipe`` the length and the first ``cap`` bytes of each of a blob's ``n`` chunks."""
+        for ckey in self._chunk_keys(digest, n):
             pipe.strlen(ckey)
             pipe.getrange(ckey, 0, cap - 1)
-        replies = pipe.execute()
+
+    @staticmethod
+    def _chunk_cap(size: int, n: int) -> int:
+        """The most bytes any chunk of a ``size``-byte blob in ``n`` chunks can hold. The writer's
+        chunk size is not signed, but the size and count bound it: all chunks but the last have one
+        length L, with (n - 1) * L < size <= n * L."""
+        return size if n == 1 else -(-size // (n - 1)) - 1
+
+    def _join_blob(self, pointer: signing.Pointer, replies: list) -> bytes | None:
+        """The blob from the replies :meth:`_ask_chunks` queued, or ``None`` when a chunk is missing.
+
+        Raises:
+            IntegrityError: a chunk of the wrong length, or a blob that is not the one signed for.
+        """
+        if len(replies) != 2 * pointer.chunks:
+            raise IntegrityError(f"{len(replies) // 2} chunk replies for a blob of {pointer.chunks} chunks")
+        n = pointer.chunks
         lengths, parts = replies[0::2], replies[1::2]
         if not all(lengths):
             return None

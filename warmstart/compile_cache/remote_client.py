@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
 from warmstart import _defaults
@@ -45,7 +46,21 @@ UNREACHABLE = (
     redis.exceptions.ClusterError,
 )  # ClusterDownError, MasterDownError
 
-_op = threading.local()  # .deadline: time.monotonic() by which this thread's remote operation ends
+#: The counters of round trips to the server: made by the job's own threads (each one on the path of
+#: a lookup), and by the thread that fetches entries ahead (``fetch_ahead.py``).
+TRIPS = "round_trips"
+TRIPS_AHEAD = "round_trips_ahead"
+
+# .deadline: time.monotonic() by which this thread's remote operation ends; .ahead: this thread
+# fetches ahead (its round trips are counted apart)
+_op = threading.local()
+
+
+def fetching_ahead() -> None:
+    """Count this thread's round trips as the fetch ahead's, not the job's."""
+    _op.ahead = True
+
+
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
 _C = TypeVar("_C", bound="_Bounded")
@@ -108,11 +123,19 @@ class _DeadlineSocket:
     as before, after the connection's own timeout per call). Past it, redis-py sees an ordinary
     socket timeout: it drops the connection and raises ``TimeoutError``; no thread is left waiting."""
 
-    __slots__ = ("_sock", "_timeout")
+    __slots__ = ("_on_trip", "_sent", "_sock", "_timeout")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, on_trip: Callable[[], None] | None = None) -> None:
         self._sock = sock
         self._timeout = sock.gettimeout()
+        self._on_trip = on_trip
+        self._sent = False  # a read after a write waits for the server: one round trip
+
+    def _replied(self) -> None:
+        if self._sent:
+            self._sent = False
+            if self._on_trip is not None:
+                self._on_trip()
 
     def _arm(self) -> None:
         end = getattr(_op, "deadline", None)
@@ -126,18 +149,22 @@ class _DeadlineSocket:
 
     def recv(self, *args: Any) -> bytes:
         self._arm()
+        self._replied()
         return self._sock.recv(*args)
 
     def recv_into(self, *args: Any) -> int:
         self._arm()
+        self._replied()
         return self._sock.recv_into(*args)
 
     def send(self, *args: Any) -> int:
         self._arm()
+        self._sent = True
         return self._sock.send(*args)
 
     def sendall(self, *args: Any) -> None:
         self._arm()  # since Python 3.5 a timeout bounds the whole sendall
+        self._sent = True
         self._sock.sendall(*args)
 
     def settimeout(self, timeout: float | None) -> None:
@@ -154,23 +181,32 @@ class _DeadlineSocket:
         return getattr(self._sock, name)
 
 
-def _bound_socket(connection: Any) -> None:
+def _bound_socket(connection: Any, on_trip: Callable[[], None] | None) -> None:
     # Before the handshake (AUTH, HELLO), so that is bounded too. redis-py has no socket factory
     # hook: the connected socket is swapped in place, and its parser binds to it in on_connect().
     if not isinstance(connection._sock, _DeadlineSocket):
-        connection._sock = _DeadlineSocket(connection._sock)
+        connection._sock = _DeadlineSocket(connection._sock, on_trip)
+        if on_trip is not None:
+            on_trip()  # the TCP handshake that made it
 
 
-def _on_connect(connection: Any) -> None:
-    _bound_socket(connection)
-    connection.on_connect()
+def _connect_func(on_trip: Callable[[], None] | None) -> Callable[[Any], None]:
+    def on_connect(connection: Any) -> None:
+        _bound_socket(connection, on_trip)
+        connection.on_connect()
+
+    return on_connect
 
 
 class _Cluster(redis.RedisCluster):
     """RedisCluster whose node connections are deadline-bound (it runs ``on_connect`` for each)."""
 
+    def __init__(self, *, on_trip: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        self._on_trip = on_trip
+        super().__init__(**kwargs)
+
     def on_connect(self, connection: Any) -> None:
-        _bound_socket(connection)
+        _bound_socket(connection, self._on_trip)
         super().on_connect(connection)
 
 
@@ -199,10 +235,12 @@ def connect(
     *,
     connect_timeout: float = _defaults.REMOTE_CONNECT_TIMEOUT_S,
     socket_timeout: float = _defaults.REMOTE_SOCKET_TIMEOUT_S,
+    on_trip: Callable[[], None] | None = None,
 ) -> Client:
     """A redis-py client for a warmstart URL, with short timeouts and no retries (the breaker decides).
 
-    Cluster clients connect lazily on first use, like single-node ones.
+    Cluster clients connect lazily on first use, like single-node ones. ``on_trip`` is called for
+    each round trip to the server (a connection made, a reply waited for after a request).
     """
     validate_cache_url(url)
     options: dict[str, Any] = url_options(url)
@@ -213,13 +251,18 @@ def connect(
         socket_connect_timeout=options.pop("socket_connect_timeout", connect_timeout),
         socket_timeout=options.pop("socket_timeout", socket_timeout),
         socket_read_size=_defaults.REMOTE_SOCKET_READ_BYTES,
+        # No CLIENT SETINFO after connecting: two round trips for a name only `CLIENT LIST` shows.
+        driver_info=None,
     )
     if not parts.scheme.endswith("+cluster"):
         return redis.Redis.from_url(
             url,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
-            redis_connect_func=_on_connect,
+            redis_connect_func=_connect_func(on_trip),
+            # No CLIENT MAINT_NOTIFICATIONS handshake either: one more round trip per connection, for
+            # managed-service maintenance moves warmstart's short operations need not follow.
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
             **common,
             **options,
         )
@@ -236,6 +279,7 @@ def connect(
         ssl=parts.scheme.startswith("rediss"),
         retry=Retry(NoBackoff(), 0),
         cluster_error_retry_attempts=0,
+        on_trip=on_trip,
         **common,
         **options,
     )
@@ -275,13 +319,17 @@ class RemoteConnection:
         self.keys = keys
         self.key_id = keys.key_id
         self.stats = stats or Stats()
-        self._client: Client = connect(url)
+        self._client: Client = connect(url, on_trip=self._trip)
         self._prefix = f"{KEY_PREFIX}{namespace}:"
         self._write_refused = False  # the server said NOPERM to a write: read-only credentials
         self.breaker = CircuitBreaker(self._probe, name="remote")
         self._slow_in_a_row = 0
         self.closed = False
         """Set by :meth:`close`."""
+
+    def _trip(self) -> None:
+        # Counted by the thread that waits for it: a job's own lookups, or the fetch ahead.
+        self.stats.bump(TRIPS_AHEAD if getattr(_op, "ahead", False) else TRIPS)
 
     def _took(self, elapsed_s: float, allowance_s: float) -> None:
         """A server that answers every operation just inside its deadline would cost each lookup

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from warmstart import _defaults
 from warmstart._threads import start_daemon
+from warmstart.compile_cache.fetch_ahead import FetchAhead
 from warmstart.compile_cache.single_flight import SingleFlight
 from warmstart.compile_cache.stats import Stats
 from warmstart.compile_cache.storage import (
@@ -68,6 +69,8 @@ class TieredStore:
         budget: the process's time for waiting on the cache (``wait_budget.py``): tier operations on
             the caller's thread and the exit flush are charged to it; once it is spent the remote
             tier is left out. A budget of its own (``MAX_WAIT_S``) when omitted.
+        ahead: the remote tier's fetch ahead (``fetch_ahead.py``): told of every lookup, and asked
+            to store its manifest at :meth:`close`, after the background writes.
     """
 
     name = "store"
@@ -86,8 +89,10 @@ class TieredStore:
         observers: Iterable[StoreObserver] = (),
         single_flight: SingleFlight | None = None,
         budget: WaitBudget | None = None,
+        ahead: FetchAhead | None = None,
     ) -> None:
         self.local = local
+        self.ahead = ahead
         self.budget = budget or WaitBudget(_defaults.MAX_WAIT_S)
         self.remote = remote
         self.stats = stats or Stats()
@@ -131,6 +136,8 @@ class TieredStore:
         if self._closed:
             self.stats.add(self.name, kind, misses=1)
             return Miss(ERROR, self.name, "the store is closed")
+        if self.ahead is not None and wait:  # a value cheaper to make again than to wait for: not fetched ahead
+            self.ahead.looked_up(kind, key)
         try:
             result = self._get(kind, key, copy_local)
             if not result and wait and self.single_flight is not None:
@@ -379,6 +386,9 @@ class TieredStore:
             flushed = self.flush(timeout=min(self.exit_flush_s, self.budget.remaining()))
         if not flushed:
             log.warning("warmstart: gave up waiting for remote cache writes at exit; dropped %d", self._drop_queued())
+        elif self.ahead is not None and not self.budget.exhausted:
+            with self.budget.waiting("the fetch-ahead manifest"):
+                self.ahead.save()
         if self.single_flight is not None:
             self.single_flight.release_all()
         if self.stats_file is not None:

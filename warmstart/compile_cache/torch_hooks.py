@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from warmstart import torch_internals, torch_support
 from warmstart.compile_cache import dynamo_frames, import_hooks
+from warmstart.compile_cache.entry_point import entry_point
 from warmstart.compile_cache.storage import fail_open
 from warmstart.config import torch_compile_job_id, torch_pgo_key_given, torch_variable_set
 from warmstart.torch_internals import (
@@ -146,50 +147,7 @@ def pgo_job_id(job_id: str | None = None) -> str:
     """
     if job_id:
         return f"warmstart:{job_id}"
-    return "warmstart:" + hashlib.sha256(_entry_point().encode()).hexdigest()[:16]
-
-
-#: Interpreter options that take a value (``-W arg``, ``-X opt``, ``--check-hash-based-pycs mode``).
-_OPTIONS_WITH_VALUE = frozenset("WX")
-_LONG_OPTIONS_WITH_VALUE = frozenset({"--check-hash-based-pycs"})
-
-
-def _entry_point() -> str:
-    """What this interpreter runs: ``pkg.mod`` for ``python -m pkg.mod``, the script's file name
-    for ``python dir/train.py`` (as before), ``-c <code>`` for ``python -c <code>``."""
-    entry = _entry_from_command_line(list(getattr(sys, "orig_argv", None) or [])[1:])
-    if entry:
-        return entry
-    main = sys.modules.get("__main__")  # an embedded interpreter, or a command line not understood
-    spec = getattr(main, "__spec__", None)
-    return spec.name if spec is not None else os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python")
-
-
-def _entry_from_command_line(args: list[str]) -> str | None:
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg == "--":
-            return os.path.basename(args[i + 1]) if i + 1 < len(args) else None
-        if arg == "-":
-            return "-"  # the program comes from standard input
-        if arg.startswith("--"):
-            i += 2 if arg in _LONG_OPTIONS_WITH_VALUE else 1
-            continue
-        if arg.startswith("-"):
-            for j in range(1, len(arg)):  # a cluster of one-letter options: -Bu, -Im pkg.mod, -mpkg.mod
-                letter = arg[j]
-                if letter in ("m", "c"):
-                    value = arg[j + 1 :] or (args[i + 1] if i + 1 < len(args) else "")
-                    return value if letter == "m" else f"-c {value}"
-                if letter in _OPTIONS_WITH_VALUE:
-                    if not arg[j + 1 :]:
-                        i += 1  # the value is the next argument
-                    break
-            i += 1
-            continue
-        return os.path.basename(arg)  # the script (or directory, or zip file)
-    return None
+    return "warmstart:" + hashlib.sha256(entry_point().encode()).hexdigest()[:16]
 
 
 # -- installing patches on import ------------------------------------------------------------
