@@ -262,3 +262,24 @@ def test_a_value_cheaper_to_make_than_to_wait_for_is_not_fetched_ahead(redis_nod
     assert not writer.get("fx_graph", "g")
     writer.close()
     assert [(e.kind, e.key) for e in decode(writer.remote.read_manifest(PROGRAM))] == [("fx_graph", "g")]
+
+
+def test_a_lookup_waits_for_the_fetch_no_longer_than_the_process_may_wait(redis_node, tmp_path):
+    """The fetch's own deadline here is 2 s and more; the process has 0.3 s left to wait on the cache."""
+    from warmstart.compile_cache.wait_budget import WaitBudget
+
+    _fill(tmp_path, redis_node.url)
+    remote = _tier(redis_node.url)
+    budget = WaitBudget(0.3)
+    remote.ahead = FetchAhead(remote, PROGRAM, budget=budget)
+    os.kill(redis_node.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        remote.ahead.start()
+        fetched = remote.ahead.take("fx_graph", "g1")
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(redis_node.proc.pid, signal.SIGCONT)
+    # Not fetched: the lookup goes on to the server as it would without fetching ahead.
+    assert fetched is None
+    assert elapsed < 0.3 + 0.5, elapsed  # the budget, and scheduling's slack

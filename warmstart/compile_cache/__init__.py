@@ -148,7 +148,7 @@ def open_store(settings: Settings | None = None, *, persist_stats: bool = True) 
     # single-flight
     single_flight = _single_flight(settings, local, remote, remote_tier, stats, budget)
     # fetch ahead
-    ahead = _fetch_ahead(settings, remote, remote_tier)
+    ahead = _fetch_ahead(settings, remote, remote_tier, budget)
     # Counts go next to a usable local tier only: never into a directory that was refused.
     return TieredStore(
         local,
@@ -273,7 +273,9 @@ def _single_flight(
     )
 
 
-def _fetch_ahead(settings: Settings, remote: Storage | None, remote_tier: RemoteTier | None) -> FetchAhead | None:
+def _fetch_ahead(
+    settings: Settings, remote: Storage | None, remote_tier: RemoteTier | None, budget: WaitBudget
+) -> FetchAhead | None:
     """The remote tier's fetch ahead, named after this program (``None`` without a remote tier or
     with ``WARMSTART_FETCH_AHEAD=0``); begun at once when :func:`fetch_ahead_now` was called."""
     if remote_tier is None or remote is None or not settings.fetch_ahead:
@@ -284,7 +286,7 @@ def _fetch_ahead(settings: Settings, remote: Storage | None, remote_tier: Remote
     from warmstart.compile_cache.entry_point import entry_point
 
     name = hashlib.sha256(entry_point().encode()).hexdigest()[:32]
-    ahead = fetch_ahead.FetchAhead(remote_tier, name, writes=remote.writable and settings.mode == "rw")
+    ahead = fetch_ahead.FetchAhead(remote_tier, name, writes=remote.writable and settings.mode == "rw", budget=budget)
     remote_tier.ahead = ahead
     if _fetching_pid == os.getpid():
         ahead.start()

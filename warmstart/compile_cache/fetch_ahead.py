@@ -15,8 +15,9 @@ name. Its lookups then take their entries from memory and verify them as they wo
 What it costs when wrong: an entry the manifest did not predict is looked up as before; one that
 does not verify, or whose blob changed, is looked up again; a manifest that does not verify, a
 failed fetch, or a fetch past its deadline leaves every lookup to the server as before. A lookup
-waits for the fetch at most until the fetch's own deadline, and the bytes held are bounded
-(``FETCH_AHEAD_BYTES``); a lookup takes its entry out of memory.
+waits for the fetch no longer than the fetch's own deadline, nor than what is left of the process's
+time for waiting on the cache; the bytes held are bounded (``FETCH_AHEAD_BYTES``), and a lookup
+takes its entry out of memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import NamedTuple, Protocol
 
 from warmstart import _defaults
 from warmstart._threads import start_daemon
+from warmstart.compile_cache.wait_budget import WaitBudget
 
 log = logging.getLogger("warmstart.cache")
 
@@ -121,6 +123,8 @@ class FetchAhead:
         tier: the remote tier the entries come from (and the manifest goes to, when it can write).
         name: what the manifest is stored under: the program (see ``entry_point.py``).
         writes: whether this process stores its manifest (it writes to the tier).
+        budget: the process's time for waiting on the cache (``wait_budget.py``): a lookup waits for
+            the fetch no longer than what is left of it (the store charges the wait to it).
         max_entries: the most entries a manifest names (the most recently looked up kept).
         max_bytes: the most bytes of blobs one fetch moves and holds.
     """
@@ -131,12 +135,14 @@ class FetchAhead:
         name: str,
         *,
         writes: bool = False,
+        budget: WaitBudget | None = None,
         max_entries: int = _defaults.FETCH_AHEAD_ENTRIES,
         max_bytes: int = _defaults.FETCH_AHEAD_BYTES,
     ) -> None:
         self.tier = tier
         self.name = name
         self.writes = writes
+        self.budget = budget
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -215,11 +221,12 @@ class FetchAhead:
         if not self._started:
             return None
         start = time.monotonic()
-        if not self._known.wait(max(0.0, self._deadline - start)):
+        end = self._deadline if self.budget is None else min(self._deadline, start + self.budget.remaining())
+        if not self._known.wait(max(0.0, end - start)):
             return None
         if (kind, key) not in self._predicted:
             return None
-        if not self._done.wait(max(0.0, self._deadline - time.monotonic())):
+        if not self._done.wait(max(0.0, end - time.monotonic())):
             return None
         waited = time.monotonic() - start
         if waited > 1e-3:
