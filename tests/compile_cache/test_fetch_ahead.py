@@ -283,3 +283,16 @@ def test_a_lookup_waits_for_the_fetch_no_longer_than_the_process_may_wait(redis_
     # Not fetched: the lookup goes on to the server as it would without fetching ahead.
     assert fetched is None
     assert elapsed < 0.3 + 0.5, elapsed  # the budget, and scheduling's slack
+
+
+def test_a_redis_cluster_serves_the_fetch_in_one_pipeline_per_node(redis_cluster, tmp_path):
+    """Entries spread over the cluster's slots: the fetch's pipeline goes to every node that holds
+    one, and every lookup is served from it."""
+    url = f"{redis_cluster.url}?socket_timeout=30&socket_connect_timeout=30"  # a loaded machine: not a speed test
+    _fill(tmp_path, url)
+    reader = _machine(tmp_path, "reader", url, writes=False)
+    reader.ahead.start()
+    for (kind, key), value in ENTRIES.items():
+        assert reader.get(kind, key).value == value
+    counters = reader.stats.counters_dict()
+    assert counters[AHEAD_HITS] == len(ENTRIES) and counters.get(TRIPS, 0) == 0
