@@ -9,7 +9,6 @@ Turn it on with the environment alone (``WARMSTART=1``; see docs/reference.md), 
 from __future__ import annotations
 
 import os
-import sys
 from types import ModuleType
 
 __version__ = "0.1.0"
@@ -82,6 +81,7 @@ def _activate(pgo_job_id: str | None) -> None:
     """
     from warmstart import compile_cache, torch_internals
     from warmstart.compile_cache import dynamo_frames, import_hooks, torch_hooks
+    from warmstart.config import Settings
 
     torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
     compile_cache.reset_store()  # the next get_store() builds from the settings now in force
@@ -92,9 +92,10 @@ def _activate(pgo_job_id: str | None) -> None:
     # In torchrun's own process: its restarts rejoin without the first join's delay.
     import_hooks.on_import("torch.distributed.elastic.rendezvous.dynamic_rendezvous", _rejoin_at_once)
     compile_cache.add_observer(_cache_spans)
+    # Decided now, from the settings in force: the preloader records what its imports read from the
+    # environment, and Dynamo's import (which begins the fetch) is one of them.
+    compile_cache.fetch_ahead_when_compiling(Settings.from_env().fetches_ahead)
     torch_hooks.install()  # also runs the hooks of modules already imported
-    if "torch._dynamo" in sys.modules:  # a preloaded child, or enable() late: about to compile
-        compile_cache.fetch_ahead_now()
 
 
 def _cache_spans():
@@ -117,7 +118,8 @@ def _install_compile_spans(_module: object) -> None:
 
     install_compile_spans()
     # A process that imports Dynamo is about to compile: fetch the remote entries its program looked
-    # up last time while the compiler's modules import (and, should this not run, at its first compile).
+    # up last time while the compiler's modules import (a preloaded program, whose preloader imported
+    # them, at its first compile: a program that never compiles gets no thread, as in a new interpreter).
     compile_cache.fetch_ahead_now()
     handler = torch_internals.resolve("callback_handler")
     if handler is not None and compile_cache.fetch_ahead_now not in handler.start_callbacks:

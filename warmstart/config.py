@@ -451,6 +451,12 @@ class Settings:
     job: JobIdentity = dataclasses.field(default_factory=lambda: JobIdentity(False, "", None, 0, 0, False))
     """Which job, rank and attempt this process belongs to (see :func:`job_identity`)."""
 
+    @property
+    def fetches_ahead(self) -> bool:
+        """Whether a process with these settings fetches its remote entries ahead: on, with a
+        remote tier (see ``compile_cache/fetch_ahead.py``)."""
+        return self.enabled and self.fetch_ahead and self.cache_url is not None and self.mode != "off"
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Build settings from ``environ`` (default ``os.environ``); keyword overrides win.

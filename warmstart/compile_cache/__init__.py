@@ -335,20 +335,27 @@ def _scrub(text: str, url: str) -> str:
 
 
 _fetching_pid = 0  # the process that began fetching ahead (a forked child has not)
+_fetch_when_compiling = False
+
+
+def fetch_ahead_when_compiling(on: bool) -> None:
+    """Whether :func:`fetch_ahead_now` fetches in this process (``Settings.fetches_ahead``), set when
+    warmstart is turned on in it: decided then, so that the call itself reads no setting."""
+    global _fetch_when_compiling
+    _fetch_when_compiling = on
 
 
 def fetch_ahead_now(_args: object = None) -> None:
     """Begin fetching ahead (``fetch_ahead.py``) in this process, once, on a thread that builds the
     process-wide store first: called when the process imports Dynamo (it is about to compile), and
-    as Dynamo's start callback. Not where fetching ahead is off (``WARMSTART_FETCH_AHEAD=0``, the
-    preloader, a compile worker). Never raises."""
+    as Dynamo's start callback. Only where :func:`fetch_ahead_when_compiling` said so (not with
+    ``WARMSTART_FETCH_AHEAD=0``, without a remote tier, in the preloader or a compile worker).
+    Never raises."""
     global _fetching_pid
-    if _fetching_pid == os.getpid():
+    if not _fetch_when_compiling or _fetching_pid == os.getpid():
         return
+    _fetching_pid = os.getpid()
     try:
-        if not Settings.from_env().fetch_ahead:
-            return
-        _fetching_pid = os.getpid()
         from warmstart._threads import start_daemon
 
         start_daemon(_start_fetch_ahead, "warmstart-fetch-ahead-start")
