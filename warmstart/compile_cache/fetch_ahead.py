@@ -1,16 +1,17 @@
-"""Fetch ahead: the remote entries a program will look up, fetched in one pipelined exchange when it
-starts compiling, so that a machine far from the cache server waits about one round trip, not one
-or two per entry.
+"""Fetch ahead: the remote entries a program will look up, fetched in one pipelined exchange while
+it imports the compiler, so that a machine far from the cache server waits on no round trip of its
+own, rather than one or two per entry.
 
-A warm start looks up some 70 entries (FX graphs, AOTAutograd entries, C++ objects, probes) one
+A warm start looks up 20 to 80 entries (FX graphs, AOTAutograd entries, C++ objects, probes) one
 after another, a round trip or two each: at 50 ms from the server that is seconds. So a process
 that writes to the shared cache records which entries it looked up, in order, and at exit stores
 them as a signed *manifest* named after its program (the entry script or module, as torch's PGO
 state is: ``entry_point.py``) when they differ from the manifest it found. A later process of the
-same program, on any machine, starts a thread when Dynamo starts its first compile: one read of
-the manifest, then one pipeline (``GETRANGE``/``STRLEN``, never ``MGET``) for every entry it
-names, pointer records and blob chunks together; a second one only for blobs the manifest did not
-name. Its lookups then take their entries from memory and verify them as they would a reply.
+same program, on any machine, starts a thread when it imports Dynamo, or at its first compile
+(``compile_cache.fetch_ahead_now``): one read of the manifest, then one pipeline
+(``GETRANGE``/``STRLEN``, never ``MGET``) for every entry it names, pointer records and blob chunks
+together; a second one only for blobs the manifest did not name. Its lookups then take their
+entries from memory and verify them as they would a reply.
 
 What it costs when wrong: an entry the manifest did not predict is looked up as before; one that
 does not verify, or whose blob changed, is looked up again; a manifest that does not verify, a
