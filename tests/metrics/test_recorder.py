@@ -251,14 +251,16 @@ def test_sigterm_chains_a_previous_python_handler(tmp_path):
             sys.executable,
             "-c",
             textwrap.dedent("""
-        import signal, sys, time
+        import os, signal, sys, time
         def previous(signum, frame):
             print("previous handler ran", flush=True)
             sys.exit(7)
         signal.signal(signal.SIGTERM, previous)
         from warmstart.metrics import get_recorder
         get_recorder().step(0)
-        print("ready", flush=True)
+        # Not print(): the test reads the line once it is written, and its SIGTERM may come while
+        # print() is still inside stdout's buffer, where the handler's print() is a reentrant call.
+        os.write(1, b"ready\\n")
         for _ in range(600):  # short sleeps: a signal just before one long sleep waits for its end
             time.sleep(0.1)
     """),
