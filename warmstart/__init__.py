@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from warmstart.config import Settings
 
 __version__ = "0.1.0"
 __all__ = ["enable", "__version__"]
@@ -48,7 +52,7 @@ def enable(
     Raises:
         ConfigError: a setting is malformed (one line: variable, value, what is accepted).
     """
-    from warmstart.config import enable_environment, ensure_job_id, job_identity
+    from warmstart.config import Settings, enable_environment, ensure_job_id
 
     env = enable_environment(  # checks everything before changing anything
         os.environ,
@@ -67,23 +71,22 @@ def enable(
         job_id=job_id,
     )
     os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
-    identity = job_identity(os.environ)
+    settings = Settings.from_env()
     # The PGO state is named before an id is generated: a generated id is new on every run, and
     # repeats of a job should share what Dynamo learnt.
-    _activate(pgo_job_id=identity.given_job_id or None)
-    ensure_job_id(identity)  # children share one generated id
+    _activate(settings)
+    ensure_job_id(settings.job)  # children share one generated id
 
 
-def _activate(pgo_job_id: str | None) -> None:
-    """Install the hooks for the settings in ``os.environ`` (``WARMSTART=1`` already checked).
+def _activate(settings: Settings) -> None:
+    """Install the hooks for ``settings``, those in ``os.environ`` (``WARMSTART=1`` already checked).
 
-    ``pgo_job_id`` names the job for Dynamo's PGO state; ``None`` derives it from the entry script.
+    Dynamo's PGO state is named after the job id the user gave, else after the entry script.
     """
     from warmstart import compile_cache, torch_internals
     from warmstart.compile_cache import dynamo_frames, import_hooks, torch_hooks
-    from warmstart.config import Settings
 
-    torch_hooks.configure_environment(os.environ, job_id=pgo_job_id)
+    torch_hooks.configure_environment(os.environ, job_id=settings.job.given_job_id or None)
     compile_cache.reset_store()  # the next get_store() builds from the settings now in force
     dynamo_frames.reset()
     # Compile spans for the ETT metrics, registered once torch's compile callbacks exist: importing
@@ -94,7 +97,7 @@ def _activate(pgo_job_id: str | None) -> None:
     compile_cache.add_observer(_cache_spans)
     # Decided now, from the settings in force: the preloader records what its imports read from the
     # environment, and Dynamo's import (which begins the fetch) is one of them.
-    compile_cache.fetch_ahead_when_compiling(Settings.from_env().fetches_ahead)
+    compile_cache.fetch_ahead_when_compiling(settings.fetches_ahead)
     torch_hooks.install()  # also runs the hooks of modules already imported
 
 

@@ -24,7 +24,7 @@ def start(hand_over: bool = True) -> None:
         from warmstart.config import Settings
 
         settings = Settings.from_env()  # fail on a bad setting here, once, with one line
-        _activate(pgo_job_id=settings.job.given_job_id or None)
+        _activate(settings)
     except Exception as exc:  # never break an interpreter because of the cache
         if not _quiet():
             sys.stderr.write(f"warmstart: disabled in this process: {exc}\n")

@@ -277,7 +277,9 @@ def _fetch_ahead(
     settings: Settings, remote: Storage | None, remote_tier: RemoteTier | None, budget: WaitBudget
 ) -> FetchAhead | None:
     """The remote tier's fetch ahead, named after this program (``None`` without a remote tier or
-    with ``WARMSTART_FETCH_AHEAD=0``); begun at once when :func:`fetch_ahead_now` was called."""
+    with ``WARMSTART_FETCH_AHEAD=0``); begun at once when :func:`fetch_ahead_now` was called (its
+    thread runs it), so that no lookup goes by it. It stores its manifest where this process writes
+    to the remote tier (``remote``, the view of it this store uses)."""
     if remote_tier is None or remote is None or not settings.fetch_ahead:
         return None
     import hashlib
@@ -286,10 +288,10 @@ def _fetch_ahead(
     from warmstart.compile_cache.entry_point import entry_point
 
     name = hashlib.sha256(entry_point().encode()).hexdigest()[:32]
-    ahead = fetch_ahead.FetchAhead(remote_tier, name, writes=remote.writable and settings.mode == "rw", budget=budget)
+    ahead = fetch_ahead.FetchAhead(remote_tier, name, writes=remote.writable, budget=budget)
     remote_tier.ahead = ahead
     if _fetching_pid == os.getpid():
-        ahead.start()
+        ahead.begin()
     return ahead
 
 
@@ -358,16 +360,16 @@ def fetch_ahead_now(_args: object = None) -> None:
     try:
         from warmstart._threads import start_daemon
 
-        start_daemon(_start_fetch_ahead, "warmstart-fetch-ahead-start")
+        start_daemon(_fetch_ahead_in_this_thread, "warmstart-fetch-ahead")
     except Exception:  # never a fault of the job's: its lookups ask the server
         log.debug("fetch ahead did not start", exc_info=True)
 
 
-def _start_fetch_ahead() -> None:
+def _fetch_ahead_in_this_thread() -> None:
     try:
         store = get_store()
         if store is not None and store.ahead is not None:
-            store.ahead.start()
+            store.ahead.run()
     except Exception:
         log.debug("fetch ahead did not start", exc_info=True)
 

@@ -149,6 +149,7 @@ class FetchAhead:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._started = False
+        self._ran = False
         self._deadline = 0.0  # time.monotonic() by which the fetch has ended, whatever happens
         self._known = threading.Event()  # the manifest was read (or could not be)
         self._done = threading.Event()  # the entries were fetched (or could not be)
@@ -159,8 +160,9 @@ class FetchAhead:
         self._pointers: dict[tuple[str, str], tuple[str, int, int]] = {}  # blobs seen this process
 
     # -- the fetch -----------------------------------------------------------------------------
-    def start(self) -> bool:
-        """Begin the fetch on a thread of its own; False when it began already in this process."""
+    def begin(self) -> bool:
+        """Mark the fetch as under way, so that lookups wait for it from now on (its deadline starts
+        now); False when it had begun already in this process."""
         with self._lock:
             if self._started:
                 return False
@@ -169,12 +171,24 @@ class FetchAhead:
             # ends within its deadline, plus its bytes at the tier's slowest accepted rate.
             bound = 2 * self.tier.op_deadline_s + 2 * self.max_bytes / self.tier.min_bytes_per_s
             self._deadline = time.monotonic() + bound
-        start_daemon(self._run, "warmstart-fetch-ahead")
+            return True
+
+    def start(self) -> bool:
+        """:meth:`begin` the fetch and :meth:`run` it on a thread of its own; False when it had begun."""
+        if not self.begin():
+            return False
+        start_daemon(self.run, "warmstart-fetch-ahead")
         return True
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Fetch on this thread (begun first if it was not), once per process; never raises."""
         from warmstart.compile_cache.remote_client import fetching_ahead
 
+        self.begin()
+        with self._lock:
+            if self._ran:
+                return
+            self._ran = True
         fetching_ahead()
         try:
             chosen = self._within_bounds(self._read_found())

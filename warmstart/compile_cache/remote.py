@@ -221,18 +221,12 @@ class RemoteTier(RemoteRegistry):
                 if fetched is not None:
                     self.stats.bump(AHEAD_ABSENT)
                 return Miss(ABSENT, self.name)
-            pointer, blob = self.keys.verify(record, namespace=self.namespace, kind=kind, key=key)
-            if pointer.chunks:
-                chunked = None
-                if fetched is not None and fetched.digest == pointer.digest and fetched.replies:
-                    chunked = self._join_blob(pointer, fetched.replies)
-                if chunked is None:
-                    chunked = self._read_blob(pointer)
-                if chunked is None:  # blob evicted before its pointer
-                    self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
-                    return Miss(EVICTED, self.name, f"{pointer.chunks} chunk(s) of a {pointer.size}-byte blob")
-                blob = chunked
-            value = self._zd.decompress(blob) if pointer.compressed else blob
+            pointer, inline = self.keys.verify(record, namespace=self.namespace, kind=kind, key=key)
+            loaded = self._load(pointer, inline, fetched)
+            if loaded is None:  # blob evicted before its pointer
+                self.stats.add(self.name, kind, misses=1, read_s=time.perf_counter() - start)
+                return Miss(EVICTED, self.name, f"{pointer.chunks} chunk(s) of a {pointer.size}-byte blob")
+            blob, value = loaded
         except IntegrityError as exc:
             if fetched is not None:  # not what the server holds now, perhaps: ask it
                 self.stats.bump(AHEAD_REJECTED)
@@ -258,6 +252,28 @@ class RemoteTier(RemoteRegistry):
         if self.ahead is not None:
             self.ahead.saw(kind, key, pointer)
         return Hit(value, self.name, pointer.cost_s)
+
+    def _load(
+        self, pointer: signing.Pointer, inline: bytes, fetched: Fetched | None = None
+    ) -> tuple[bytes, bytes] | None:
+        """The blob of a verified pointer (inline, or its chunks: from what was ``fetched`` ahead
+        when that is this blob, else from the server) and the value in it; ``None`` when a chunk is
+        missing.
+
+        Raises:
+            IntegrityError: a chunk of the wrong length, or a blob that is not the one signed for.
+        """
+        blob = inline
+        if pointer.chunks:
+            chunked = None
+            if fetched is not None and fetched.digest == pointer.digest and fetched.replies:
+                chunked = self._join_blob(pointer, fetched.replies)
+            if chunked is None:
+                chunked = self._read_blob(pointer)
+            if chunked is None:
+                return None
+            blob = chunked
+        return blob, self._zd.decompress(blob) if pointer.compressed else blob
 
     def put(self, kind: str, key: str, value: bytes, *, cost_s: float = 0.0, sync: bool = False) -> bool:
         # A verify-only key cannot sign, whatever the URL's credentials allow.
@@ -319,13 +335,9 @@ class RemoteTier(RemoteRegistry):
         record = self._read_pointer(self._pointer_key(MANIFEST, name))
         if record is None:
             return None
-        pointer, blob = self.keys.verify(record, namespace=self.namespace, kind=MANIFEST, key=name)
-        if pointer.chunks:
-            chunked = self._read_blob(pointer)
-            if chunked is None:
-                return None
-            blob = chunked
-        return self._zd.decompress(blob) if pointer.compressed else blob
+        pointer, inline = self.keys.verify(record, namespace=self.namespace, kind=MANIFEST, key=name)
+        loaded = self._load(pointer, inline)
+        return loaded[1] if loaded is not None else None
 
     @bounded
     def write_manifest(self, name: str, value: bytes) -> bool:
