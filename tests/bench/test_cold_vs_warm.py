@@ -57,8 +57,17 @@ def bench(tmp_path_factory):
         "600",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, f"bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}{_job_logs(work)}"
     return json.loads(out_json.read_text()), out_html.read_text(), work, done.stdout
+
+
+def _job_logs(work: Path) -> str:
+    """The end of each configuration's log (a stalled run's Python stacks are there), for a failure's
+    message: on a CI machine the work directory is gone once the run ends."""
+    parts = []
+    for log in sorted(work.glob("*/job.log")):
+        parts.append(f"\n--- {log} (last 12000 characters)\n{log.read_text(errors='replace')[-12000:]}")
+    return "".join(parts)
 
 
 @pytest.mark.slow
