@@ -186,3 +186,27 @@ def test_last_stage_names_each_rank_of_the_attempt(tmp_path):
         0,
         "rank 0 no event yet, rank 1 in step 4, rank 2 no event yet",
     )
+
+
+def test_a_stall_names_a_rank_that_could_not_write_its_events(tmp_path):
+    # A rank whose event file cannot be written (here its run directory is a file; on a CI machine, a
+    # full disk) goes on training with no record: the stall message says so, in the recorder's words.
+    import logging
+
+    from warmstart.metrics import Recorder
+
+    log_path = tmp_path / "job.log"
+    handler = logging.FileHandler(log_path)
+    logger = logging.getLogger("warmstart.metrics")
+    logger.addHandler(handler)
+    try:
+        (tmp_path / "runs").write_text("not a directory")
+        rec = Recorder(tmp_path / "runs", job="j", rank=0, attempt=0, flush_interval_s=0)
+        rec.attempt_start()
+        rec.flush()
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    said = supervise._unwritten_events(log_path)
+    assert said.startswith("; a rank could not write its events (warmstart: cannot write ETT events to "), said
+    assert supervise._unwritten_events(tmp_path / "no-such.log") == ""

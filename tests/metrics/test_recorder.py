@@ -315,6 +315,50 @@ def test_forked_child_does_not_duplicate_or_claim_the_attempt(tmp_path):
     assert events == [("attempt_start", None), ("step", 0), ("step", 1), ("attempt_end", None)]
 
 
+def test_two_threads_forking_at_once_each_release_only_their_own_hold(tmp_path):
+    # Thread A holds the flush lock across a fork that takes more than a second (a large process);
+    # thread B's fork meanwhile gives up waiting for it. B's fork ending must not release A's hold
+    # (nor fail), and once A's ends the flusher writes again: the attempt's events keep coming.
+    proc = _run(
+        """
+        import threading, time
+        from warmstart.metrics import get_recorder, recorder
+        rec = get_recorder()
+        rec.attempt_start()
+        a_held, b_done = threading.Event(), threading.Event()
+
+        def a():
+            recorder._before_fork()  # holds the lock, as during its fork
+            a_held.set()
+            b_done.wait(10)
+            recorder._after_fork_in_parent()
+
+        def b():
+            a_held.wait(10)
+            recorder._before_fork()  # waits its second, then forks without the lock
+            recorder._after_fork_in_parent()
+            b_done.set()
+
+        threads = [threading.Thread(target=f) for f in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        rec.step(0)
+        flushed = threading.Thread(target=rec.flush, daemon=True)
+        flushed.start()
+        flushed.join(5)
+        print("flushed" if not flushed.is_alive() else "flush blocked")
+    """,
+        {"WARMSTART_RUN_DIR": str(tmp_path), "WARMSTART_JOB_ID": "j"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "flushed", proc.stderr
+    assert "RuntimeError" not in proc.stderr
+    events = [line["event"] for line in _lines(tmp_path / "events-r0-a0.jsonl")]
+    assert events[:2] == ["attempt_start", "step"]
+
+
 def test_a_bad_rank_is_an_error_only_when_metrics_are_on(tmp_path, monkeypatch):
     for var in ("WARMSTART", "WARMSTART_RUN_DIR", "WARMSTART_ATTEMPT"):
         monkeypatch.delenv(var, raising=False)

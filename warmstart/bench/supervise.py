@@ -273,11 +273,25 @@ def _stalled(
     _note(log_path, "warmstart bench watchdog: stopped the configuration")
     attempts = sorted({a for a in ranks.values() if a is not None})
     attempt, stages = _last_stages(run_dir, nproc, attempts[-1] if attempts else None)
+    unwritten = _unwritten_events(log_path)
     return BenchError(
         f"{name}: attempt {attempt} recorded no ETT event for {stall_timeout_s:.0f} s "
-        f"(last stage: {stages}); dumped every rank's Python stacks into the log and stopped it "
+        f"(last stage: {stages}){unwritten}; dumped every rank's Python stacks into the log and stopped it "
         f"(log: {log_path})"
     )
+
+
+def _unwritten_events(log_path: Path) -> str:
+    """What a rank said when it could not write its events (a full disk, say): then the job may have
+    gone on and only its record stopped. Empty when no rank said so."""
+    try:
+        with open(log_path, errors="replace") as log:
+            for line in log:
+                if "cannot write ETT events" in line:
+                    return f"; a rank could not write its events ({line.strip()[:200]})"
+    except OSError:
+        pass
+    return ""
 
 
 def _note(log_path: Path, line: str) -> None:

@@ -1,6 +1,12 @@
 """Run one function in a forked child and bring its result back: heavy pure-Python work (sharding-plan
 search) off the parent's GIL, so the parent's threads keep running at full speed.
 
+A fork copies the parent's locks as they are, and only the forking thread: a module another thread
+was importing at that moment stays locked in the child forever, and the child's first import of it
+(torch imports lazily, often) would wait for ever. So the child first looks for such locks; a child
+that finds one says so and is forked again a moment later, when that import is done, and after a
+few tries the function runs in the calling thread instead.
+
 Example:
     >>> import os
     >>> call_in_subprocess(os.getpid, name="pid") != os.getpid()
@@ -9,12 +15,20 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
+import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
+
+log = logging.getLogger("warmstart.init_pipeline")
+
+_UNSAFE = "unsafe"  # the child's answer when it was forked while another thread imported a module
+_FORK_RETRIES_S = (0.05, 0.1, 0.2, 0.4, 0.8)  # waits before forking again; then the calling thread runs it
 
 
 def call_in_subprocess(
@@ -46,16 +60,38 @@ def call_in_subprocess(
     kwargs = dict(kwargs or {})
     if "fork" not in multiprocessing.get_all_start_methods():
         return fn(**kwargs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for wait_s in (*_FORK_RETRIES_S, None):
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        status, payload = _fork_once(fn, kwargs, remaining, timeout_s, name)
+        if status != _UNSAFE:
+            break
+        if wait_s is None or (deadline is not None and time.monotonic() + wait_s >= deadline):
+            log.debug("warmstart: %s: modules %s were being imported at each fork; running it here", name, payload)
+            return fn(**kwargs)
+        time.sleep(wait_s)
+    if status == "ok":
+        return payload
+    if isinstance(payload, BaseException):
+        raise payload
+    raise RuntimeError(f"{name} subprocess failed:\n{payload}")
+
+
+def _fork_once(
+    fn: Callable[..., Any], kwargs: dict[str, Any], remaining_s: float | None, timeout_s: float | None, name: str
+) -> tuple[str, Any]:
+    """One forked child's answer: ``("ok", result)``, ``("error", exception or text)``, or
+    ``(_UNSAFE, module names)`` when it was forked while another thread held those modules' import locks."""
     ctx = multiprocessing.get_context("fork")
     receiver, sender = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(sender, fn, kwargs), name=f"warmstart-{name}", daemon=True)
     child.start()
     sender.close()
     try:
-        if not receiver.poll(timeout_s):
+        if not receiver.poll(remaining_s):
             raise TimeoutError(f"{name} did not finish within {timeout_s:g} s")
         try:
-            status, payload = pickle.loads(receiver.recv_bytes())
+            return pickle.loads(receiver.recv_bytes())
         except EOFError:
             child.join(1.0)
             raise RuntimeError(f"{name} subprocess died (exit code {child.exitcode}) before returning") from None
@@ -66,14 +102,32 @@ def call_in_subprocess(
         if child.is_alive():
             child.kill()
             child.join(1.0)
-    if status == "ok":
-        return payload
-    if isinstance(payload, BaseException):
-        raise payload
-    raise RuntimeError(f"{name} subprocess failed:\n{payload}")
+
+
+def _imports_held_by_other_threads() -> list[str]:
+    """In a forked child: the modules whose import lock a thread of the parent held at the fork (that
+    thread is not here, so they stay locked). Read from importlib's own lock table (``count`` is an
+    int in Python 3.11, a list from 3.12); empty where that table is not as expected."""
+    import importlib._bootstrap as bootstrap
+
+    me = threading.get_ident()
+    held = []
+    try:
+        for ref in list(bootstrap._module_locks.values()):  # type: ignore[attr-defined]
+            lock = ref() if callable(ref) else ref
+            if lock is not None and lock.count and lock.owner != me:
+                held.append(lock.name)
+    except (AttributeError, TypeError):  # another Python: the child runs as before
+        return []
+    return held
 
 
 def _child_main(sender: Any, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    held = _imports_held_by_other_threads()
+    if held:  # the first import of one of them would wait for ever: fork again later
+        sender.send_bytes(pickle.dumps((_UNSAFE, held)))
+        sender.close()
+        os._exit(0)
     try:
         result = ("ok", fn(**kwargs))
         data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)

@@ -514,7 +514,9 @@ def _at_exit() -> None:
     _undo_process_hooks(at_exit=True)  # after the last flush: a hook's last look sees the attempt's last events
 
 
-_held_at_fork: list[Recorder] = []
+# The flush locks each forking thread holds across its fork: per thread, since two threads may fork
+# at once (a loader's workers on one, a helper process on another), and each releases only its own.
+_at_fork = threading.local()
 _FORK_LOCK_WAIT_S = 1.0
 
 
@@ -524,21 +526,26 @@ def _before_fork() -> None:
     # the fork makes it happen between two flushes (the lock is re-entrant: a fork from inside a flush
     # on this thread still goes through). Bounded: a write stuck on a dead file system delays a fork by
     # a second at most, and the child then starts with fresh locks and an empty buffer all the same.
+    held: list[Any] = []
+    _at_fork.held = held
     for rec in list(_live):
         try:
-            if rec._flush_lock.acquire(timeout=_FORK_LOCK_WAIT_S):
-                _held_at_fork.append(rec)
+            lock = rec._flush_lock
+            if lock.acquire(timeout=_FORK_LOCK_WAIT_S):
+                held.append(lock)
         except Exception:  # noqa: BLE001 - a fork must never fail because of the metrics
             continue
 
 
 def _after_fork_in_parent() -> None:
-    while _held_at_fork:
-        _held_at_fork.pop()._flush_lock.release()
+    held = getattr(_at_fork, "held", [])
+    _at_fork.held = []
+    while held:
+        held.pop().release()
 
 
 def _after_fork_in_child() -> None:
-    _held_at_fork.clear()  # the child replaces the locks (held by the forking thread) with new ones
+    _at_fork.held = []  # the child replaces the locks (held by the forking thread) with new ones
     for rec in list(_live):
         rec._after_fork_in_child()
 
