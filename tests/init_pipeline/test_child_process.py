@@ -5,30 +5,37 @@ while a compile thread imported part of torch, did)."""
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import secrets
 import sys
 import threading
 import time
+from pathlib import Path
 
 from _wait import until
 
 from warmstart.init_pipeline import call_in_subprocess
 
 
-def _slow_module(tmp_path, hold_s: float) -> tuple[str, threading.Thread]:
-    """A module whose import takes ``hold_s``, being imported by a thread of this process (returned
-    once the import is under way, its lock held)."""
+def _slow_module(tmp_path, hold_s: float) -> tuple[str, threading.Thread, Path]:
+    """A module being imported by a thread of this process (returned once the import is under way,
+    its lock held): the import ends after ``hold_s``, or as soon as the returned file exists."""
     name = f"_ws_slow_import_{secrets.token_hex(4)}"
-    started = tmp_path / f"{name}.started"
+    started, release = tmp_path / f"{name}.started", tmp_path / f"{name}.release"
     (tmp_path / f"{name}.py").write_text(
-        f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep({hold_s})\nVALUE = 42\n"
+        "import pathlib, time\n"
+        f"pathlib.Path({str(started)!r}).touch()\n"
+        f"end = time.monotonic() + {hold_s}\n"
+        f"while time.monotonic() < end and not pathlib.Path({str(release)!r}).exists():\n"
+        "    time.sleep(0.01)\n"
+        "VALUE = 42\n"
     )
     sys.path.insert(0, str(tmp_path))
     thread = threading.Thread(target=importlib.import_module, args=(name,), daemon=True)
     thread.start()
     until(started.exists, timeout=10)
-    return name, thread
+    return name, thread, release
 
 
 def _imports_and_says_where(name: str) -> tuple[int, int]:
@@ -36,7 +43,7 @@ def _imports_and_says_where(name: str) -> tuple[int, int]:
 
 
 def test_a_child_forked_during_another_threads_import_is_forked_again_once_it_is_done(tmp_path):
-    name, thread = _slow_module(tmp_path, hold_s=0.4)
+    name, thread, _ = _slow_module(tmp_path, hold_s=0.4)
     try:
         start = time.monotonic()
         pid, value = call_in_subprocess(_imports_and_says_where, {"name": name}, timeout_s=30, name="probe")
@@ -50,11 +57,27 @@ def test_a_child_forked_during_another_threads_import_is_forked_again_once_it_is
 
 
 def test_an_import_that_outlasts_the_retries_runs_the_function_in_the_calling_thread(tmp_path):
-    name, thread = _slow_module(tmp_path, hold_s=4.0)
+    # The import goes on until the function falls back to the calling thread (its debug line), so
+    # every fork finds it under way, however slow the machine.
+    name, thread, release = _slow_module(tmp_path, hold_s=60)
+
+    class _ReleaseAtFallback(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "running it here" in record.getMessage():
+                release.touch()
+
+    logger = logging.getLogger("warmstart.init_pipeline")
+    handler, level = _ReleaseAtFallback(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
     try:
         pid, value = call_in_subprocess(_imports_and_says_where, {"name": name}, timeout_s=30, name="probe")
         assert (pid, value) == (os.getpid(), 42)  # here, once the other thread's import ended
+        assert release.exists()
     finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        release.touch()
         thread.join(10)
         sys.path.remove(str(tmp_path))
         sys.modules.pop(name, None)
