@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib._bootstrap
 import logging
 import multiprocessing
 import os
@@ -107,13 +108,12 @@ def _fork_once(
 def _imports_held_by_other_threads() -> list[str]:
     """In a forked child: the modules whose import lock a thread of the parent held at the fork (that
     thread is not here, so they stay locked). Read from importlib's own lock table (``count`` is an
-    int in Python 3.11, a list from 3.12); empty where that table is not as expected."""
-    import importlib._bootstrap as bootstrap
-
+    int in Python 3.11, a list from 3.12; imported before the fork, so that the child imports nothing
+    to look); empty where that table is not as expected."""
     me = threading.get_ident()
     held = []
     try:
-        for ref in list(bootstrap._module_locks.values()):  # type: ignore[attr-defined]
+        for ref in list(importlib._bootstrap._module_locks.values()):  # type: ignore[attr-defined]
             lock = ref() if callable(ref) else ref
             if lock is not None and lock.count and lock.owner != me:
                 held.append(lock.name)
