@@ -70,3 +70,7 @@ METRICS_MAX_CPU_SHARE = 0.02
 # a process holds in memory from it before its lookups take them.
 FETCH_AHEAD_ENTRIES = 4096
 FETCH_AHEAD_BYTES = 256 * 1024**2
+
+# The sharding planner's child (init_pipeline/plan_cache.py) computes without waiting: one that has
+# used no CPU for this long is stuck on a lock copied at its fork, and the plan is made in the rank.
+PLANNER_CHILD_STALL_S = 10.0

@@ -85,3 +85,56 @@ def test_an_import_that_outlasts_the_retries_runs_the_function_in_the_calling_th
 
 def test_a_child_forked_with_no_import_under_way_runs_the_function():
     assert call_in_subprocess(os.getpid, name="probe") != os.getpid()
+
+
+_held_by_a_thread = threading.Lock()
+
+
+def _takes_the_lock_and_says_where() -> int:
+    with _held_by_a_thread:
+        return os.getpid()
+
+
+def _computes_for(seconds: float) -> int:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
+    return os.getpid()
+
+
+def test_a_child_stuck_on_a_lock_copied_at_its_fork_is_given_up_after_stall_s():
+    # A thread of the parent holds a lock at the fork, until the function falls back to this thread
+    # (its warning): the child's copy of the lock is never released, and the child uses no CPU.
+    release = threading.Event()
+    taken = threading.Event()
+
+    def hold() -> None:
+        with _held_by_a_thread:
+            taken.set()
+            release.wait(60)
+
+    class _ReleaseAtFallback(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "used no CPU" in record.getMessage():
+                release.set()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert taken.wait(10)
+    logger = logging.getLogger("warmstart.init_pipeline")
+    handler = _ReleaseAtFallback()
+    logger.addHandler(handler)
+    try:
+        start = time.monotonic()
+        pid = call_in_subprocess(_takes_the_lock_and_says_where, timeout_s=60, stall_s=1.0, name="probe")
+        assert pid == os.getpid()  # run here, once the thread let go
+        assert release.is_set()
+        assert time.monotonic() - start < 20
+    finally:
+        logger.removeHandler(handler)
+        release.set()
+        thread.join(10)
+
+
+def test_a_child_that_computes_longer_than_stall_s_is_left_to_finish():
+    assert call_in_subprocess(_computes_for, {"seconds": 2.0}, timeout_s=60, stall_s=0.5, name="probe") != os.getpid()

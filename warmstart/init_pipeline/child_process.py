@@ -5,7 +5,9 @@ A fork copies the parent's locks as they are, and only the forking thread: a mod
 was importing at that moment stays locked in the child forever, and the child's first import of it
 (torch imports lazily, often) would wait for ever. So the child first looks for such locks; a child
 that finds one says so and is forked again a moment later, when that import is done, and after a
-few tries the function runs in the calling thread instead.
+few tries the function runs in the calling thread instead. For work that computes without waiting
+(a planner), ``stall_s`` also covers any other lock copied held: a child that has used no CPU for
+that long is stuck, and the function runs in the calling thread.
 
 Example:
     >>> import os
@@ -29,6 +31,8 @@ from typing import Any
 log = logging.getLogger("warmstart.init_pipeline")
 
 _UNSAFE = "unsafe"  # the child's answer when it was forked while another thread imported a module
+_STALLED = "stalled"  # a child that used no CPU for stall_s (stuck on a lock copied at the fork)
+_POLL_S = 0.25  # how often a stall_s watch reads the child's CPU time
 _FORK_RETRIES_S = (0.05, 0.1, 0.2, 0.4, 0.8)  # waits before forking again; then the calling thread runs it
 
 
@@ -37,6 +41,7 @@ def call_in_subprocess(
     kwargs: Mapping[str, Any] | None = None,
     *,
     timeout_s: float | None = None,
+    stall_s: float | None = None,
     name: str = "subprocess",
 ) -> Any:
     """Run ``fn(**kwargs)`` in a forked child and return its (pickled) result.
@@ -49,6 +54,8 @@ def call_in_subprocess(
         fn: the work; it must not use threads of the parent (they do not exist in the child).
         kwargs: its keyword arguments.
         timeout_s: kill the child and raise ``TimeoutError`` after this many seconds.
+        stall_s: for work that never waits: a child that has used no CPU for this many seconds is
+            killed and ``fn`` runs in the calling thread (read from ``/proc``; not watched without it).
         name: used in error messages.
 
     Returns:
@@ -64,7 +71,15 @@ def call_in_subprocess(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for wait_s in (*_FORK_RETRIES_S, None):
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        status, payload = _fork_once(fn, kwargs, remaining, timeout_s, name)
+        status, payload = _fork_once(fn, kwargs, remaining, timeout_s, stall_s, name)
+        if status == _STALLED:
+            log.warning(
+                "warmstart: %s: its child process used no CPU for %g s (stuck on a lock copied at its fork); "
+                "running it in this process",
+                name,
+                stall_s,
+            )
+            return fn(**kwargs)
         if status != _UNSAFE:
             break
         if wait_s is None or (deadline is not None and time.monotonic() + wait_s >= deadline):
@@ -79,17 +94,26 @@ def call_in_subprocess(
 
 
 def _fork_once(
-    fn: Callable[..., Any], kwargs: dict[str, Any], remaining_s: float | None, timeout_s: float | None, name: str
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    remaining_s: float | None,
+    timeout_s: float | None,
+    stall_s: float | None,
+    name: str,
 ) -> tuple[str, Any]:
-    """One forked child's answer: ``("ok", result)``, ``("error", exception or text)``, or
-    ``(_UNSAFE, module names)`` when it was forked while another thread held those modules' import locks."""
+    """One forked child's answer: ``("ok", result)``, ``("error", exception or text)``,
+    ``(_UNSAFE, module names)`` when it was forked while another thread held those modules' import
+    locks, or ``(_STALLED, None)`` when it used no CPU for ``stall_s``."""
     ctx = multiprocessing.get_context("fork")
     receiver, sender = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(sender, fn, kwargs), name=f"warmstart-{name}", daemon=True)
     child.start()
     sender.close()
     try:
-        if not receiver.poll(remaining_s):
+        waited = _wait_for_answer(receiver, child.pid, remaining_s, stall_s)
+        if waited == _STALLED:
+            return _STALLED, None
+        if waited == "timeout":
             raise TimeoutError(f"{name} did not finish within {timeout_s:g} s")
         try:
             return pickle.loads(receiver.recv_bytes())
@@ -103,6 +127,37 @@ def _fork_once(
         if child.is_alive():
             child.kill()
             child.join(1.0)
+
+
+def _wait_for_answer(receiver: Any, pid: int | None, remaining_s: float | None, stall_s: float | None) -> str:
+    """``"answer"`` once the child's answer is there, ``"timeout"`` when ``remaining_s`` passed first,
+    ``_STALLED`` (with ``stall_s``) when the child used no CPU for ``stall_s`` before either."""
+    if stall_s is None or pid is None or _cpu_ticks(pid) is None:
+        return "answer" if receiver.poll(remaining_s) else "timeout"
+    end = None if remaining_s is None else time.monotonic() + remaining_s
+    ticks, since = _cpu_ticks(pid), time.monotonic()
+    while True:
+        wait = _POLL_S if end is None else min(_POLL_S, max(0.0, end - time.monotonic()))
+        if receiver.poll(wait):
+            return "answer"
+        now = time.monotonic()
+        if end is not None and now >= end:
+            return "timeout"
+        current = _cpu_ticks(pid)
+        if current != ticks:
+            ticks, since = current, now
+        elif now - since >= stall_s:
+            return _STALLED
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """User plus system CPU time of ``pid`` in clock ticks (``/proc/<pid>/stat``); None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of the line
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _imports_held_by_other_threads() -> list[str]:

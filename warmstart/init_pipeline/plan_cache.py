@@ -18,6 +18,7 @@ import pickle
 import time
 from typing import TYPE_CHECKING, Any
 
+from warmstart import _defaults
 from warmstart.errors import WarmstartError
 from warmstart.init_pipeline.cache_key import FORMAT, plan_key
 from warmstart.init_pipeline.child_process import call_in_subprocess
@@ -154,7 +155,12 @@ def resolve_plan(
             rejected = hit
         plan_start = time.perf_counter()
         if plan_in_subprocess:
-            plan = call_in_subprocess(planner.plan, {"module": module, "sharders": sharders}, name="sharding planner")
+            plan = call_in_subprocess(
+                planner.plan,
+                {"module": module, "sharders": sharders},
+                stall_s=_defaults.PLANNER_CHILD_STALL_S,
+                name="sharding planner",
+            )
         else:
             plan = planner.plan(module, sharders)
     except Exception as exc:  # the planner's (or the key's) error: every rank must hear of it
