@@ -296,3 +296,49 @@ def test_a_redis_cluster_serves_the_fetch_in_one_pipeline_per_node(redis_cluster
         assert reader.get(kind, key).value == value
     counters = reader.stats.counters_dict()
     assert counters[AHEAD_HITS] == len(ENTRIES) and counters.get(TRIPS, 0) == 0
+
+
+def test_a_store_built_again_after_the_fetch_ran_waits_for_no_fetch(redis_node, tmp_path):
+    # warmstart turned on again in a process whose fetch already ran (WARMSTART=1 at start-up, then
+    # warmstart.enable() after Dynamo was imported): the new store must not mark a fetch as under way
+    # that no thread will run (each lookup would wait for it, up to its deadline); its fetch begins
+    # at the next compile's start instead.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import time
+        from warmstart import compile_cache as cc
+        cc.fetch_ahead_when_compiling(True)
+        cc.fetch_ahead_now()  # as at Dynamo's import
+        first = None
+        for _ in range(200):
+            first = cc.get_store()
+            if first is not None and first.ahead is not None and first.ahead._done.is_set():
+                break
+            time.sleep(0.05)
+        assert first.ahead._done.is_set(), "the first fetch never ran"
+        cc.reset_store()  # as warmstart.enable() does
+        store = cc.get_store()
+        start = time.monotonic()
+        store.get("fx_graph", "never-stored")
+        print(f"lookup {time.monotonic() - start:.2f}")
+        cc.fetch_ahead_now()  # as at the next compile's start
+        print("fetched" if store.ahead._done.wait(20) else "not fetched")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMSTART")}
+    env.update(
+        WARMSTART="1",
+        WARMSTART_CACHE_URL=redis_node.url,
+        WARMSTART_SECRET=SECRET.decode(),
+        WARMSTART_CACHE_DIR=str(tmp_path / "cache"),
+        HOME=str(tmp_path),
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.split()
+    assert lines[0] == "lookup" and float(lines[1]) < 2.0, done.stdout
+    assert lines[2] == "fetched", done.stdout

@@ -362,6 +362,7 @@ def fetch_ahead_now(_args: object = None) -> None:
 
         start_daemon(_fetch_ahead_in_this_thread, "warmstart-fetch-ahead")
     except Exception:  # never a fault of the job's: its lookups ask the server
+        _fetching_pid = 0  # no thread runs it: a store built now must not wait for it
         log.debug("fetch ahead did not start", exc_info=True)
 
 
@@ -395,10 +396,14 @@ def get_store() -> TieredStore | None:
 
 
 def reset_store() -> None:
-    """Forget the process-wide store; the next :func:`get_store` builds it from the environment."""
-    global _store, _store_loaded
+    """Forget the process-wide store; the next :func:`get_store` builds it from the environment.
+
+    Its fetch ahead goes with it: the next store's begins at the next :func:`fetch_ahead_now` (the
+    next compile's start), whose thread runs it, not at its build, when no thread would."""
+    global _store, _store_loaded, _fetching_pid
     with _store_lock:
         _store, _store_loaded = None, False
+        _fetching_pid = 0
 
 
 def set_store(store: TieredStore | None) -> None:
