@@ -422,3 +422,21 @@ def test_a_large_value_is_written_locally_off_the_callers_path(tmp_path, monkeyp
         assert os.getpriority(os.PRIO_PROCESS, writer.native_id) >= _defaults.WRITER_NICE
     finally:
         store.close()
+
+
+def test_counts_handed_to_the_stats_file_stay_in_the_process_totals(tmp_path):
+    """A store hands its counts to ``stats.json`` at exit and starts again from zero; what the process
+    counted so far (a dashboard's counter) must neither drop nor count twice."""
+    stats = Stats()
+    stats.add("local", "fx_graph", hits=2, misses=1)
+    stats.take().merge_into(tmp_path / "stats.json")
+    stats.add("local", "fx_graph", hits=1)
+    stats.add("remote", "triton", misses=4)
+    totals = {key: (c.hits, c.misses) for key, c in stats.totals()}
+    assert totals == {("local", "fx_graph"): (3, 1), ("remote", "triton"): (0, 4)}
+    assert {key: (c.hits, c.misses) for key, c in stats.items()} == {
+        ("local", "fx_graph"): (1, 0),
+        ("remote", "triton"): (0, 4),
+    }
+    stats.take().merge_into(tmp_path / "stats.json")
+    assert json.loads((tmp_path / "stats.json").read_text())["tiers"]["local"]["fx_graph"]["hits"] == 3

@@ -4,7 +4,11 @@ Modes:
     plan   cached_plan over the process group (counted planner calls), compared with
            collective_plan, then three training steps of DistributedModelParallel with that plan.
     graph  the ready-made TorchRec start-up graph, then two training steps on the prefetched batches.
-    fail   the start-up graph where rank 1's data loader stage fails while rank 0 waits in a collective.
+    fail   the start-up graph where rank 1's data loader stage fails (once rank 1 has loaded its
+           checkpoint, so no collective holds its main thread) while rank 0 waits in a collective.
+    fail-peer-waiting
+           the same, but rank 0 still waits for its own first batch, outside any collective, so it
+           hears of the failure (and raises it) at once.
 Each rank writes ``OUT_DIR/rank<r>.json``.
 """
 
@@ -150,18 +154,38 @@ class DrawingBatches(torch.utils.data.IterableDataset):
 
 
 class FailingBatches(torch.utils.data.IterableDataset):
+    """Fails its first batch once ``signal`` exists (written when the rank's checkpoint is loaded):
+    a failure while the rank's main thread waits in a collective that its peer never joins would
+    abort the rank instead of raising (tests/init_pipeline/test_graph.py covers that)."""
+
+    def __init__(self, signal: Path) -> None:
+        self.signal = signal
+
     def __iter__(self):
         return self
 
     def __next__(self):  # the first batch, in the data_loader_init stage
-        time.sleep(1.0)  # rank 0 is in the final collective by now
+        deadline = time.monotonic() + 60
+        while not self.signal.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # rank 0 is in the final collective (or waiting for its batch) by then
         raise OSError("data loader worker died")
 
 
-def mode_graph(out: dict, fail: bool = False) -> None:
+class SlowBatches(Batches):
+    def __iter__(self):
+        time.sleep(8.0)  # past rank 1's failure and the time its peers wait before raising it
+        return super().__iter__()
+
+
+def mode_graph(out: dict, fail: str | None = None) -> None:
+    loaded = Path(sys.argv[2], f"rank{RANK}.checkpoint-loaded")
+
     def build_loader(rank: int, world_size: int):
         if fail and rank == 1:  # its worker's error reaches the stage, which fetches the first batch
-            return torch.utils.data.DataLoader(FailingBatches(), batch_size=None, num_workers=1)
+            return torch.utils.data.DataLoader(FailingBatches(loaded), batch_size=None, num_workers=1)
+        if fail == "fail-peer-waiting":
+            return torch.utils.data.DataLoader(SlowBatches(), batch_size=None, num_workers=1)
         if rank == 1:  # batches made in this process, drawing from the generator the checkpoint restores
             return torch.utils.data.DataLoader(DrawingBatches(), batch_size=None, num_workers=0)
         return torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=1)
@@ -171,6 +195,7 @@ def mode_graph(out: dict, fail: bool = False) -> None:
         torch.manual_seed(7)  # as a checkpoint's load restores the generators' states
         total = torch.tensor([sum(p.numel() for p in model.parameters())])
         dist.all_reduce(total)
+        loaded.touch()
         return int(total)
 
     warmup = CompileWarmup(
@@ -232,7 +257,7 @@ def main() -> None:
         if mode == "plan":
             mode_plan(out, sys.argv[3], sys.argv[4])
         else:
-            mode_graph(out, fail=mode == "fail")
+            mode_graph(out, fail=mode if mode.startswith("fail") else None)
     except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the groups are released
         sys.excepthook(*sys.exc_info())
         failed = True

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -223,6 +225,37 @@ def test_peer_failure_on_the_channel_fails_this_rank_naming_the_peer_stage():
     assert "failed on rank 1 (seen on rank 0): OSError: disk full" in str(info.value)
 
 
+def test_the_failing_rank_raises_before_the_peers_that_heard_of_it():
+    """Launchers kill every rank once one exits: the failing rank must be the first to raise, so
+    that its own error and traceback come out, not a peer's report of it."""
+    import torch.distributed as dist
+    from _redis import free_port
+
+    from warmstart.init_pipeline import StoreFailureChannel
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+    raised: list[int] = []
+    release = threading.Event()
+
+    def rank(r: int) -> None:
+        g = StartupGraph("startup", rank=r, recorder=_null(), channel=StoreFailureChannel(store=store, name="s"))
+        if r == 1:
+            g.add("data_loader_init", lambda: 1 / 0)
+        else:  # waits for its own slow stage, in no collective: it hears of rank 1's failure at once
+            g.add("data_loader_init", lambda: release.wait(30))
+        with contextlib.suppress(StageFailed):
+            g.run()
+        raised.append(r)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    release.set()
+    assert raised == [1, 0]
+
+
 def test_local_failure_is_published_for_the_peers():
     import torch.distributed as dist
     from _redis import free_port
@@ -260,6 +293,9 @@ def test_rank_stuck_in_a_collective_after_a_failure_is_aborted(tmp_path):
         "start-up stage 'data_loader_init' failed on rank 1: OSError: loader worker died; aborting rank 1, "
         "which is stuck in collective stage 'all_reduce'"
     ) in proc.stderr
+    # its own error cannot be raised: its traceback is printed instead, as the interpreter would
+    traceback = r"Traceback \(most recent call last\):\n(.+\n)+.*, in broken\nOSError: loader worker died"
+    assert re.search(traceback, proc.stderr), proc.stderr
 
 
 def test_collective_past_its_timeout_aborts(tmp_path):

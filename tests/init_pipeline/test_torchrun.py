@@ -109,9 +109,15 @@ def test_startup_graph_builds_a_trainable_torchrec_job(tmp_path, fresh_machine):
         assert rank["gloo_threads_at_exit"] == 0
 
 
-def test_a_stage_failing_on_one_rank_fails_every_rank_naming_it(tmp_path, fresh_machine):
+@pytest.mark.parametrize(
+    "mode", ["fail", "fail-peer-waiting"], ids=["peer-in-a-collective", "peer-outside-collectives"]
+)
+def test_a_stage_failing_on_one_rank_fails_every_rank_naming_it(tmp_path, fresh_machine, mode):
+    """The failing rank's own error comes out (its launcher kills the others once one rank exits),
+    and each rank names the stage, whether the peer that hears of it is stuck in a collective (it is
+    aborted) or only waiting (it raises the failure)."""
     # timeout: a hang guard, not a speed check.
-    proc = _torchrun("fail", tmp_path / "out", cache_dir=tmp_path / "cache", timeout=120)
+    proc = _torchrun(mode, tmp_path / "out", cache_dir=tmp_path / "cache", timeout=120)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     # Nobody waited out the 60 s collective timeout (gloo: "Timed out waiting 60000ms for recv ...").

@@ -1,20 +1,24 @@
 """A short real job for the live-metrics tests: ETT events through the process-wide recorder (whose
 exporter ``WARMSTART_METRICS_*`` turns on) and, with ``--cache-dir``, a few compile-cache lookups.
 
-    python _live_job.py fail|finish|start-up [--cache-dir DIR] [--hold]
+    python _live_job.py fail|finish|start-up [--cache-dir DIR [--after-first-textfile]] [--hold]
 
 ``fail``: an attempt that compiles, trains steps 0-5, commits step 3, then dies of an infra failure.
 ``finish``: the restart: loads the checkpoint, trains steps 4-9, commits step 9 and ends. With
 ``--hold`` the job prints ``ready`` once its events are written and waits until its standard input
 closes, so that a test can scrape its final figures. ``start-up``: an attempt that begins its
 ``imports`` span and then keeps a core busy, writing nothing, until its standard input closes.
+``--after-first-textfile``: the cache lookups wait for the exporter's first textfile, so that its
+thread has looked at the cache before them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from warmstart.metrics import get_recorder
 
@@ -36,10 +40,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("fail", "finish", "start-up"))
     parser.add_argument("--cache-dir")
+    parser.add_argument("--after-first-textfile", action="store_true")
     parser.add_argument("--hold", action="store_true")
     args = parser.parse_args()
     rec = get_recorder()
     rec.attempt_start(devices=4)
+    if args.after_first_textfile:
+        textfile = Path(os.environ["WARMSTART_METRICS_TEXTFILE"])
+        deadline = time.monotonic() + 60
+        while not textfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     if args.cache_dir:
         _cache_lookups(args.cache_dir)
     if args.mode == "start-up":

@@ -64,6 +64,7 @@ class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], Counts] = defaultdict(Counts)
+        self._taken: dict[tuple[str, str], Counts] = defaultdict(Counts)  # handed to the file so far
         self.counters: dict[str, float] = defaultdict(int)
         """Process-level events that are not per tier, e.g. ``recompiles``, single-flight's
         ``leases``, ``waits``, ``wait_s`` (seconds), ``takeovers``, ``wait_timeouts`` and
@@ -95,6 +96,13 @@ class Stats:
         with self._lock:
             return [(k, dataclasses.replace(v)) for k, v in sorted(self._counts.items())]
 
+    def totals(self) -> list[tuple[tuple[str, str], Counts]]:
+        """Like :meth:`items`, but counting what :meth:`take` handed off too: the counts of the
+        process so far, which never go down (what a dashboard's counter shows)."""
+        with self._lock:
+            keys = sorted(self._counts.keys() | self._taken.keys())
+            return [(k, self._taken.get(k, Counts()) + self._counts.get(k, Counts())) for k in keys]
+
     def to_dict(self) -> dict[str, dict[str, dict[str, float | int]]]:
         """``{tier: {kind: counts}}``."""
         out: dict[str, dict[str, dict[str, float | int]]] = {}
@@ -111,6 +119,8 @@ class Stats:
         with self._lock:
             taken = Stats()
             taken._counts, self._counts = self._counts, defaultdict(Counts)
+            for key, counts in taken._counts.items():
+                self._taken[key] = self._taken[key] + counts
             taken.counters, self.counters = self.counters, defaultdict(int)
             return taken
 

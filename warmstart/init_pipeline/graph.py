@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -196,7 +197,8 @@ class StartupGraph:
             per rank each time: keep it well above a millisecond on large jobs).
         failure_linger_s: with a channel, how long a rank whose own stage failed waits before
             raising, so that its peers see the failure before a launcher tears them down (keep it
-            above ``channel_poll_s``).
+            above ``channel_poll_s``); a rank raising a peer's failure waits twice as long, so that
+            the failing rank exits first, with its own traceback.
     """
 
     def __init__(
@@ -390,10 +392,12 @@ class _Run:
                 self._run_main(name)
             self._wait(lambda: all(n in self.timings for n in self.order))
         except StageFailed as failed:
-            if self.graph.channel is not None and failed.rank == self.graph.rank:
-                # Launchers kill the other ranks as soon as this one exits: give them time to hear
-                # (and say) which stage failed first.
-                time.sleep(self.graph.failure_linger_s)
+            if self.graph.channel is not None:
+                # Launchers kill the other ranks as soon as one exits. The failing rank waits for its
+                # peers to hear (and say) which stage failed; a peer that heard waits twice as long,
+                # so the failing rank's own error and traceback come out before anyone is killed.
+                own = failed.rank == self.graph.rank
+                time.sleep(self.graph.failure_linger_s * (1 if own else 2))
             raise
         finally:
             with self.cond:
@@ -581,6 +585,10 @@ class _Run:
             self.recorder.flush()
         except Exception:  # noqa: BLE001 - metrics never stand in the way of the abort
             pass
+        if self.failure is not None and self.failure.rank == self.graph.rank and not peer_or_timeout:
+            # This rank's own stage failed, and it cannot raise the error: show where it came from.
+            assert self.cause is not None
+            message += "\n" + "".join(traceback.format_exception(self.cause)).rstrip()
         self.graph.abort(message)
 
 

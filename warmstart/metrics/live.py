@@ -12,7 +12,6 @@ delivery that fails (a port taken, an unwritable file) is turned off with one wa
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
@@ -94,7 +93,6 @@ class Exporter:
         self._tail = _EventTail(Path(recorder.run_dir), recorder.job, recorder.rank)
         self._history: deque[tuple[float, float]] = deque()  # (e2e_s, effective_s) at each refresh
         self._cache_seen: dict[tuple[str, str, str], float] = {}
-        self._store_seen: Any = None
         self._costs: deque[float] = deque(maxlen=3)  # thread CPU seconds of the latest refreshes
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
@@ -230,13 +228,9 @@ class Exporter:
         store = cache.get_store() if cache is not None else None
         if store is None:
             return
-        if store is not self._store_seen:
-            # The store hands its counts to the shared stats file at exit and starts again from zero,
-            # and the final textfile is written after that. A hook registered after the store's own
-            # runs before it (atexit runs the last registered first) and keeps its final counts.
-            self._store_seen = store
-            atexit.register(_read_cache_counts_at_exit, weakref.ref(self))
-        for (tier, kind), counts in store.stats.items():
+        # totals(): a store hands its counts to the shared stats file at exit, before the last
+        # textfile is written, and they must still be there.
+        for (tier, kind), counts in store.stats.totals():
             for metric, value in (("hits", counts.hits), ("misses", counts.misses)):
                 key = (metric, tier, kind)  # a counter never goes down, whatever the store's reset
                 self._cache_seen[key] = max(self._cache_seen.get(key, 0), value)
@@ -265,13 +259,6 @@ class Exporter:
         # A forked child (a data loader worker) must not keep the parent's port open after it exits.
         if self._httpd is not None:
             self._httpd.socket.close()
-
-
-def _read_cache_counts_at_exit(ref: weakref.ReferenceType[Exporter]) -> None:
-    exporter = ref()
-    if exporter is not None:
-        with contextlib.suppress(Exception):  # at exit: the metrics never fail the job
-            exporter._read_cache_counts()
 
 
 class _Collector:
