@@ -13,6 +13,7 @@ end, ``<out>/final-r<rank>.pt`` (local parameters and optimizer state).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -152,6 +153,13 @@ def main() -> None:
         metavar=("STEP", "KB"),
         help="from STEP on, the extra state is KB KiB per rank (checkpoints grow)",
     )
+    p.add_argument("--keeper", help="node keeper of snapshots (unix:/path, {attempt} filled in), from local rank 0")
+    p.add_argument("--lose-node", action="store_true", help="at --die-at, the node's keeper is killed too")
+    p.add_argument("--keeper-fault", choices=("kill", "stop"), help="rank 0 kills or stops the keeper ...")
+    p.add_argument("--keeper-fault-at", type=int, default=-1, help="... after this step (attempt 0)")
+    p.add_argument("--buddy", help="the buddy keeper (host:port) the node keeper copies to")
+    p.add_argument("--buddy-restore", default="", help="the buddy keeper a restarted rank may restore from")
+    p.add_argument("--die-at", type=int, default=-1, help="attempt 0's ranks all exit at the start of this step")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank while it writes the save of this step")
     args = p.parse_args()
@@ -180,6 +188,33 @@ def main() -> None:
 
     ckpt = Checkpointer(args.dir, mode=args.mode, keep=args.keep, on_error=args.on_error)
     resumed = ckpt.load_latest(state)
+    snaps = None
+    if args.keeper:
+        from warmstart.checkpoint.keeper import keeper_secret, start_keeper
+        from warmstart.checkpoint.snapshot import StepSnapshots
+        from warmstart.config import Settings
+
+        secret = keeper_secret(Settings.from_env())
+        args.keeper = args.keeper.replace("{attempt}", str(attempt))
+        if int(os.environ["LOCAL_RANK"]) == 0:
+            start_keeper(args.keeper, buddy=args.buddy, secret=secret)
+        dist.barrier()
+        dense_optimizer = optimizer.optimizers[1][1]
+        snaps = StepSnapshots(
+            dmp,
+            dense_optimizer,
+            keeper=args.keeper,
+            buddy=args.buddy_restore or None,
+            secret=secret,
+            job="ckpt-test",
+            rank=rank,
+            world=world,
+            extra={"loader": loader},
+        )
+        restored = snaps.restore(resumed)
+        if restored is not None:
+            resumed = restored[0]
+        report_snapshot = restored
     report = {
         "rank": rank,
         "attempt": attempt,
@@ -188,15 +223,43 @@ def main() -> None:
         "position": loader.position,
         "saved": [],
         "failures": 0,
+        "snapshot": report_snapshot if snaps is not None else None,
     }
     (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
 
     for step in range(0 if resumed is None else resumed + 1, args.steps):
+        if step == args.die_at and attempt == 0:
+            if snaps is not None:
+                snaps.flush()
+            dist.barrier()
+            if args.lose_node and rank == 0:
+                from warmstart.checkpoint.keeper import KeeperClient
+
+                if args.buddy:  # the node goes after the buddy got what the keeper got: both ranks' last step
+                    buddy = KeeperClient(args.buddy, secret=secret)
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:
+                        ranks = buddy.request({"op": "status", "job": "ckpt-test"})[0]["ranks"]
+                        if all(step - 1 in ranks.get(str(r), {}).get("restorable", []) for r in range(world)):
+                            break
+                        time.sleep(0.01)
+                pid = KeeperClient(args.keeper, secret=secret).request({"op": "ping"})[0]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                os.unlink(args.keeper.removeprefix("unix:"))
+            os._exit(17)
         kjt, dense, label = loader.next()
         loss = dmp(kjt, dense, label)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if snaps is not None:
+            snaps.committed(ckpt.last_committed_step)
+            snaps.capture(step)
+            if args.keeper_fault and step == args.keeper_fault_at and attempt == 0 and rank == 0:
+                from warmstart.checkpoint.keeper import KeeperClient
+
+                pid = KeeperClient(args.keeper, secret=secret).request({"op": "ping"})[0]["pid"]
+                os.kill(pid, signal.SIGKILL if args.keeper_fault == "kill" else signal.SIGSTOP)
         if args.ballast_kb_after and step == args.ballast_kb_after[0]:
             state["ballast"] = RankLocal({"t": torch.arange(args.ballast_kb_after[1] * 256, dtype=torch.float32)})
         if (step + 1) % args.save_every == 0:
@@ -206,6 +269,9 @@ def main() -> None:
             if tripwire.armed:
                 time.sleep(60)  # killed by the write in the background long before this ends
     ckpt.close()
+    if snaps is not None:
+        report["snapshot_stats"] = dataclasses.asdict(snaps.stats())
+        snaps.close(end_job=False)
     report.update(failures=ckpt.failures, committed=ckpt.last_committed_step, position=loader.position)
     (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
     final = {"model": local(dmp.state_dict()), "optim": local(optimizer.state_dict())}

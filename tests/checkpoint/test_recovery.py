@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _results import final_state
 from torch.distributed.checkpoint import FileSystemReader
 
 from warmstart.checkpoint import committed_checkpoints, latest_committed
@@ -58,20 +59,6 @@ def torchrun(
 
 def reports(out: Path) -> dict[tuple[int, int], dict]:
     return {(r["rank"], r["attempt"]): r for r in (json.loads(p.read_text()) for p in out.glob("report-*.json"))}
-
-
-def final_state(out: Path, rank: int) -> dict[str, torch.Tensor]:
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(obj: object, prefix: str) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{prefix}/{k}")
-        elif isinstance(obj, torch.Tensor):
-            flat[prefix] = obj
-
-    walk(torch.load(out / f"final-r{rank}.pt", weights_only=False), "")
-    return flat
 
 
 def committed_events(out: Path) -> dict[int, list[int]]:

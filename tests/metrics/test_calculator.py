@@ -285,6 +285,35 @@ def test_a_commit_whose_event_the_failure_cut_off_counts_by_the_checkpoint_the_r
     assert older.buckets["lost_progress"] == pytest.approx(8 - 4)
 
 
+def test_a_restart_from_a_snapshot_keeps_every_step_it_restored(tmp_path):
+    """Attempt 0 committed step 1 and died in step 4; the restart restored step 3 from a per-step
+    snapshot (its ``resume`` event, on rank 1 as well): only step 4's time is lost."""
+    res = run_of(
+        tmp_path,
+        [
+            ev(0, "attempt_start"),
+            ev(1, "step", step=0),
+            ev(2, "step", step=1),
+            ev(3, "checkpoint_committed", step=1),
+            ev(4, "step", step=2),
+            ev(5, "step", step=3),
+            ev(6, "step", step=4),
+            ev(6.5, "failure", reason="power cut", category="infra"),
+            ev(10, "attempt_start", attempt=1),
+            ev(10.5, "resume", attempt=1, step=3, source="buddy"),
+            ev(10.5, "resume", attempt=1, rank=1, step=3, source="buddy"),
+            ev(11, "step", attempt=1, step=4),
+            ev(12, "step", attempt=1, step=5),
+            ev(13, "train_end", attempt=1),
+        ],
+    )
+    first, second = res.attempts
+    assert first.last_committed_step == 3 and second.resumed == {"step": 3, "source": "buddy"}
+    assert first.resumed is None
+    assert res.buckets["lost_progress"] == pytest.approx(0.5)  # step 4, from 6 to the failure at 6.5
+    _sums_to_e2e(res)
+
+
 def test_a_commit_recorded_by_another_rank_counts(tmp_path):
     res = run_of(
         tmp_path,

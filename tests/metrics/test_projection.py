@@ -3,6 +3,7 @@ scale reproduces its measured ETT% within a point), the published failure rates,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -217,6 +218,38 @@ def test_projection_with_given_failure_rate_and_interval(tmp_path):
         **APPROX,
     )
     assert sum(p.buckets.values()) == pytest.approx(WEEK_S)
+
+
+def test_per_step_snapshots_lose_half_their_steps_per_failure_instead_of_half_an_interval(tmp_path):
+    costs = measure(run_of(tmp_path, *_job()))
+    assert costs.step_s == pytest.approx(1.0, rel=0.05)  # the job's steps take 1 s
+    scale = Scale(devices=1024, days=7, mtbf_h=24, checkpoint_interval_s=600)
+    periodic = project(costs, scale)
+    snapshots = project(costs, Scale(devices=1024, days=7, mtbf_h=24, checkpoint_interval_s=600, snapshot_every=1))
+    assert snapshots.lost_from == "snapshots" and snapshots.snapshot_every == 1
+    per_failure = costs.step_s / 2 + costs.detection_s
+    assert snapshots.lost_per_failure_s == pytest.approx(per_failure, **APPROX)
+    assert snapshots.l1["lost_progress_s"] == pytest.approx(7 * per_failure, **APPROX)
+    # the same job otherwise: only the lost progress differs, and it goes to training
+    gained = periodic.l1["lost_progress_s"] - snapshots.l1["lost_progress_s"]
+    assert snapshots.projected_ett_pct - periodic.projected_ett_pct == pytest.approx(100 * gained / WEEK_S, **APPROX)
+    # snapshots every 2000 steps would lose more than half the interval: never charged above it
+    sparse = project(costs, dataclasses.replace(scale, snapshot_every=2000))
+    assert sparse.lost_per_failure_s == pytest.approx(periodic.model_lost_per_failure_s, **APPROX)
+    with pytest.raises(ConfigError, match="--snapshot-every"):
+        Scale(snapshot_every=0)
+
+
+def test_cli_projects_each_run_with_and_without_snapshots(tmp_path):
+    _write(tmp_path / "job", "job-1")
+    args = ["ett", "project", str(tmp_path / "job"), "--devices", "1024", "--days", "7", "--snapshot-every", "1"]
+    done = CliRunner().invoke(cli, [*args, "--json"])
+    assert done.exit_code == 0, done.output
+    periodic, snapshots = json.loads(done.output)
+    assert periodic["inputs"]["snapshot_every"] is None and snapshots["inputs"]["snapshot_every"] == 1
+    assert snapshots["projected_ett_pct"] > periodic["projected_ett_pct"]
+    table = CliRunner().invoke(cli, [*args, "--devices", "1024"]).output
+    assert "job-1 + snapshots" in table and "every 1 step" in table and "snapshot steps / 2" in table
 
 
 def test_projection_defaults_published_rate_and_advised_interval(tmp_path):

@@ -41,7 +41,9 @@ from warmstart.bench.supervise import (
     run_job,
     short_tmp_root,
     start_preloaders,
+    start_snapshot_buddy,
     stop_preloaders,
+    stop_snapshot_keepers,
 )
 from warmstart.config import dynamo_frames_given
 
@@ -136,10 +138,12 @@ class ConfigResult:
                     "last_step": a.last_step,
                     "last_committed_step": a.last_committed_step,
                     "steps": a.steps,
+                    "resumed": a.resumed,
                 }
                 for a in r.attempts
             ],
             "resumed_from_step": [rep.get("resumed_from_step") for rep in self.startup],
+            "snapshots": _snapshot_figures(self.run_dir),
             "compile_counters": compile_counters,
             "cache": self.cache,
             "buckets": dict(buckets),
@@ -206,6 +210,7 @@ def summary(results: dict[str, ConfigResult], options: BenchOptions) -> dict[str
         "ranks": options.nproc,
         "checkpoint_mode": job.checkpoint_mode,
         "preload": options.preload,
+        "snapshots": job.snapshots,
         "compile": options.compile_mode,
     }
     return out
@@ -269,8 +274,12 @@ def _run_config(
     tmp_root = short_tmp_root()
     preloaders: list[str] = []
     preload_start_s: list[float] | None = None
+    buddy_pid: int | None = None
     try:
         env = _job_env(name, root, tmp_root, run_dir, bench_id, server, options.compile_mode)
+        if job.mode == "warmstart" and job.snapshots:
+            buddy, buddy_pid = start_snapshot_buddy(env, root / "buddy-keeper.log")
+            job = dataclasses.replace(job, snapshot_buddy=buddy)
         if name == "warm" and options.preload:
             # What a user names for their own job: its trainer module, preloaded with torch and TorchRec.
             env["WARMSTART_PRELOAD_MODULES"] = "warmstart.bench.trainer"
@@ -302,6 +311,7 @@ def _run_config(
         )
     finally:
         stop_preloaders(preloaders)
+        stop_snapshot_keepers(buddy_pid, tmp_root, root)
         shutil.rmtree(tmp_root, ignore_errors=True)
     if returncode != 0:
         raise BenchError(f"{name}: the job exited with status {returncode} (log: {log_path})")
@@ -362,6 +372,27 @@ def _job_env(
         if dynamo is not None:
             env["WARMSTART_DYNAMO"] = dynamo
     return env
+
+
+def _snapshot_figures(run_dir: Path) -> dict[str, Any] | None:
+    """What the per-step snapshots cost and moved, over every rank of the attempt that finished (the
+    ``snapshots-r<rank>-a<attempt>.json`` files); ``None`` without snapshots."""
+    reports = []
+    for path in sorted(run_dir.glob("snapshots-r*-a*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    taken = sum(r["taken"] for r in reports)
+    if not taken:
+        return None
+    return {
+        "taken": taken,
+        "skipped": sum(r["skipped"] for r in reports),
+        "rows_per_step": sum(r["rows_per_step"] * r["taken"] for r in reports) / taken,
+        "bytes_per_step": sum(r["bytes_per_step"] * r["taken"] for r in reports) / taken,
+        "capture_ms_per_step": 1000 * sum(r["capture_s"] for r in reports) / taken,
+    }
 
 
 def _startup_reports(run_dir: Path) -> list[dict[str, Any]]:

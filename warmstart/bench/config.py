@@ -53,6 +53,14 @@ class JobConfig:
     """Committed checkpoints to keep."""
     checkpoint_mode: str = "async-thread"
     """warmstart mode: ``async-thread``, ``async-process`` or ``sync`` (baseline: always plain sync DCP)."""
+    snapshots: bool = False
+    """warmstart mode: per-step snapshots to the node's keeper and the buddy's, so that a restart
+    resumes from the step it failed in (docs/checkpoint.md#per-step-snapshots); off: from the last
+    checkpoint, as the baseline does. Off by default: on 2 cores they slow this job's steps down
+    (docs/benchmarks.md#per-step-snapshots)."""
+    snapshot_buddy: str = ""
+    """The buddy node's keeper (``host:port``) that this node's keeper copies the snapshots to, and
+    that a restart on a new node restores from; empty: none."""
     collective_timeout_s: float = 600.0
     """Timeout of the process group's collectives: a rank whose peer died does not hang for 30 min."""
     fail_at_step: int = -1
@@ -100,6 +108,8 @@ class JobConfig:
                     default=default,
                     help="comma-separated sizes",
                 )
+            elif isinstance(default, bool):
+                parser.add_argument(flag, type=_on_off, default=default, help="on or off")
             else:
                 parser.add_argument(flag, type=type(default), default=default)
         return cls(**vars(parser.parse_args(argv)))
@@ -111,8 +121,17 @@ class JobConfig:
             value = getattr(self, field.name)
             if value == field.default:
                 continue
-            args += [
-                "--" + field.name.replace("_", "-"),
-                ",".join(map(str, value)) if isinstance(value, tuple) else str(value),
-            ]
+            if isinstance(value, bool):
+                text = "on" if value else "off"
+            else:
+                text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            args += ["--" + field.name.replace("_", "-"), text]
         return args
+
+
+def _on_off(text: str) -> bool:
+    if text.lower() in ("on", "true", "1", "yes"):
+        return True
+    if text.lower() in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r}: expected on or off")

@@ -108,6 +108,44 @@ def stop_preloaders(sockets: list[str]) -> None:
         control.stop(path)
 
 
+def start_snapshot_buddy(env: dict[str, str], log_path: Path) -> tuple[str, int]:
+    """The buddy node's snapshot keeper for one configuration (in a fleet, the keeper of another
+    node): on a free TCP port, signing with the key the configuration's environment gives. Returns its
+    address and pid.
+
+    Raises:
+        BenchError: it did not start.
+    """
+    from warmstart.checkpoint.keeper import KeeperError, keeper_secret, start_keeper
+    from warmstart.config import Settings
+
+    address = f"127.0.0.1:{free_port()}"
+    try:
+        pid = start_keeper(address, environ=env, log_path=log_path, secret=keeper_secret(Settings.from_env(env)))
+    except (KeeperError, WarmstartError) as exc:
+        raise BenchError(f"the snapshot buddy did not start: {exc} (log: {log_path})") from None
+    assert pid is not None  # the port was free: nothing answered there before
+    return address, pid
+
+
+def stop_snapshot_keepers(buddy_pid: int | None, tmp_root: Path, log_dir: Path) -> None:
+    """Stop the buddy and every machine's node keeper (each in a session of its own, so the job's
+    teardown does not reach them), keeping the machines' keeper logs in ``log_dir``."""
+    from warmstart.checkpoint.keeper import KeeperClient, KeeperError
+
+    pids = [] if buddy_pid is None else [buddy_pid]
+    for sock in sorted(tmp_root.glob("attempt-*/warmstart-keeper.sock")):
+        with contextlib.suppress(KeeperError):
+            pids.append(KeeperClient(f"unix:{sock}", timeout_s=1.0).request({"op": "ping"})[0]["pid"])
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for log in sorted(tmp_root.glob("attempt-*/warmstart-keeper.sock.log")):
+        with contextlib.suppress(OSError):
+            if log.stat().st_size:
+                (log_dir / f"keeper-{log.parent.name}.log").write_bytes(log.read_bytes())
+
+
 def launcher_args(machines: Path, tmp_root: Path) -> list[str]:
     """The command line that runs Python (its arguments follow) on a new machine under ``machines``,
     with ``TMPDIR`` under ``tmp_root``: the launcher torchrun starts for every rank of every attempt."""

@@ -9,8 +9,9 @@ everything. The two modes differ only where warmstart plugs in, each marked ``# 
   ``torch.compile`` and synchronous ``torch.distributed.checkpoint.save``.
 * ``warmstart`` runs the same stages through the start-up graph (independent stages overlap), serves
   the sharding plan from the plan cache (as ``cached_plan`` does), saves checkpoints asynchronously
-  (pre-warmed, the copy overlapped with the next forward pass), and gets the
-  compile cache from the environment alone (``WARMSTART=1``: no code here).
+  (pre-warmed, the copy overlapped with the next forward pass), hands a snapshot of each step to
+  the node's keeper (a restart resumes from the step it failed in), and gets the compile cache from
+  the environment alone (``WARMSTART=1``: no code here).
 
 This module owns the training recipe; the model, the data and the configuration live beside it.
 """
@@ -18,10 +19,14 @@ This module owns the training recipe; the model, the data and the configuration 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import shutil
+import signal
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -49,6 +54,7 @@ from warmstart.bench.config import JobConfig
 from warmstart.bench.data import NUM_DENSE, ClickLogDataset, make_loader, make_tables
 from warmstart.bench.model import DenseOverArch, DLRMTrain, embedding_configs
 from warmstart.checkpoint import Checkpointer, latest_committed
+from warmstart.checkpoint.snapshot import StepSnapshots
 from warmstart.checkpoint.state import prepare_for_load
 from warmstart.init_pipeline import CompileWarmup, TorchRecStartup, torchrec_startup_graph, zero_initialized
 from warmstart.metrics import NullRecorder, Recorder
@@ -79,6 +85,8 @@ class Trainer:
     batches: Iterator[Batch]
     checkpointer: Checkpointer | None
     """warmstart's asynchronous checkpointer (``None`` in baseline mode: plain synchronous DCP)."""
+    snapshots: StepSnapshots | None
+    """warmstart's per-step snapshots (``None`` in baseline mode, or with ``--snapshots off``)."""
 
     # -- training state
     step: int
@@ -89,9 +97,11 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.tables = make_tables(cfg.tables, rows_min=cfg.rows_min, rows_max=cfg.rows_max, seed=cfg.seed)
         self.checkpointer = None
+        self.snapshots = None
         self._loader: DataLoader | None = None
         torch.set_num_threads(1)  # 2 ranks share 2 cores: one thread each, no oversubscription
         self.resumed_from: int | None = None
@@ -158,6 +168,7 @@ class Trainer:
                 self.optimizer.load_state_dict(state["optim"])
             # what we resume from is durable: this vouches for the commit if the failure cut off its event
             rec.checkpoint_committed(resume[0])
+            rec.resumed(resume[0], "checkpoint")
 
     # -- start-up, warmstart: the same stages as a graph -------------------------------------------
 
@@ -167,6 +178,11 @@ class Trainer:
         # data loader can start at the right step while the model is still being built
         latest = latest_committed(cfg.checkpoint_dir)
         self.step = 0 if latest is None else latest.step + 1
+        # warmstart: the node's snapshot keeper (started by local rank 0 if none runs), and the newest
+        # step every rank can be restored to from it or from the buddy: where the loader starts
+        snapshot_plan = self._start_keeper(latest.step if latest is not None else None)
+        if snapshot_plan is not None:
+            self.step = snapshot_plan[0] + 1
 
         def build_loader(rank: int, world_size: int) -> DataLoader:
             # warmstart: the graph forks the workers before its threads start, then fetches the
@@ -214,10 +230,72 @@ class Trainer:
         if self.resumed_from != expected:  # a checkpoint committed while we started: impossible
             raise RuntimeError(f"resumed from step {self.resumed_from}, expected {expected}")
         self._stage_rows = result.rows()
+        self._restore_snapshot(snapshot_plan)
         # warmstart: the first asynchronous save pays one-time costs (staging buffers, DTensor's
         # per-shape caches): pay them in the background while training starts
         assert self.checkpointer is not None  # the graph's checkpoint_load stage made it
         self.checkpointer.prewarm(self._app_state())
+
+    def _start_keeper(self, checkpoint_step: int | None) -> tuple[int, str] | None:
+        """Bring up this node's snapshot keeper; the step every rank can be restored to, if any."""
+        if not self.cfg.snapshots:
+            return None
+        from warmstart.checkpoint.keeper import KeeperError, keeper_secret, start_keeper
+        from warmstart.checkpoint.snapshot import newest_restorable
+        from warmstart.config import Settings
+
+        self._keeper = f"unix:{Path(tempfile.gettempdir()) / 'warmstart-keeper.sock'}"
+        self._buddy = self.cfg.snapshot_buddy or None
+        self._secret = keeper_secret(Settings.from_env())
+        if self.local_rank == 0:
+            try:
+                start_keeper(self._keeper, buddy=self._buddy, secret=self._secret)
+            except KeeperError as exc:  # the job goes on; its snapshots warn once and stop
+                print(f"warmstart: no snapshot keeper on this node ({exc})", file=sys.stderr, flush=True)
+        return newest_restorable(
+            {"keeper": self._keeper, "buddy": self._buddy},
+            job=self._job_id(),
+            world=self.world_size,
+            checkpoint_step=checkpoint_step,
+            secret=self._secret,
+        )
+
+    def _restore_snapshot(self, plan: tuple[int, str] | None) -> None:
+        """Snapshots from here on; with ``plan``, first restore its step on top of the checkpoint."""
+        from warmstart.checkpoint.snapshot import StepSnapshots
+
+        if not self.cfg.snapshots:
+            if self.resumed_from is not None:
+                self.rec.resumed(self.resumed_from, "checkpoint")
+            return
+        dense = next(opt for _, opt in self.optimizer.optimizers if isinstance(opt, KeyedOptimizerWrapper))
+        self.snapshots = StepSnapshots(
+            self.model,
+            dense,
+            keeper=self._keeper,
+            buddy=self._buddy,
+            secret=self._secret,
+            job=self._job_id(),
+            rank=self.rank,
+            world=self.world_size,
+        )
+        restored = self.snapshots.restore(self.resumed_from, step=None if plan is None else plan[0])
+        if restored is None and plan is not None:
+            # the loader started after the planned step, which could not be restored on every rank:
+            # it starts again after the checkpoint, in this process (a fork now, with the process
+            # group's threads running, could leave a worker holding one of their locks)
+            print(f"warmstart: step {plan[0]} not restored; resuming from the checkpoint", file=sys.stderr, flush=True)
+            self.step = 0 if self.resumed_from is None else self.resumed_from + 1
+            self._loader = make_loader(self._dataset(self.step), num_workers=0)
+            self.batches = iter(self._loader)
+        if restored is not None:
+            self.resumed_from = restored[0]
+            self.rec.resumed(*restored)
+        elif self.resumed_from is not None:
+            self.rec.resumed(self.resumed_from, "checkpoint")
+
+    def _job_id(self) -> str:
+        return getattr(self.rec, "job", None) or os.environ.get("TORCHELASTIC_RUN_ID", "reference-job")
 
     # -- the job's parts ----------------------------------------------------------------------------
 
@@ -320,6 +398,15 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))
 
+    def _write_snapshot_report(self) -> None:
+        """``snapshots-r<rank>-a<attempt>.json`` next to the events: what the snapshots cost and moved."""
+        run_dir = getattr(self.rec, "run_dir", None)
+        if run_dir is None or self.snapshots is None:
+            return
+        stats = dataclasses.asdict(self.snapshots.stats())
+        path = Path(run_dir) / f"snapshots-r{self.rank}-a{self.attempt}.json"
+        path.write_text(json.dumps({"rank": self.rank, "attempt": self.attempt, **stats}, indent=1))
+
     def _save_checkpoint(self, step: int) -> None:
         if self.checkpointer is not None:
             # warmstart: returns once the write has started; the copy to CPU memory goes on during
@@ -355,6 +442,11 @@ class Trainer:
             loss.backward()  # the embedding tables are updated here (fused optimizer)
             self.optimizer.step()
             self.optimizer.zero_grad()
+            if self.snapshots is not None:
+                # warmstart: the rows this step changed and the small state, to the node's keeper
+                if self.checkpointer is not None:
+                    self.snapshots.committed(self.checkpointer.last_committed_step)
+                self.snapshots.capture(step)
             if self._losses is not None:
                 self._losses.write(f"{step} {loss.item()!r}\n")
             if (step + 1) % cfg.checkpoint_every == 0:
@@ -395,13 +487,25 @@ class Trainer:
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a peer already gone: die anyway
                 dist.barrier()
+        if self.snapshots is not None and self.local_rank == 0:
+            self._kill_keeper()  # the whole machine is gone: its keeper with it
         os._exit(17)
+
+    def _kill_keeper(self) -> None:
+        from warmstart.checkpoint.keeper import KeeperClient, KeeperError
+
+        with contextlib.suppress(KeeperError, OSError):
+            pid = KeeperClient(self._keeper, secret=self._secret, timeout_s=2.0).request({"op": "ping"})[0]["pid"]
+            os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Wait for the last checkpoint, release the loader workers and the process group; safe on a
         half-built trainer."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self.snapshots is not None:
+            self._write_snapshot_report()
+            self.snapshots.close(end_job=True)
         if self._loader is not None:
             self.batches = iter(())
             self._loader = None
@@ -409,7 +513,7 @@ class Trainer:
             dist.barrier()
         # destroy_process_group() alone leaves gloo's threads running while the model still holds the
         # group; they would run into interpreter exit (a rank can abort there): drop them first.
-        self.model = self.optimizer = self.checkpointer = None
+        self.model = self.optimizer = self.checkpointer = self.snapshots = None
         from warmstart.init_pipeline import release_process_groups
 
         release_process_groups()

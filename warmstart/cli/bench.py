@@ -75,6 +75,14 @@ def group() -> None:
     help="How warmstart saves checkpoints (cold, warm).",
 )
 @click.option(
+    "--snapshots/--no-snapshots",
+    default=False,
+    show_default=True,
+    help="Cold and warm hand a snapshot of each step to their node's keeper and a buddy's, and resume "
+    "from the step they failed in (--no-snapshots: from their last checkpoint, as the baseline). "
+    "Off by default: they slow the steps down on small machines (docs/benchmarks.md).",
+)
+@click.option(
     "--work-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -124,6 +132,7 @@ def cold_vs_warm(
     checkpoint_every,
     fail_at_step,
     checkpoint_mode,
+    snapshots,
     work_dir,
     keep,
     timeout_s,
@@ -138,7 +147,7 @@ def cold_vs_warm(
     node service, started before their attempt (--no-preload: without). --compile background: cold
     and warm train eagerly while a compile worker compiles, then switch. Every job has 2 ranks under
     torchrun, fails once and restarts on a new machine (fresh local directories), and resumes from
-    its last checkpoint.
+    its last checkpoint (--snapshots: cold and warm from the last step a buddy node's keeper holds).
 
     \b
     Example:
@@ -166,6 +175,7 @@ def cold_vs_warm(
         checkpoint_every=checkpoint_every,
         fail_at_step=fail_at_step,
         checkpoint_mode=checkpoint_mode,
+        snapshots=snapshots,
     )
     temporary = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="warmstart-bench-")) if temporary else work_dir

@@ -286,6 +286,13 @@ def interval(blocking_s: float, failures_per_day: float, current_s: float | None
     default=None,
     help="Its checkpoint interval: 30m, 1h (a bare number is seconds; default: the advisor's optimum).",
 )
+@click.option(
+    "--snapshot-every",
+    type=int,
+    default=None,
+    help="Also project each run with per-step snapshots every N steps (a failure loses N/2 steps plus "
+    "detection), next to periodic checkpoints alone.",
+)
 @json_option
 def project_cmd(
     run_dirs: tuple[Path, ...],
@@ -293,6 +300,7 @@ def project_cmd(
     days: float | None,
     mtbf_h: float | None,
     interval_s: float | None,
+    snapshot_every: int | None,
     as_json: bool,
 ) -> None:
     """ETT% and its breakdown projected to a job of N devices running D days, from each run's costs.
@@ -307,8 +315,11 @@ def project_cmd(
       warmstart ett project warmstart-runs/job-1 --json
     """
     scale = Scale(devices=devices, days=days, mtbf_h=mtbf_h, checkpoint_interval_s=interval_s)
+    scales = [scale]
+    if snapshot_every is not None:
+        scales.append(dataclasses.replace(scale, snapshot_every=snapshot_every))
     try:
-        projections = [project(measure(result), scale) for result in _results(run_dirs)]
+        projections = [project(measure(result), s) for result in _results(run_dirs) for s in scales]
     except ProjectionError as exc:
         raise _BadInput(str(exc)) from None
     if as_json:

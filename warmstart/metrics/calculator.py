@@ -60,6 +60,7 @@ from warmstart.metrics.events import (
     End,
     Event,
     Failure,
+    Resume,
     Step,
     TornLineWarning,
     TrainEnd,
@@ -152,6 +153,8 @@ class AttemptResult:
     samples: int
     forked: bool = False
     """Its processes were forked by a preloader (a ``preload_handover`` span), not started anew."""
+    resumed: dict[str, Any] | None = None
+    """``{"step": S, "source": ...}``: where it went on from (its ``resume`` event; ``None`` without)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (the ``attempts`` entries of docs/reference.md#report-json)."""
@@ -415,7 +418,11 @@ def _compute(run: Run, keep_segments: bool = False, now: float | None = None) ->
             rank_segments[rank] = segments
 
     forked = _forked_attempts(events)
-    attempts = [_attempt_result(frame, job_split, index, frame.attempt in forked) for index, frame in enumerate(frames)]
+    resumes = _resumes(events)
+    attempts = [
+        _attempt_result(frame, job_split, index, frame.attempt in forked, resumes.get(frame.attempt))
+        for index, frame in enumerate(frames)
+    ]
     buckets = ordered_buckets(job_split.total)
     e2e = job.end - job.start
     return RunResult(
@@ -601,9 +608,20 @@ def _failure_of(attempt: _RawAttempt, next_start: float) -> dict[str, Any] | Non
     return attempt.failure
 
 
+def _resumes(events: list[Event]) -> dict[int, dict[str, Any]]:
+    """Per attempt, where it went on from: the lowest step any rank's ``resume`` names (every rank
+    restored at least that much), with that rank's source."""
+    out: dict[int, dict[str, Any]] = {}
+    for ev in events:
+        if type(ev) is Resume and (ev.attempt not in out or ev.step < out[ev.attempt]["step"]):
+            out[ev.attempt] = {"step": ev.step, "source": ev.source}
+    return out
+
+
 def _commits(events: list[Event]) -> tuple[dict[int, int], dict[int, int]]:
     """Per attempt, the highest ``checkpoint_committed`` step any rank recorded, and the highest one
-    recorded before the attempt's first ``step`` (the checkpoint a restart loaded)."""
+    recorded before the attempt's first ``step`` (the checkpoint a restart loaded) or named by its
+    ``resume`` (what it restored, from a checkpoint or a snapshot)."""
     first_step: dict[int, float] = {}
     for ev in events:
         if type(ev) is Step and ev.attempt not in first_step:
@@ -611,7 +629,9 @@ def _commits(events: list[Event]) -> tuple[dict[int, int], dict[int, int]]:
     commits: dict[int, int] = {}
     loaded: dict[int, int] = {}
     for ev in events:
-        if type(ev) is CheckpointCommitted:
+        if type(ev) is Resume:  # what a restart restored (a checkpoint or a snapshot) was kept
+            loaded[ev.attempt] = max(loaded.get(ev.attempt, ev.step), ev.step)
+        elif type(ev) is CheckpointCommitted:
             commits[ev.attempt] = max(commits.get(ev.attempt, ev.step), ev.step)
             if ev.ts < first_step.get(ev.attempt, math.inf):
                 loaded[ev.attempt] = max(loaded.get(ev.attempt, ev.step), ev.step)
@@ -860,7 +880,9 @@ def _spans(evs: list[Event], frame: _Frame, notes: list[str]) -> list[_Span]:
     return clipped
 
 
-def _attempt_result(frame: _Frame, split: _Split, index: int, forked: bool) -> AttemptResult:
+def _attempt_result(
+    frame: _Frame, split: _Split, index: int, forked: bool, resumed: dict[str, Any] | None
+) -> AttemptResult:
     buckets = ordered_buckets(split.per_attempt[index])
     e2e = sum(buckets.values())
     stats = split.step_stats[index]
@@ -883,6 +905,7 @@ def _attempt_result(frame: _Frame, split: _Split, index: int, forked: bool) -> A
         last_committed_step=frame.committed,
         samples=stats.samples,
         forked=forked,
+        resumed=resumed,
     )
 
 

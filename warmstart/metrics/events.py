@@ -78,6 +78,18 @@ class CheckpointCommitted(_Event, tag="checkpoint_committed", frozen=True):
     step: int
 
 
+ResumeSource = Literal["checkpoint", "keeper", "buddy"]
+RESUME_SOURCES: tuple[str, ...] = get_args(ResumeSource)
+
+
+class Resume(_Event, tag="resume", frozen=True):
+    """The attempt goes on after step ``step``, restored from ``source``: a ``checkpoint``, this
+    node's snapshot ``keeper`` or another node's (``buddy``); every step ``<= step`` is kept."""
+
+    step: int
+    source: ResumeSource
+
+
 class Failure(_Event, tag="failure", omit_defaults=False, frozen=True):  # a failure always writes its reason
     """The attempt dies here."""
 
@@ -93,7 +105,7 @@ class AttemptEnd(_Event, tag="attempt_end", frozen=True):
     """The attempt released its hardware."""
 
 
-Event = AttemptStart | Begin | End | Step | CheckpointCommitted | Failure | TrainEnd | AttemptEnd
+Event = AttemptStart | Begin | End | Step | CheckpointCommitted | Failure | TrainEnd | AttemptEnd | Resume
 """One line of an event file, as the struct of its kind."""
 
 _KINDS: tuple[type[_Event], ...] = get_args(Event)

@@ -107,6 +107,8 @@ class RunCosts:
     """One recovery split into its buckets (``recovery_wait`` and the re-start's)."""
     loop_other_buckets: dict[str, float]
     """The loop's other time split into buckets, as shares summing to 1."""
+    step_s: float | None = None
+    """The ideal step time (the fast steps' typical duration); ``None`` with too few steps."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
@@ -152,6 +154,7 @@ def measure(result: RunResult) -> RunCosts:
         start_buckets=startup.start,
         recovery_buckets={k: v / failures for k, v in startup.recovery.items()} if failures else dict(startup.start),
         loop_other_buckets=_scaled(startup.loop_leftover, 1.0) if other else {},
+        step_s=result.slow_steps.ideal_step_s if result.slow_steps is not None else None,
     )
 
 
@@ -246,6 +249,9 @@ class Scale:
     """Its mean time between failures, in hours (default: the published figures at its size)."""
     checkpoint_interval_s: float | None = None
     """Its checkpoint interval (default: the advisor's optimum; the run's own with neither devices nor days)."""
+    snapshot_every: int | None = None
+    """Per-step snapshots every this many steps (docs/checkpoint.md#per-step-snapshots): a failure
+    then loses half that many steps plus detection, whatever the checkpoint interval."""
 
     def __post_init__(self) -> None:
         if self.devices is not None and (
@@ -259,6 +265,10 @@ class Scale:
         ):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(option, value, accepted)
+        if self.snapshot_every is not None and (
+            isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every < 1
+        ):
+            raise ConfigError("--snapshot-every", self.snapshot_every, "a whole number of steps, at least 1")
 
     @property
     def own(self) -> bool:
@@ -285,8 +295,9 @@ class Projection:
     """``run`` (its own), ``option`` (``--checkpoint-interval``) or ``advisor`` (the optimum)."""
     lost_per_failure_s: float
     lost_from: str
-    """``run`` (what the run's own failures lost), ``model`` (half an interval plus detection) or
-    ``attempt`` (no committed checkpoint: a failure loses all its attempt trained)."""
+    """``run`` (what the run's own failures lost), ``model`` (half an interval plus detection),
+    ``snapshots`` (half of ``snapshot_every`` steps plus detection) or ``attempt`` (no committed
+    checkpoint: a failure loses all its attempt trained)."""
     model_lost_per_failure_s: float | None
     """What the model charges per failure at this interval (half of it plus detection); ``None``
     without a checkpoint interval."""
@@ -295,6 +306,8 @@ class Projection:
     """False when the checkpoint interval is not small against the time between failures (above half)."""
     l1: dict[str, Any]
     buckets: dict[str, float]
+    snapshot_every: int | None = None
+    """Per-step snapshots every this many steps (``None``: periodic checkpoints only)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict: the projection, the inputs it used, and what was measured."""
@@ -317,6 +330,7 @@ class Projection:
                 "failures_from": self.failures_from,
                 "checkpoint_interval_s": self.checkpoint_interval_s,
                 "interval_from": self.interval_from,
+                "snapshot_every": self.snapshot_every,
                 "start_s": self.costs.start_s,
                 "recovery_s": self.recovery_s,
                 "blocking_per_checkpoint_s": self.costs.blocking_s,
@@ -366,7 +380,7 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
             f"{costs.run_dir}: job {costs.job}: start-up, shutdown and {failures.expected:.1f} recoveries take "
             f"{e2e - loop:,.0f} s, longer than the projected {e2e:,.0f} s"
         )
-    split = _split_loop(costs, loop, failures, interval)
+    split = _split_loop(costs, loop, failures, interval, scale.snapshot_every)
     l1 = {
         "time_to_start_s": costs.start_s,
         "time_to_recover_s": recover,
@@ -393,6 +407,7 @@ def project(costs: RunCosts, scale: Scale = Scale()) -> Projection:
         first_order_valid=_first_order_valid(interval.seconds, failures.mtbf_h),
         l1=l1,
         buckets=_projected_buckets(costs, failures.expected, split),
+        snapshot_every=scale.snapshot_every,
     )
 
 
@@ -450,20 +465,30 @@ def _checkpoint_interval(costs: RunCosts, scale: Scale, failures: float, e2e: fl
     return _Interval(costs.interval_s, "run")
 
 
-def _split_loop(costs: RunCosts, loop: float, failures: _Failures, interval: _Interval) -> _LoopSplit:
+def _split_loop(
+    costs: RunCosts, loop: float, failures: _Failures, interval: _Interval, snapshot_every: int | None = None
+) -> _LoopSplit:
     if interval.source == "run" or interval.seconds is None:  # the run's saves, as often as they blocked it
         blocking = loop * costs.blocking_loop_pct / 100.0
     else:
         blocking = min(loop * costs.blocking_s / interval.seconds, loop)
     other = min(loop * costs.other_loop_pct / 100.0, loop - blocking)
     trainable = loop - blocking - other
-    lost = _lost_progress(costs, trainable, failures, interval)
+    lost = _lost_progress(costs, trainable, failures, interval, snapshot_every)
     return _LoopSplit(blocking, other, lost, trainable - lost.seconds)
 
 
-def _lost_progress(costs: RunCosts, trainable: float, failures: _Failures, interval: _Interval) -> _Lost:
+def _lost_progress(
+    costs: RunCosts, trainable: float, failures: _Failures, interval: _Interval, snapshot_every: int | None = None
+) -> _Lost:
     model_lost = None if interval.seconds is None else interval.seconds / 2 + costs.detection_s
     expected = failures.expected
+    if snapshot_every is not None:
+        step_s = costs.step_s if costs.step_s is not None else 0.0
+        per_failure = snapshot_every * step_s / 2 + costs.detection_s
+        if model_lost is not None:  # a snapshot never loses more than the checkpoint behind it would
+            per_failure = min(per_failure, model_lost)
+        return _Lost(min(expected * per_failure, trainable), "snapshots", per_failure)
     if failures.source == "run" and interval.source == "run":
         lost, source = expected * (costs.lost_per_failure_s or 0.0), "run"
     elif model_lost is not None:

@@ -34,6 +34,7 @@ from warmstart.metrics.buckets import PRELOAD_HANDOVER, PROCESS_LAUNCH
 from warmstart.metrics.event_files import file_name
 from warmstart.metrics.events import (
     FAILURE_CATEGORIES,
+    RESUME_SOURCES,
     AttemptEnd,
     AttemptStart,
     Begin,
@@ -41,6 +42,7 @@ from warmstart.metrics.events import (
     End,
     EventWriter,
     Failure,
+    Resume,
     Step,
     TrainEnd,
     encode_events,
@@ -52,8 +54,8 @@ log = logging.getLogger(__name__)
 # then the fields its constructor takes after the job, attempt and rank. The flusher builds the
 # structs. An int, not the type itself: a tuple of atomic values is untracked by the cyclic GC, so a
 # million buffered events cost full collections nothing (with a type in them, they slow down 3x).
-_KINDS = (AttemptStart, Begin, End, Step, CheckpointCommitted, Failure, TrainEnd, AttemptEnd)
-_ATTEMPT_START, _BEGIN, _END, _STEP, _CKPT, _FAILURE, _TRAIN_END, _ATTEMPT_END = range(len(_KINDS))
+_KINDS = (AttemptStart, Begin, End, Step, CheckpointCommitted, Failure, TrainEnd, AttemptEnd, Resume)
+_ATTEMPT_START, _BEGIN, _END, _STEP, _CKPT, _FAILURE, _TRAIN_END, _ATTEMPT_END, _RESUME = range(len(_KINDS))
 _ENCODE_CHUNK = 1024  # events encoded per call: about half a millisecond
 _INFRA_ERRORS = frozenset(
     {
@@ -183,6 +185,17 @@ class Recorder:
     def checkpoint_committed(self, step: int) -> None:
         """The checkpoint holding every step ``<= step`` is durable."""
         self._append((_CKPT, self._time(), step))
+
+    def resumed(self, step: int, source: str) -> None:
+        """This attempt goes on after ``step``, restored from ``source`` (``checkpoint``, ``keeper``
+        or ``buddy``); record it before the first step.
+
+        Raises:
+            ValueError: ``source`` is not one of those three.
+        """
+        if source not in RESUME_SOURCES:
+            raise ValueError(f"resume source {source!r} is not valid: expected one of {', '.join(RESUME_SOURCES)}")
+        self._append((_RESUME, self._time(), step, source))
 
     def failure(self, reason: str, category: str) -> None:
         """The attempt dies here; ``category`` is ``infra``, ``preemption`` or ``user``.
@@ -367,6 +380,9 @@ class NullRecorder:
         """No-op."""
 
     def checkpoint_committed(self, step: int) -> None:
+        """No-op."""
+
+    def resumed(self, step: int, source: str) -> None:
         """No-op."""
 
     def failure(self, reason: str, category: str) -> None:

@@ -391,6 +391,7 @@ def print_interval(advice: IntervalAdvice, console: Console | None = None) -> No
 _LOST_FROM = {
     "run": "as its failures lost",
     "model": "interval / 2 + detection",
+    "snapshots": "snapshot steps / 2 + detection",
     "attempt": "its attempt: no checkpoint",
 }
 
@@ -414,7 +415,7 @@ def print_projections(projections: Sequence[Projection], console: Console | None
     _table(
         out,
         _projection_title(projections),
-        [("", "left"), *[(p.costs.job, "right") for p in projections]],
+        [("", "left"), *[(_projection_header(p), "right") for p in projections]],
         [
             (Text(label, style=style), *[Text(cell(p), style=style) for p in projections])
             for label, cell, style in _PROJECTION_ROWS
@@ -423,6 +424,16 @@ def print_projections(projections: Sequence[Projection], console: Console | None
     out.print(f"[dim]{PROJECTION_ASSUMPTIONS}[/]")
     for p in projections:
         _print_projection_notes(p, out)
+
+
+def _projection_header(p: Projection) -> str:
+    return p.costs.job if p.snapshot_every is None else f"{p.costs.job} + snapshots"
+
+
+def _snapshot_cell(p: Projection) -> str:
+    if p.snapshot_every is None:
+        return "-"
+    return f"every {p.snapshot_every} step{'s' if p.snapshot_every > 1 else ''}"
 
 
 def _projection_title(projections: Sequence[Projection]) -> str:
@@ -461,6 +472,7 @@ _PROJECTION_ROWS: tuple[tuple[str, Callable[[Projection], str], str], ...] = (
     ("failures", lambda p: f"{p.failures:,.1f} ({p.failures_from})", ""),
     ("mean time between failures", _mtbf_cell, ""),
     ("checkpoint interval", _interval_cell, ""),
+    ("per-step snapshots", _snapshot_cell, ""),
     *[(label, _l1_cell(key), "") for key, label in L1_LABELS],
     ("per start (measured)", lambda p: format_duration(p.costs.start_s), "dim"),
     ("per recovery", lambda p: format_duration(p.recovery_s), "dim"),

@@ -1,0 +1,210 @@
+"""The snapshot keeper as a server: chains, gaps, memory bound, torn and unsigned frames, and a buddy
+that is slow or gone (docs/checkpoint.md#per-step-snapshots)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from warmstart.checkpoint.keeper import Keeper, KeeperClient, KeeperError, check_address, start_keeper
+
+SECRET = b"keeper-test"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory short enough for AF_UNIX socket paths (107 bytes), whatever the caller's TMPDIR."""
+    path = Path(tempfile.mkdtemp(prefix="ws-k-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def keeper(short_dir):
+    k = Keeper([f"unix:{short_dir / 'k.sock'}"], secret=SECRET, max_bytes=10_000).start()
+    yield k
+    k.stop()
+
+
+def _client(k: Keeper) -> KeeperClient:
+    return KeeperClient(k.addresses[0], secret=SECRET, timeout_s=5.0)
+
+
+def _put(c: KeeperClient, step: int, since: int, *, base: int = -1, full: bool = False, rank: int = 0, size: int = 10):
+    header = {"op": "put", "job": "j", "rank": rank, "world": 2, "step": step, "since": since, "base": base}
+    return c.request({**header, "full": full}, [b"r" * size, b"w" * size])
+
+
+def _restorable(c: KeeperClient, rank: int = 0) -> list[int]:
+    return c.request({"op": "status", "job": "j"})[0]["ranks"][str(rank)]["restorable"]
+
+
+def test_a_chain_is_good_from_its_base_up_to_its_first_gap(keeper):
+    c = _client(keeper)
+    _put(c, 6, 5, base=5)
+    _put(c, 7, 6, base=5)
+    _put(c, 9, 8, base=5)  # step 8's snapshot never came
+    assert _restorable(c) == [6, 7]
+    reply, payloads = c.request({"op": "get", "job": "j", "rank": 0, "step": 7})
+    assert reply["steps"] == [6, 7] and len(payloads) == 3  # each step's rows, then the whole state of 7
+    with pytest.raises(KeeperError, match="cannot be restored to step 9"):
+        c.request({"op": "get", "job": "j", "rank": 0, "step": 9})
+
+
+def test_a_newer_base_drops_what_its_checkpoint_holds_and_closes_an_old_gap(keeper):
+    c = _client(keeper)
+    _put(c, 6, 5, base=5)
+    _put(c, 8, 7, base=5)  # a gap at 7
+    _put(c, 9, 8, base=7)  # checkpoint 7 is durable: 8 follows it
+    status = c.request({"op": "status", "job": "j"})[0]["ranks"]["0"]
+    assert status["base"] == 7 and status["restorable"] == [8, 9]
+
+
+def test_a_restarted_rank_going_on_from_an_earlier_step_voids_what_came_after_it(keeper):
+    c = _client(keeper)
+    for step in (6, 7, 8):
+        _put(c, step, step - 1, base=5)
+    _put(c, 8, 6, base=5)  # restored to 6 (another rank had only 6), then its step 7 was skipped
+    assert _restorable(c) == [6, 8]
+
+
+def test_a_full_snapshot_starts_a_chain_without_a_checkpoint(keeper):
+    c = _client(keeper)
+    _put(c, 0, -1, full=True)
+    _put(c, 1, 0)
+    assert _restorable(c) == [0, 1]
+
+
+def test_the_memory_bound_refuses_a_snapshot_and_says_so(keeper):
+    c = _client(keeper)
+    _put(c, 6, 5, base=5, size=2000)
+    with pytest.raises(KeeperError, match="memory bound \\(10000 bytes\\)"):
+        _put(c, 7, 6, base=5, size=4000)
+    status = c.request({"op": "status", "job": "j"})[0]
+    assert status["held_bytes"] <= 10_000 and status["refused"] == 1
+    assert status["ranks"]["0"]["restorable"] == [6]
+
+
+def test_only_the_last_few_whole_states_are_held(keeper):
+    c = _client(keeper)
+    for step in range(6, 14):
+        _put(c, step, step - 1, base=5, size=100)
+    assert _restorable(c) == [10, 11, 12, 13]
+
+
+def test_a_torn_frame_is_dropped_whole_and_the_keeper_goes_on(keeper, caplog):
+    path = keeper.addresses[0][5:]
+    raw = socket.socket(socket.AF_UNIX)
+    raw.connect(path)
+    header = b'{"op":"put","job":"j","rank":0,"world":1,"step":6,"since":5,"base":5,"sizes":[1000,1000]}'
+    raw.sendall(struct.pack(">4sI", b"WSK1", len(header)) + header + b"x" * 500)
+    raw.close()  # the sender died half-way through its rows
+    with caplog.at_level(logging.WARNING, logger="warmstart.checkpoint"):
+        c = _client(keeper)
+        _put(c, 7, 6, base=5)
+    assert c.request({"op": "status", "job": "j"})[0]["ranks"]["0"]["restorable"] == []  # 6 never arrived
+    assert any("torn frame" in r.getMessage() for r in caplog.records)
+
+
+def test_a_frame_without_the_job_secret_is_refused_on_tcp(caplog):
+    k = Keeper(["127.0.0.1:0"], secret=SECRET).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="warmstart.checkpoint"):
+            stranger = KeeperClient(k.addresses[0], secret=b"another-secret", timeout_s=5.0)
+            with pytest.raises(KeeperError):
+                _put(stranger, 6, 5, base=5)
+        assert "0" not in KeeperClient(k.addresses[0], secret=SECRET).request({"op": "status", "job": "j"})[0]["ranks"]
+        assert any("not signed with this job's secret" in r.getMessage() for r in caplog.records)
+    finally:
+        k.stop()
+
+
+def test_the_node_socket_is_its_users_alone(keeper):
+    """No signature on the node's Unix socket: only the keeper's user can open it."""
+    path = keeper.addresses[0][5:]
+    assert os.stat(path).st_mode & 0o077 == 0
+
+
+def test_tcp_without_a_secret_is_refused():
+    with pytest.raises(KeeperError, match="needs a secret"):
+        Keeper(["127.0.0.1:0"])
+    with pytest.raises(KeeperError, match="expected unix:/path/to/socket or host:port"):
+        check_address("keeper.sock")
+
+
+def test_a_buddy_that_is_gone_costs_a_put_nothing_and_one_warning(short_dir, caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    k = Keeper([f"unix:{short_dir / 'b.sock'}"], secret=SECRET, buddy=dead).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="warmstart.checkpoint"):
+            c = _client(k)
+            for step in range(6, 26):
+                _put(c, step, step - 1, base=5)
+        warnings = [r for r in caplog.records if "snapshot buddy" in r.getMessage()]
+        assert len(warnings) == 1 and dead in warnings[0].getMessage()
+        assert _restorable(c)[-1] == 25  # the node's own copy is whole
+        assert c.request({"op": "status", "job": "j"})[0]["buddy"]["dropped"] >= 1
+    finally:
+        k.stop()
+
+
+def test_a_stopped_buddy_never_holds_up_the_keeper(short_dir):
+    """The buddy hangs (SIGSTOP: its socket accepts, nothing is read): the keeper's puts stay as fast
+    as before, its copy queue stays bounded in bytes."""
+    ready = short_dir / "buddy.ready"
+    buddy = subprocess.Popen(
+        [sys.executable, "-m", "warmstart.checkpoint.keeper", "--listen", "127.0.0.1:0", "--ready-file", str(ready)],
+        env={**os.environ, "WARMSTART_SECRET": SECRET.decode()},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        address = ready.read_text().split()[0]
+        os.kill(buddy.pid, 19)  # SIGSTOP
+        k = Keeper([f"unix:{short_dir / 's.sock'}"], secret=SECRET, buddy=address, max_bytes=1 << 30).start()
+        try:
+            c = _client(k)
+            for step in range(6, 66):  # 60 puts of 2 MiB: far beyond what the stopped buddy's socket takes
+                _put(c, step, step - 1, base=5, size=1 << 20)
+            assert _restorable(c)[-1] == 65
+            assert c.request({"op": "status", "job": "j"})[0]["buddy"]["queued_bytes"] <= 256 << 20
+        finally:
+            k.stop()
+    finally:
+        buddy.kill()
+        buddy.wait()
+
+
+def test_start_keeper_outlives_its_starter_and_keeps_away_from_its_output(short_dir):
+    address = f"unix:{short_dir / 'n.sock'}"
+    starter = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from warmstart.checkpoint.keeper import start_keeper; print(start_keeper({address!r}))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a hang guard: the keeper must not hold the starter's pipes open
+    )
+    assert starter.returncode == 0, starter.stderr
+    pid = int(starter.stdout.strip())
+    try:
+        assert KeeperClient(address, timeout_s=5.0).request({"op": "ping"})[0]["pid"] == pid
+        assert start_keeper(address) is None  # one answers there already
+    finally:
+        os.kill(pid, 9)
