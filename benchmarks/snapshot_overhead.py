@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from warmstart.bench.supervise import start_snapshot_buddy
+from warmstart.bench.supervise import start_snapshot_buddy, stop_snapshot_keepers
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +63,7 @@ def _run(work: Path, name: str, scale: int, snapshots: bool, steps: int, env: di
     finally:
         if buddy_pid is not None:
             os.kill(buddy_pid, 9)
+        stop_snapshot_keepers(None, tmp.parent, work / name, pattern=f"{tmp.name}/warmstart-keeper.sock")
         shutil.rmtree(tmp, ignore_errors=True)
     return run_dir
 

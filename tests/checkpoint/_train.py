@@ -271,7 +271,7 @@ def main() -> None:
     ckpt.close()
     if snaps is not None:
         report["snapshot_stats"] = dataclasses.asdict(snaps.stats())
-        snaps.close(end_job=False)
+        snaps.close()
     report.update(failures=ckpt.failures, committed=ckpt.last_committed_step, position=loader.position)
     (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
     final = {"model": local(dmp.state_dict()), "optim": local(optimizer.state_dict())}

@@ -208,3 +208,32 @@ def test_start_keeper_outlives_its_starter_and_keeps_away_from_its_output(short_
         assert start_keeper(address) is None  # one answers there already
     finally:
         os.kill(pid, 9)
+
+
+@pytest.mark.parametrize("how", ["job-ended", "no-request"])
+def test_a_keeper_process_goes_when_its_job_ends_or_nobody_asks_any_more(short_dir, how):
+    """A keeper lives in a session of its own: nothing else stops it. It exits 2 s after its last job
+    ended, or after --idle-exit-s with no request even while it holds a job (whose ranks are gone)."""
+    address = f"unix:{short_dir / 'gone.sock'}"
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "warmstart.checkpoint.keeper", "--listen", address, "--idle-exit-s", "3"]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client = KeeperClient(address, timeout_s=2.0)
+                client.request({"op": "ping"})
+                break
+            except KeeperError:
+                assert time.monotonic() < deadline, "the keeper did not come up"
+                time.sleep(0.05)
+        _put(client, 6, 5, base=5)
+        if how == "job-ended":
+            client.request({"op": "end", "job": "j"})
+        client.close()
+        # a hang guard, not a speed check: the process must end by itself
+        assert keeper.wait(timeout=30) == 0
+    finally:
+        keeper.kill()
+        keeper.wait()

@@ -128,19 +128,22 @@ def start_snapshot_buddy(env: dict[str, str], log_path: Path) -> tuple[str, int]
     return address, pid
 
 
-def stop_snapshot_keepers(buddy_pid: int | None, tmp_root: Path, log_dir: Path) -> None:
-    """Stop the buddy and every machine's node keeper (each in a session of its own, so the job's
-    teardown does not reach them), keeping the machines' keeper logs in ``log_dir``."""
+def stop_snapshot_keepers(
+    buddy_pid: int | None, tmp_root: Path, log_dir: Path, pattern: str = "attempt-*/warmstart-keeper.sock"
+) -> None:
+    """Stop the buddy and every machine's node keeper (their sockets: ``pattern`` under ``tmp_root``;
+    each runs in a session of its own, so the job's teardown does not reach them), keeping the
+    machines' keeper logs in ``log_dir``."""
     from warmstart.checkpoint.keeper import KeeperClient, KeeperError
 
     pids = [] if buddy_pid is None else [buddy_pid]
-    for sock in sorted(tmp_root.glob("attempt-*/warmstart-keeper.sock")):
+    for sock in sorted(tmp_root.glob(pattern)):
         with contextlib.suppress(KeeperError):
             pids.append(KeeperClient(f"unix:{sock}", timeout_s=1.0).request({"op": "ping"})[0]["pid"])
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    for log in sorted(tmp_root.glob("attempt-*/warmstart-keeper.sock.log")):
+    for log in sorted(tmp_root.glob(pattern + ".log")):
         with contextlib.suppress(OSError):
             if log.stat().st_size:
                 (log_dir / f"keeper-{log.parent.name}.log").write_bytes(log.read_bytes())

@@ -505,12 +505,14 @@ class Trainer:
             self.checkpointer.close()
         if self.snapshots is not None:
             self._write_snapshot_report()
-            self.snapshots.close(end_job=True)
+            self.snapshots.close()
         if self._loader is not None:
             self.batches = iter(())
             self._loader = None
         if dist.is_initialized():
             dist.barrier()
+        if self.snapshots is not None and self.local_rank == 0:
+            self.snapshots.end_job()  # every rank of the node has sent its last snapshot
         # destroy_process_group() alone leaves gloo's threads running while the model still holds the
         # group; they would run into interpreter exit (a rank can abort there): drop them first.
         self.model = self.optimizer = self.checkpointer = self.snapshots = None

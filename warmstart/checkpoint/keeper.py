@@ -286,14 +286,14 @@ class _Store:
 
 class Keeper:
     """A keeper serving ``listen`` addresses until :meth:`stop` (or, run as a process, until it has
-    been idle ``idle_exit_s`` with no job held).
+    had no request for ``idle_exit_s``, or its last job ended).
 
     Args:
         listen: ``unix:/path`` and/or ``host:port`` (port 0: any free one; see :attr:`addresses`).
         max_bytes: the most snapshot bytes held, all jobs together.
         buddy: another node's keeper, which gets a copy of everything this one is sent.
         secret: the key frames on TCP are signed with (required to listen on TCP or use a buddy).
-        idle_exit_s: as a process, exit after this long without a request and with no job held.
+        idle_exit_s: as a process, exit after this long without a request, jobs held or not.
         end_exit_s: as a process, exit this long after the last job it held ended (unless another
             request comes): a job's keeper goes with the job.
     """
@@ -357,7 +357,9 @@ class Keeper:
             with self.store.lock:
                 empty = not self.store.jobs
             idle = time.monotonic() - self._last_request
-            if empty and (idle > self.idle_exit_s or (self._ended and idle > self.end_exit_s)):
+            # with no request for idle_exit_s, its jobs' ranks are gone for good (or will resume from
+            # their checkpoints): their snapshots are not held for ever
+            if idle > self.idle_exit_s or (empty and self._ended and idle > self.end_exit_s):
                 break
         self.stop()
 
@@ -642,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", action="append", required=True, help="unix:/path or host:port (repeatable)")
     parser.add_argument("--buddy", help="another node's keeper (host:port) that gets a copy of everything")
     parser.add_argument("--max-bytes", type=int, default=2 << 30, help="the most snapshot bytes held")
-    parser.add_argument("--idle-exit-s", type=float, default=600.0, help="exit after this long idle with no job")
+    parser.add_argument("--idle-exit-s", type=float, default=600.0, help="exit after this long with no request")
     parser.add_argument("--ready-file", type=Path, help="write the addresses listened on here once listening")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -229,21 +229,25 @@ class StepSnapshots:
             time.sleep(0.005)
         return not self._pending.unfinished_tasks
 
-    def close(self, *, end_job: bool = False) -> None:
-        """Stop sending (after what is queued, for a bounded time); ``end_job``: the job is over, the
-        keepers may drop its snapshots."""
+    def close(self) -> None:
+        """Stop recording and sending, after what is queued (for 10 s at most)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        if end_job and not self.off and self.rank == 0:
-            with contextlib.suppress(queue.Full):
-                self._pending.put(("request", {"op": "end", "job": self.job}), timeout=5.0)
         self.flush(timeout_s=10.0)
         with contextlib.suppress(queue.Full):
             self._pending.put_nowait(None)
         self._thread.join(timeout=5.0)
         if self._client is not None:
             self._client.close()
+
+    def end_job(self) -> None:
+        """The job is over on every rank (call it once per node, after a barrier): the node's keeper
+        and the buddy drop its snapshots, and a keeper left with no job exits."""
+        if self.off:
+            return
+        with contextlib.suppress(KeeperError):
+            KeeperClient(self.keeper, secret=self.secret, timeout_s=5.0).request({"op": "end", "job": self.job})
 
     # -- sending -------------------------------------------------------------------------------------
 
@@ -302,6 +306,8 @@ class StepSnapshots:
         options = self._options(base)
         if step is None:
             step = _agree_min(max((s for s, _, _ in options), default=-1))
+        elif _agree_min(step) != -_agree_min(-step):
+            return None  # the ranks were told different steps: none is restored anywhere
         chosen = next(((source, address) for s, source, address in options if s == step), None)
         if step <= base or _agree_min(int(chosen is not None)) != 1:
             return None  # some rank cannot restore that step: every rank goes on from the checkpoint
