@@ -142,6 +142,9 @@ class Checkpointer:
         CheckpointError: the directory cannot be created (with ``on_error="raise"``).
     """
 
+    last_committed_step: int | None = None
+    """The step of the newest checkpoint known to be committed (``None`` before the first)."""
+
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -193,8 +196,7 @@ class Checkpointer:
         """Number of saves that failed (with ``on_error="continue"``)."""
         self.last_blocking_s: float | None = None
         """How long the last :meth:`save` blocked the caller, seconds."""
-        self.last_committed_step: int | None = None
-        """The step of the newest checkpoint known to be committed."""
+        self.last_committed_step = None
         self.last_save_to_commit_s: float | None = None
         """Seconds from the start of the last committed save to its commit."""
         self._stager: AsyncStager | None = None

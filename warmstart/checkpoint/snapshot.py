@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from warmstart.checkpoint.keeper import KeeperClient, KeeperError
-from warmstart.checkpoint.state import RNGState
+from warmstart.checkpoint.state import RNGState, prepare_for_load
 
 log = logging.getLogger("warmstart.checkpoint")
 
@@ -361,6 +361,9 @@ class StepSnapshots:
         ]
         if missing:
             raise ValueError(f"the snapshot holds state this job does not have: {', '.join(missing[:3])}")
+        # TorchRec's dense optimizers refuse to load into the empty state of one that never stepped
+        # (no checkpoint was loaded before): make it now, while a failure still changes nothing
+        prepare_for_load(self.dense_optimizer)
         return rows, whole
 
     def _apply(self, rows: list[dict[str, Any]], whole: dict[str, Any]) -> None:
@@ -382,7 +385,7 @@ class StepSnapshots:
             for key, value in whole["kernels"].items():
                 index, name = key.split("/", 1)
                 self._kernels[int(index)].small[name].copy_(value)
-        self.dense_optimizer.load_state_dict(whole["optimizer"])
+        self.dense_optimizer.load_state_dict(whole["optimizer"])  # its lazy state was made in _fetch
         RNGState().load_state_dict(whole["rng"])
         for key, state in whole["extra"].items():
             self.extra[key].load_state_dict(state)
