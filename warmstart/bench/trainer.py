@@ -168,7 +168,6 @@ class Trainer:
                 self.optimizer.load_state_dict(state["optim"])
             # what we resume from is durable: this vouches for the commit if the failure cut off its event
             rec.checkpoint_committed(resume[0])
-            rec.resumed(resume[0], "checkpoint")
 
     # -- start-up, warmstart: the same stages as a graph -------------------------------------------
 
@@ -265,9 +264,7 @@ class Trainer:
         from warmstart.checkpoint.snapshot import StepSnapshots
 
         if not self.cfg.snapshots:
-            if self.resumed_from is not None:
-                self.rec.resumed(self.resumed_from, "checkpoint")
-            return
+            return  # the checkpointer's load recorded what was resumed, as without snapshots
         dense = next(opt for _, opt in self.optimizer.optimizers if isinstance(opt, KeyedOptimizerWrapper))
         self.snapshots = StepSnapshots(
             self.model,

@@ -215,7 +215,6 @@ class _Store:
         self.lock = threading.Lock()
         self.jobs: dict[str, dict[int, _Chain]] = {}
         self.worlds: dict[str, int] = {}
-        self.held = 0
         self.refused = 0
 
     def put(self, h: dict[str, Any], rows: bytes, whole: bytes) -> str | None:
@@ -237,15 +236,13 @@ class _Store:
                 del chain.entries[later]
             for later in [s for s in chain.wholes if s > since]:
                 del chain.wholes[later]
-            self.held = self._size()
-            if self.held + len(rows) + len(whole) > self.max_bytes:
+            if self._size() + len(rows) + len(whole) > self.max_bytes:
                 self.refused += 1
                 return f"the keeper's memory bound ({self.max_bytes} bytes) is reached"
             chain.entries[step] = _Entry(since=since, full=full, rows=rows)
             chain.wholes[step] = whole
             while len(chain.wholes) > WHOLES_KEPT:
                 chain.wholes.popitem(last=False)
-            self.held = self._size()
             return None
 
     def _size(self) -> int:
@@ -260,7 +257,7 @@ class _Store:
                     str(rank): {"base": c.base, "restorable": c.restorable(), "bytes": c.size()}
                     for rank, c in sorted(chains.items())
                 },
-                "held_bytes": self.held,
+                "held_bytes": self._size(),
                 "max_bytes": self.max_bytes,
                 "refused": self.refused,
             }
@@ -278,7 +275,6 @@ class _Store:
         with self.lock:
             self.jobs.pop(job, None)
             self.worlds.pop(job, None)
-            self.held = self._size()
 
 
 # -- the server --------------------------------------------------------------------------------------
@@ -309,7 +305,10 @@ class Keeper:
         end_exit_s: float = 2.0,
     ) -> None:
         if secret is None and (buddy or any(not a.startswith("unix:") for a in listen)):
-            raise KeeperError("a keeper on TCP (or with a buddy) needs a secret: set WARMSTART_SECRET")
+            raise KeeperError(
+                "a keeper on TCP (or with a buddy) needs a secret: "
+                "set WARMSTART_SECRET, or WARMSTART_KEY_FILE to a private key"
+            )
         self.store = _Store(max_bytes)
         self.secret = secret
         self.idle_exit_s = idle_exit_s
@@ -351,7 +350,8 @@ class Keeper:
         return self
 
     def serve_forever(self) -> None:
-        """Serve until stopped, or idle for ``idle_exit_s`` with no job held."""
+        """Serve until stopped, ``idle_exit_s`` without a request, or ``end_exit_s`` after the last
+        job it held ended."""
         self.start()
         while not self._stop.wait(1.0):
             with self.store.lock:
