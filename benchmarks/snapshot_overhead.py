@@ -5,11 +5,12 @@ torchrun, gloo, CPU) runs in warmstart mode without a failure, alternately with 
 and ``on`` (``--rounds`` times each, so that drift of the machine hits both alike), at each table
 scale of ``--scales`` (1: the reference tables; 10: every table 10x more rows). With snapshots on,
 the node keeper copies each snapshot to a buddy keeper on TCP, as in ``warmstart bench
-cold-vs-warm``. The step time of a run is the median of rank 0's step-to-step intervals after the
-first ``--skip`` steps (from its ETT events); the ratio is on / off, medians over the rounds. Rows
-touched and bytes sent per step come from the ranks' ``snapshots-r*.json`` reports. Usage::
+cold-vs-warm`` (``--no-buddy``: the node keeper only). The step time of a run is the median of
+rank 0's step-to-step intervals after the first ``--skip`` steps (from its ETT events); the ratio
+is on / off, medians over the rounds. Rows touched and bytes sent per step come from the ranks'
+``snapshots-r*.json`` reports. Usage::
 
-    python benchmarks/snapshot_overhead.py [--steps 200] [--rounds 2] [--scales 1,10] [--json FILE]
+    python benchmarks/snapshot_overhead.py [--steps 200] [--rounds 2] [--scales 1,10] [--no-buddy] [--json FILE]
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=20, help="first steps left out of the step time")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--scales", default="1,10", help="table row multipliers, comma-separated")
+    p.add_argument("--no-buddy", action="store_true", help="snapshots kept by the node's keeper only")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
 
-def _run(work: Path, name: str, scale: int, snapshots: bool, steps: int, env: dict[str, str]) -> Path:
+def _run(work: Path, name: str, scale: int, snapshots: bool, steps: int, env: dict[str, str], with_buddy: bool) -> Path:
     """One job; returns its run directory."""
     run_dir = work / name / "runs"
     tmp = Path(tempfile.mkdtemp(prefix="ws-so-", dir="/tmp"))
@@ -49,7 +51,7 @@ def _run(work: Path, name: str, scale: int, snapshots: bool, steps: int, env: di
     args += ["--rows-min", str(1_000 * scale), "--rows-max", str(8_000 * scale)]
     args += ["--checkpoint-dir", str(work / name / "ckpt"), "--checkpoint-every", str(max(steps // 4, 1))]
     try:
-        if snapshots:
+        if snapshots and with_buddy:
             buddy, buddy_pid = start_snapshot_buddy(env, work / name / "buddy.log")
             args += ["--snapshot-buddy", buddy]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(args.rounds):
                 for snapshots in (False, True):
                     name = f"x{scale}-{'on' if snapshots else 'off'}-{r}"
-                    run_dir = _run(work, name, scale, snapshots, args.steps, env)
+                    run_dir = _run(work, name, scale, snapshots, args.steps, env, not args.no_buddy)
                     step = _step_s(run_dir, args.skip)
                     (on if snapshots else off).append(step)
                     if snapshots:
@@ -132,15 +134,19 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nsnapshot overhead (reference job, 2 ranks, {args.steps} steps, {args.rounds} rounds)")
-    print(f"{'tables':>7} {'off ms/step':>12} {'on ms/step':>11} {'on/off':>7} {'rows/step':>10} {'MB/step':>8}")
+    where = "node keeper only" if args.no_buddy else "node keeper and a buddy keeper on TCP"
+    print(f"\nsnapshot overhead (reference job, 2 ranks, {args.steps} steps, {args.rounds} rounds, {where})")
+    head = f"{'tables':>7} {'off ms/step':>12} {'on ms/step':>11} {'on/off':>7} {'rows/step':>10} {'MB/step':>8}"
+    print(f"{head} {'capture ms':>11}")
     for row in results:
         print(
             f"{row['tables_scale']:>6}x {row['step_ms_off']:>12.1f} {row['step_ms_on']:>11.1f} {row['ratio']:>7.3f} "
-            f"{row['rows_per_step']:>10.0f} {row['bytes_per_step'] / 1e6:>8.2f}"
+            f"{row['rows_per_step']:>10.0f} {row['bytes_per_step'] / 1e6:>8.2f} {row['capture_ms_per_step']:>11.1f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"machine": platform.platform(), "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps({"machine": platform.platform(), "buddy": not args.no_buddy, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

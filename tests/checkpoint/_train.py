@@ -159,6 +159,7 @@ def main() -> None:
     p.add_argument("--keeper-fault-at", type=int, default=-1, help="... after this step (attempt 0)")
     p.add_argument("--buddy", help="the buddy keeper (host:port) the node keeper copies to")
     p.add_argument("--buddy-restore", default="", help="the buddy keeper a restarted rank may restore from")
+    p.add_argument("--snapshot-every", type=int, default=1, help="a snapshot after every this many steps")
     p.add_argument("--die-at", type=int, default=-1, help="attempt 0's ranks all exit at the start of this step")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank while it writes the save of this step")
@@ -210,6 +211,7 @@ def main() -> None:
             rank=rank,
             world=world,
             extra={"loader": loader},
+            every=args.snapshot_every,
         )
         restored = snaps.restore(resumed)
         if restored is not None:

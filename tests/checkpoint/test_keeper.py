@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from _wait import until
 
-from warmstart.checkpoint.keeper import Keeper, KeeperClient, KeeperError, check_address, start_keeper
+from warmstart.checkpoint.keeper import Keeper, KeeperClient, KeeperError, _BuddyLink, check_address, start_keeper
 
 SECRET = b"keeper-test"
+_BUDDY_RETRY_S = _BuddyLink.RETRY_S + 0.2
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_a_torn_frame_is_dropped_whole_and_the_keeper_goes_on(keeper, caplog):
     raw = socket.socket(socket.AF_UNIX)
     raw.connect(path)
     header = b'{"op":"put","job":"j","rank":0,"world":1,"step":6,"since":5,"base":5,"sizes":[1000,1000]}'
-    raw.sendall(struct.pack(">4sI", b"WSK1", len(header)) + header + b"x" * 500)
+    raw.sendall(struct.pack(">4sI", b"WSK2", len(header)) + header + b"x" * 500)
     raw.close()  # the sender died half-way through its rows
     with caplog.at_level(logging.WARNING, logger="warmstart.checkpoint"):
         c = _client(keeper)
@@ -164,6 +165,40 @@ def test_a_buddy_that_is_gone_costs_a_put_nothing_and_one_warning(short_dir, cap
         assert c.request({"op": "status", "job": "j"})[0]["buddy"]["sent"] == 0
     finally:
         k.stop()
+
+
+def test_a_buddy_that_missed_snapshots_gets_the_whole_chain_with_the_next_one(short_dir):
+    """The buddy is down for the first puts (the first of them a full snapshot: without it nothing
+    after it restores), then comes up: with the next put it gets the rank's whole good run, and a
+    node loss from then on restores the newest step from it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    k = Keeper([f"unix:{short_dir / 'n.sock'}"], secret=SECRET, buddy=f"127.0.0.1:{port}").start()
+    buddy = None
+    try:
+        c = _client(k)
+        _put(c, 0, -1, full=True)
+        for step in range(1, 4):
+            _put(c, step, step - 1)
+        link = lambda: c.request({"op": "status", "job": "j"})[0]["buddy"]  # noqa: E731
+        until(lambda: link()["behind"] == 1 and link()["queued_bytes"] == 0, timeout=30)  # every try failed
+        buddy = Keeper([f"127.0.0.1:{port}"], secret=SECRET).start()
+        b = KeeperClient(buddy.addresses[0], secret=SECRET, timeout_s=5.0)
+        time.sleep(_BUDDY_RETRY_S)  # the link tries again after its back-off
+        _put(c, 4, 3)
+        until(
+            lambda: 4 in b.request({"op": "status", "job": "j"})[0]["ranks"].get("0", {}).get("restorable", []),
+            timeout=30,
+        )
+        assert _restorable(b) == [1, 2, 3, 4]  # steps 0-3 replayed (their whole states as held), then 4
+        reply, payloads = b.request({"op": "get", "job": "j", "rank": 0, "step": 4})
+        assert reply["steps"] == [0, 1, 2, 3, 4] and payloads[-1] == b"w" * 10
+        assert c.request({"op": "status", "job": "j"})[0]["buddy"]["behind"] == 0
+    finally:
+        k.stop()
+        if buddy is not None:
+            buddy.stop()
 
 
 def test_a_stopped_buddy_never_holds_up_the_keeper(short_dir):

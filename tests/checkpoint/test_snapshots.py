@@ -69,20 +69,26 @@ def socket_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.parametrize("die_at", [DIE_AT, 2], ids=["after-checkpoints", "before-any-checkpoint"])
+@pytest.mark.parametrize(
+    ("die_at", "every", "kept"),
+    [(DIE_AT, 1, DIE_AT - 1), (2, 1, 1), (9, 2, 7)],
+    ids=["after-checkpoints", "before-any-checkpoint", "every-2-steps"],
+)
 def test_a_restart_resumes_from_the_last_step_its_ranks_finished(
-    reference: Path, tmp_path: Path, socket_dir: Path, die_at: int
+    reference: Path, tmp_path: Path, socket_dir: Path, die_at: int, every: int, kept: int
 ):
     """Before any checkpoint, the first snapshot holds every row and the dense optimizer has not
-    stepped yet in the restart (TorchRec's lazy state): restored all the same."""
+    stepped yet in the restart (TorchRec's lazy state): restored all the same. With a snapshot every
+    2 steps, the one after step 7 carries step 6's rows too, and step 8 is lost."""
     keeper = f"unix:{socket_dir / 'node.sock'}"
-    done = torchrun(tmp_path, tmp_path / "ckpt", "--keeper", keeper, "--die-at", str(die_at), restarts=1)
+    args = ["--keeper", keeper, "--die-at", str(die_at), "--snapshot-every", str(every)]
+    done = torchrun(tmp_path, tmp_path / "ckpt", *args, restarts=1)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "exitcode: 17" in done.stderr  # attempt 0 really died
     rep = reports(tmp_path)
     for rank in (0, 1):
-        assert rep[(rank, 1)]["snapshot"] == [die_at - 1, "keeper"]
-        assert rep[(rank, 1)]["resumed"] == die_at - 1
+        assert rep[(rank, 1)]["snapshot"] == [kept, "keeper"]
+        assert rep[(rank, 1)]["resumed"] == kept
     for rank in (0, 1):
         resumed, uninterrupted = final_state(tmp_path, rank), final_state(reference, rank)
         assert resumed.keys() == uninterrupted.keys()

@@ -56,8 +56,8 @@ class JobConfig:
     snapshots: bool = False
     """warmstart mode: per-step snapshots to the node's keeper and the buddy's, so that a restart
     resumes from the step it failed in (docs/checkpoint.md#per-step-snapshots); off: from the last
-    checkpoint, as the baseline does. Off by default: on 2 cores they slow this job's steps down
-    (docs/benchmarks.md#per-step-snapshots)."""
+    checkpoint, as the baseline does. ``warmstart bench cold-vs-warm`` turns them on for cold and warm
+    (``--no-snapshots``: off; docs/benchmarks.md#per-step-snapshots)."""
     snapshot_buddy: str = ""
     """The buddy node's keeper (``host:port``) that this node's keeper copies the snapshots to, and
     that a restart on a new node restores from; empty: none."""

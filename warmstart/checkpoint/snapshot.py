@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import logging
 import queue
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from warmstart.checkpoint import packing
 from warmstart.checkpoint.keeper import KeeperClient, KeeperError
 from warmstart.checkpoint.state import RNGState, prepare_for_load
 
@@ -37,8 +37,10 @@ _SMALL_BUFFER = 1 << 16
 """A table kernel's buffers up to this many elements (step counters, learning-rate state) go whole."""
 _COMPACT_AFTER = 64
 """Lookups recorded between two snapshots before they are merged into one set of rows."""
-CONNECT_WAIT_S = 10.0
+CONNECT_WAIT_S = 30.0
 """How long a rank's first snapshot waits (on the sending thread) for the node's keeper to come up."""
+_KEEP_BUFFER = 256 << 20
+"""A snapshot buffer larger than this (a full snapshot of large tables) is freed once sent."""
 _ROW_BUFFERS = ("weights_", "momentum1_", "momentum2_", "lxu_", "prev_iter_", "row_counter_")
 """Prefixes of a table kernel's row-indexed buffers: copied by the rows a step touched."""
 
@@ -57,6 +59,9 @@ class _Kernel:
     small: dict[str, torch.Tensor]
     touched: list[torch.Tensor] = dataclasses.field(default_factory=list)
     unsupported: str | None = None
+    joined: list[torch.Tensor] | None = None
+    """The weights and each optimizer state of all its tables as one tensor indexed by global row,
+    when the tables lie back to back in memory (fbgemm's layout): one gather a step, not one a table."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +89,9 @@ class StepSnapshots:
         secret: the job's key, as the keepers' (:func:`~warmstart.checkpoint.keeper.keeper_secret`).
         extra: more state to snapshot whole (``state_dict`` / ``load_state_dict``), e.g. the loader.
         max_pending: snapshots waiting to be sent before a new one is skipped.
+        every: take a snapshot after every this many steps (the same on every rank); the steps in
+            between only record the rows they touch, which the next snapshot carries. A failure
+            then loses up to ``every`` steps, and a step costs about 1/``every`` of a snapshot.
     """
 
     def __init__(
@@ -99,7 +107,11 @@ class StepSnapshots:
         secret: bytes | None = None,
         extra: Mapping[str, Any] | None = None,
         max_pending: int = 2,
+        every: int = 1,
     ) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every={every!r}: expected a whole number of steps, 1 or more")
+        self.every = every
         self.model, self.dense_optimizer = model, dense_optimizer
         self.keeper, self.buddy, self.secret = keeper, buddy, secret
         self.job, self.rank, self.world = job, rank, world
@@ -107,12 +119,20 @@ class StepSnapshots:
         self.base = -1
         """The committed checkpoint the snapshots build on (-1: none yet; the first one is full)."""
         self._since: int | None = None  # the step of the last snapshot handed off; None: the next is full
+        self._lost = False  # a snapshot did not reach the keeper: its chain has a gap from there
         self._kernels = _find_kernels(model)
         # The model's parameters include views of the kernels' tables (TorchRec's table slices): those
         # are the rows, not dense state. Anything sharing a kernel tensor's memory is left out.
         kernel_memory = {_storage(t) for k in self._kernels for t in _kernel_tensors(k)}
         self._dense = [(n, t) for n, t in _named_tensors(model) if _storage(t) not in kernel_memory]
+        # DDP keeps these equal on every rank, with their optimizer state: each rank sends a 1/world
+        # share of them, and a restore gathers the shares (see _shared_tensors)
+        self._replicated = _replicated_params(model, kernel_memory, world)
         self._pending: queue.Queue = queue.Queue(maxsize=max_pending)
+        # buffers the state is copied into, reused step after step (fresh memory every step would
+        # cost page faults on the step thread): one per snapshot queued or being sent, rows and whole
+        self._buffers: list[list[torch.Tensor | None]] = [[None, None] for _ in range(max_pending + 1)]
+        self._buffers_lock = threading.Lock()
         self._client: KeeperClient | None = None
         self._warned: set[str] = set()
         self._rows = 0
@@ -156,57 +176,79 @@ class StepSnapshots:
     def capture(self, step: int) -> None:
         """Hand off the state after ``step`` (call it after the optimizer's step). Never waits: when
         the previous snapshots are still being sent, this one is skipped (the next carries its rows)."""
-        if self.off:
+        if self.off or (step + 1) % self.every:  # the steps in between: their rows wait for the next
             return
         t0 = time.perf_counter()
         unsupported = next((k.unsupported for k in self._kernels if k.unsupported), None)
         if unsupported:
             self._turn_off(unsupported)
             return
-        if self._pending.full():
+        with self._buffers_lock:
+            buffers = self._buffers.pop() if self._buffers and not self._pending.full() else None
+        if buffers is None:
             self._skipped += 1
             self._warn("slow", "warmstart: a per-step snapshot was skipped: the keeper is slower than the steps")
             self._capture_s += time.perf_counter() - t0
             return  # the touched rows stay: the next snapshot carries them
-        full = self._since is None and self.base < 0  # no checkpoint under it: every row, once
+        # no checkpoint under it: every row, once; and again after a snapshot was lost, as nothing else
+        # closes that gap (with a checkpoint under it, the next checkpoint does)
+        full = self.base < 0 and (self._since is None or self._lost)
+        self._lost = False
         rows: dict[str, Any] = {}
         touched_rows = 0
         for index, kernel in enumerate(self._kernels):
-            touched = torch.cat(kernel.touched).unique() if kernel.touched else torch.empty(0, dtype=torch.int64)
+            touched = _unique_rows(kernel.touched, int(kernel.row_start[-1]))
             kernel.touched.clear()
+            if kernel.joined is not None:
+                if full:  # copied into the buffer below
+                    rows[str(index)] = {"rows": None, "weight": kernel.joined[0], "states": kernel.joined[1:]}
+                    touched_rows += kernel.joined[0].shape[0]
+                elif touched.numel():
+                    picked = [packing.Rows(t, touched) for t in kernel.joined]  # gathered into the buffer
+                    rows[str(index)] = {"rows": touched, "weight": picked[0], "states": picked[1:]}
+                    touched_rows += touched.numel()
+                continue
             # touched is sorted: each table's rows are one slice of it
             bounds = torch.searchsorted(touched, kernel.row_start).tolist()
             for table, weight in enumerate(kernel.weights):
                 local: torch.Tensor | None = None
+                values: torch.Tensor | packing.Rows
+                states: list[torch.Tensor] | list[packing.Rows]
                 if not full:
                     if bounds[table] == bounds[table + 1]:
                         continue
                     local = touched[bounds[table] : bounds[table + 1]] - kernel.row_start[table]
                 if local is None:
-                    values = weight.clone()
-                    states = [s.clone() for s in kernel.states[table]]
+                    values, states = weight, list(kernel.states[table])  # copied into the buffer below
                     touched_rows += weight.shape[0]
                 else:
-                    values = weight.index_select(0, local)
-                    states = [s.index_select(0, local) for s in kernel.states[table]]
+                    values = packing.Rows(weight, local)
+                    states = [packing.Rows(s, local) for s in kernel.states[table]]
                     touched_rows += local.numel()
                 rows[f"{index}/{table}"] = {"rows": local, "weight": values, "states": states}
+        shared = self._shared_tensors()
         whole = {
             "step": step,
-            "dense": {name: t.detach().clone() for name, t in self._dense},
-            "kernels": {
-                f"{index}/{name}": t.detach().clone()
-                for index, k in enumerate(self._kernels)
-                for name, t in k.small.items()
-            },
-            "optimizer": _clone(self.dense_optimizer.state_dict()),
+            "share": _share_of(shared, self.rank, self.world),
+            "dense": dict(self._dense),
+            "kernels": {f"{index}/{name}": t for index, k in enumerate(self._kernels) for name, t in k.small.items()},
+            "optimizer": self.dense_optimizer.state_dict(),
             "rng": RNGState().state_dict(),
-            "extra": {key: _clone(obj.state_dict()) for key, obj in self.extra.items()},
+            "extra": {key: obj.state_dict() for key, obj in self.extra.items()},
         }
+        # the only copy of the state made on this thread: straight into buffers kept from earlier steps
+        try:
+            plans = [packing.layout(rows), packing.layout(whole, {id(t): j for j, t in enumerate(shared)})]
+            for i, plan in enumerate(plans):
+                buffer = buffers[i] = packing.buffer_for(plan, buffers[i])
+                packing.copy_into(plan, buffer)
+        except Exception as exc:  # noqa: BLE001 - a state that cannot be packed ends the snapshots, not the job
+            self._turn_off(f"the state could not be packed ({type(exc).__name__}: {exc})")
+            return
         header = {"op": "put", "job": self.job, "rank": self.rank, "world": self.world, "step": step}
         header.update(base=self.base, since=self.base if self._since is None else self._since, full=full)
         # (a newer base in the header tells the keeper the checkpoint is durable: no message of its own)
-        self._pending.put_nowait((header, rows, whole))
+        self._pending.put_nowait((header, plans, buffers))
         self._since = step
         self._taken += 1
         self._rows += touched_rows
@@ -260,14 +302,26 @@ class StepSnapshots:
                 if item[0] == "request":
                     self._request(item[1])
                     continue
-                header, rows, whole = item
-                payloads = [_dumps(rows), _dumps(whole)]
-                self._bytes += sum(map(len, payloads))
-                self._request(header, payloads)
+                header, plans, buffers = item
+                try:
+                    self._send(header, plans, buffers)
+                finally:
+                    with self._buffers_lock:
+                        # a full snapshot's buffer (every row) is not kept for the small ones after it
+                        self._buffers.append([b if b.numel() <= _KEEP_BUFFER else None for b in buffers])
             finally:
                 self._pending.task_done()
 
-    def _request(self, header: dict[str, Any], payloads: list[bytes] = ()) -> None:  # type: ignore[assignment]
+    def _send(self, header: dict[str, Any], plans: list[packing.Layout], buffers: list[torch.Tensor]) -> None:
+        try:
+            payloads = [packing.seal(plan, buffer) for plan, buffer in zip(plans, buffers, strict=True)]
+        except Exception as exc:  # noqa: BLE001 - a state that cannot be packed ends the snapshots, not the job
+            self._turn_off(f"the state could not be packed ({type(exc).__name__}: {exc})")
+            return
+        self._bytes += sum(map(len, payloads))
+        self._request(header, payloads)
+
+    def _request(self, header: dict[str, Any], payloads: list[Any] = ()) -> None:  # type: ignore[assignment]
         try:
             if self._client is None:
                 self._client = KeeperClient(self.keeper, secret=self.secret, timeout_s=5.0)
@@ -284,7 +338,10 @@ class StepSnapshots:
                         time.sleep(0.05)
             self._client.request(header, payloads)
         except KeeperError as exc:
-            # the chain on the keeper is broken from here; it starts again at the next checkpoint
+            # the chain on the keeper is broken from here; it starts again at the next checkpoint (or,
+            # with none yet, at the next snapshot, which then holds every row)
+            if header.get("op") == "put":
+                self._lost = not header.get("full")  # a full one lost: no second try, a checkpoint mends it
             self._warn("keeper", f"warmstart: per-step snapshots not kept ({exc}); a restart resumes from a checkpoint")
 
     # -- restoring -----------------------------------------------------------------------------------
@@ -320,7 +377,11 @@ class StepSnapshots:
         if _agree_min(int(parts is not None)) != 1:
             return None
         assert parts is not None
-        self._apply(*parts)
+        rows, whole = parts
+        shared = self._gather_share(whole.pop("share"))
+        if shared is None:
+            return None
+        self._apply(rows, packing.resolve(whole, shared))
         self._since = step
         return step, chosen[0]
 
@@ -351,8 +412,8 @@ class StepSnapshots:
         finally:
             client.close()
         *row_parts, whole_part = payloads
-        rows = [_loads(part) for part in row_parts]
-        whole = _loads(whole_part)
+        rows = [packing.unpack(part, copy=False) for part in row_parts]  # copied into the tables only
+        whole = packing.unpack(whole_part)
         if whole["step"] != step:
             raise ValueError(f"the whole state is of step {whole['step']}, not {step}")
         dense = dict(self._dense)
@@ -370,10 +431,14 @@ class StepSnapshots:
         with torch.no_grad():
             for part in rows:
                 for key, entry in part.items():
-                    index, table = map(int, key.split("/"))
-                    kernel = self._kernels[index]
+                    index, _, table = key.partition("/")
+                    kernel = self._kernels[int(index)]
                     local = entry["rows"]
-                    targets = [kernel.weights[table], *kernel.states[table]]
+                    if table:
+                        targets = [kernel.weights[int(table)], *kernel.states[int(table)]]
+                    else:
+                        assert kernel.joined is not None  # the same job's kernels: joined as when taken
+                        targets = list(kernel.joined)
                     for target, value in zip(targets, [entry["weight"], *entry["states"]], strict=True):
                         if local is None:
                             target.copy_(value)
@@ -391,6 +456,66 @@ class StepSnapshots:
             self.extra[key].load_state_dict(state)
         for kernel in self._kernels:
             kernel.touched.clear()
+
+    def _shared_tensors(self) -> list[torch.Tensor]:
+        """The replicated parameters, then each one's optimizer state of its own shape (Adam's
+        moments, a momentum buffer): equal on every rank when the optimizer is (a sharded optimizer's
+        state differs between ranks, and a restore then refuses the snapshot: see _gather_share)."""
+        state = getattr(self.dense_optimizer, "state", None)
+        out = list(self._replicated)
+        if not isinstance(state, Mapping):
+            return out
+        for param in self._replicated:
+            per_param = state.get(param)
+            if not isinstance(per_param, Mapping):
+                continue
+            for key in sorted(per_param, key=str):
+                t = per_param[key]
+                if (
+                    type(t) is torch.Tensor
+                    and t.shape == param.shape
+                    and t.is_contiguous()
+                    and t.device == param.device
+                ):
+                    out.append(t)
+        return out
+
+    def _gather_share(self, share: dict[str, Any]) -> list[torch.Tensor] | None:
+        """The replicated tensors of the restored step, from every rank's share of them (a
+        collective); ``None`` on every rank when the ranks' snapshots do not split the same tensors."""
+        import torch.distributed as dist
+
+        specs = [(str(dtype), tuple(shape)) for dtype, shape in share["specs"]]
+        signature = _signature(specs, int(share["world"]))
+        grouped = dist.is_available() and dist.is_initialized()
+        if share["world"] != self.world or (specs and self.world > 1 and not grouped):
+            signature = -1
+        if _agree_min(signature) != -_agree_min(-signature) or signature < 0:
+            log.warning("warmstart: the ranks' snapshots do not share the same replicated state; not restored")
+            return None
+        if not specs:
+            return []
+        total = sum(_nbytes(dtype, shape) for dtype, shape in specs)
+        chunk = _chunk(total, self.world)
+        mine = torch.zeros(chunk, dtype=torch.uint8)
+        pieces = [p.reshape(-1) for p in share["pieces"]]
+        if pieces:
+            data = torch.cat(pieces)
+            mine[: data.numel()] = data
+        if self.world > 1:
+            gathered = [torch.empty(chunk, dtype=torch.uint8) for _ in range(self.world)]
+            dist.all_gather(gathered, mine)
+            flat = torch.cat(gathered)
+        else:
+            flat = mine
+        out, offset = [], 0
+        for dtype, shape in specs:
+            n = _nbytes(dtype, shape)
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            t.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + n])
+            out.append(t)
+            offset += n
+        return out
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -439,6 +564,69 @@ def newest_restorable(
     return best
 
 
+def _replicated_params(model: nn.Module, kernel_memory: set[int], world: int) -> list[torch.Tensor]:
+    """The trainable parameters of ``model``'s DistributedDataParallel modules whose process group
+    spans all ``world`` ranks (DDP averages their gradients: every rank holds the same values), in
+    the model's order; none without a process group."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if world <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return []
+    seen: set[int] = set()
+    out = []
+    for module in model.modules():
+        group = getattr(module, "process_group", None)
+        if not isinstance(module, DistributedDataParallel) or group is None or group.size() != world:
+            continue
+        for param in module.module.parameters():
+            if (
+                param.requires_grad
+                and type(param) in (torch.Tensor, nn.Parameter)
+                and param.is_contiguous()
+                and _storage(param) not in kernel_memory
+                and id(param) not in seen
+            ):
+                seen.add(id(param))
+                out.append(param)
+    return out
+
+
+def _share_of(shared: list[torch.Tensor], rank: int, world: int) -> dict[str, Any]:
+    """This rank's share of ``shared`` laid end to end as bytes: the pieces of the byte range
+    ``[rank * chunk, (rank + 1) * chunk)``, and what a restore needs to put them together."""
+    specs = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in shared]
+    total = sum(_nbytes(dtype, shape) for dtype, shape in specs)
+    chunk = _chunk(total, world)
+    lo, hi = rank * chunk, min(total, (rank + 1) * chunk)
+    pieces, start = [], 0
+    for t in shared:
+        end = start + t.numel() * t.element_size()
+        if end > lo and start < hi:
+            raw = t.detach().reshape(-1).view(torch.uint8)
+            pieces.append(raw[max(lo - start, 0) : min(hi, end) - start])
+        start = end
+    return {"specs": specs, "world": world, "pieces": pieces}
+
+
+def _chunk(total: int, world: int) -> int:
+    return -(-total // max(world, 1))
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    for d in shape:
+        n *= d
+    return n
+
+
+def _signature(specs: list[tuple[str, tuple[int, ...]]], world: int) -> int:
+    import hashlib
+
+    digest = hashlib.blake2b(repr((world, specs)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # non-negative, and its negation fits an int64
+
+
 def _find_kernels(model: nn.Module) -> list[_Kernel]:
     try:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -472,8 +660,42 @@ def _find_kernels(model: nn.Module) -> list[_Kernel]:
         )
         if any(len(s) and s[0].shape[0] != w.shape[0] for s, w in zip(states, weights, strict=True)):
             kernel.unsupported = f"{name}: optimizer state not indexed by row"
+        elif weights and len({len(s) for s in states}) == 1:
+            joined = [_joined(weights), *(_joined([s[i] for s in states]) for i in range(len(states[0])))]
+            kernel.joined = None if any(j is None for j in joined) else joined  # type: ignore[assignment]
         found.append(kernel)
     return found
+
+
+def _unique_rows(lookups: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """The distinct row numbers of ``lookups``, sorted (a mask over the rows: faster than a sort)."""
+    if not lookups:
+        return torch.empty(0, dtype=torch.int64)
+    if rows > max(1 << 23, 16 * sum(i.numel() for i in lookups)):  # a mask larger than worth zeroing
+        return torch.cat(lookups).unique()
+    mask = torch.zeros(rows, dtype=torch.bool)
+    for index in lookups:
+        mask[index] = True
+    return mask.nonzero().squeeze(1)
+
+
+def _joined(tables: list[torch.Tensor]) -> torch.Tensor | None:
+    """``tables`` as one tensor (rows of the first, then of the next, ...) when they are contiguous
+    views lying back to back in one storage, with the same row shape and dtype; else ``None``."""
+    first = tables[0]
+    offset = first.storage_offset()
+    for t in tables:
+        if (
+            not t.is_contiguous()
+            or t.dtype != first.dtype
+            or t.shape[1:] != first.shape[1:]
+            or _storage(t) != _storage(first)
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tables)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _kernel_modules(model: nn.Module, kernel_type: type) -> list[tuple[str, nn.Module]]:
@@ -516,28 +738,6 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(t))
             out.append((name, local))
     return out
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clone(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_clone(v) for v in value)
-    return value
-
-
-def _dumps(value: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _agree_min(value: int) -> int:

@@ -76,11 +76,10 @@ def group() -> None:
 )
 @click.option(
     "--snapshots/--no-snapshots",
-    default=False,
+    default=True,
     show_default=True,
     help="Cold and warm hand a snapshot of each step to their node's keeper and a buddy's, and resume "
-    "from the step they failed in (--no-snapshots: from their last checkpoint, as the baseline). "
-    "Off by default: they slow the steps down on small machines (docs/benchmarks.md).",
+    "from the step they failed in (--no-snapshots: from their last checkpoint, as the baseline).",
 )
 @click.option(
     "--work-dir",
@@ -147,7 +146,8 @@ def cold_vs_warm(
     node service, started before their attempt (--no-preload: without). --compile background: cold
     and warm train eagerly while a compile worker compiles, then switch. Every job has 2 ranks under
     torchrun, fails once and restarts on a new machine (fresh local directories), and resumes from
-    its last checkpoint (--snapshots: cold and warm from the last step a buddy node's keeper holds).
+    its last checkpoint; cold and warm from the last step a buddy node's keeper holds (their per-step
+    snapshots; --no-snapshots: from their last checkpoint too).
 
     \b
     Example:
