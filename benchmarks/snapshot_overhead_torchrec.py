@@ -6,7 +6,8 @@ a fused row-wise Adagrad, the dense part under DDP with Adam, batches from Torch
 ``RandomRecDataset``; 2 ranks under torchrun, gloo, CPU. None of it was written for snapshots. Each
 configuration is a new torchrun, alternately snapshots off and on (``--rounds`` times each); with
 snapshots on, each rank hands its snapshot to the node's keeper, which copies it to a buddy keeper on
-TCP (``--no-buddy``: the node keeper only). The step time is the median of rank 0's step times after
+TCP (``--no-buddy``: the node keeper only), its copies overlapping the next step (``--no-overlap``:
+on the training thread). The step time is the median of rank 0's step times after
 the first ``--skip`` steps; the ratio is on / off, medians over the rounds. ``--every K``: a snapshot
 after every K steps. Usage::
 
@@ -40,6 +41,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-buddy", action="store_true", help="snapshots kept by the node's keeper only")
     p.add_argument("--every", type=int, default=1, help="a snapshot after every this many steps")
+    p.add_argument("--no-overlap", action="store_true", help="copies on the training thread (overlap=False)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="dlrm", help=argparse.SUPPRESS)
@@ -107,7 +109,15 @@ def _worker(args: argparse.Namespace) -> None:
             start_keeper(args.keeper, buddy=args.buddy or None, secret=secret)
         dist.barrier()
         snaps = StepSnapshots(
-            dmp, dense, keeper=args.keeper, secret=secret, job="overhead", rank=rank, world=world, every=args.every
+            dmp,
+            dense,
+            keeper=args.keeper,
+            secret=secret,
+            job="overhead",
+            rank=rank,
+            world=world,
+            every=args.every,
+            overlap=not args.no_overlap,  # this loop changes the state only through its optimizers
         )
     times = []
     for step in range(args.steps):
@@ -147,6 +157,7 @@ def _run(args: argparse.Namespace, work: Path, name: str, snapshots: bool, env: 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "--worker"]
     cmd += ["--model", args.model, "--rows", str(args.rows), "--batch-size", str(args.batch_size)]
     cmd += ["--steps", str(args.steps), "--out", str(out), "--every", str(args.every)]
+    cmd += ["--no-overlap"] * args.no_overlap
     buddy_pid = None
     try:
         if snapshots:

@@ -19,6 +19,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -160,6 +161,12 @@ def main() -> None:
     p.add_argument("--buddy", help="the buddy keeper (host:port) the node keeper copies to")
     p.add_argument("--buddy-restore", default="", help="the buddy keeper a restarted rank may restore from")
     p.add_argument("--snapshot-every", type=int, default=1, help="a snapshot after every this many steps")
+    p.add_argument("--overlap", action="store_true", help="snapshots copied while the next step runs")
+    p.add_argument(
+        "--slow-copies",
+        action="store_true",
+        help="the overlapped copies take 0.3 s each, and attempt 0 dies once the keeper has the step before last",
+    )
     p.add_argument("--die-at", type=int, default=-1, help="attempt 0's ranks all exit at the start of this step")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank while it writes the save of this step")
@@ -197,6 +204,17 @@ def main() -> None:
 
         secret = keeper_secret(Settings.from_env())
         args.keeper = args.keeper.replace("{attempt}", str(attempt))
+        if args.slow_copies:  # the next step reaches the updates long before a copy is done
+            import warmstart.checkpoint.snapshot as snapshot_module
+
+            copy_into = snapshot_module.packing.copy_into
+
+            def slow_copy_into(*a, **kw):
+                if threading.current_thread().name == "warmstart-snapshot-copies":
+                    time.sleep(0.3)
+                return copy_into(*a, **kw)
+
+            snapshot_module.packing.copy_into = slow_copy_into
         if int(os.environ["LOCAL_RANK"]) == 0:
             start_keeper(args.keeper, buddy=args.buddy, secret=secret)
         dist.barrier()
@@ -212,6 +230,7 @@ def main() -> None:
             world=world,
             extra={"loader": loader},
             every=args.snapshot_every,
+            overlap=args.overlap,
         )
         restored = snaps.restore(resumed)
         if restored is not None:
@@ -226,13 +245,23 @@ def main() -> None:
         "saved": [],
         "failures": 0,
         "snapshot": report_snapshot if snaps is not None else None,
+        "overlap": snaps.overlap if snaps is not None else None,
     }
     (args.out / f"report-r{rank}-a{attempt}.json").write_text(json.dumps(report))
 
     for step in range(0 if resumed is None else resumed + 1, args.steps):
         if step == args.die_at and attempt == 0:
-            if snaps is not None:
+            if snaps is not None and not args.slow_copies:
                 snaps.flush()
+            elif snaps is not None:  # the keeper has the step before last; the last is still being copied
+                from warmstart.checkpoint.keeper import KeeperClient
+
+                client, deadline = KeeperClient(args.keeper, secret=secret), time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    mine = client.request({"op": "status", "job": "ckpt-test"})[0]["ranks"].get(str(rank), {})
+                    if step - 2 in mine.get("restorable", []):
+                        break
+                    time.sleep(0.01)
             dist.barrier()
             if args.lose_node and rank == 0:
                 from warmstart.checkpoint.keeper import KeeperClient

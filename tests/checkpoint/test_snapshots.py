@@ -70,18 +70,23 @@ def socket_dir() -> Iterator[Path]:
 
 
 @pytest.mark.parametrize(
-    ("die_at", "every", "kept"),
-    [(DIE_AT, 1, DIE_AT - 1), (2, 1, 1), (9, 2, 7)],
-    ids=["after-checkpoints", "before-any-checkpoint", "every-2-steps"],
+    ("die_at", "every", "overlap", "kept"),
+    [(DIE_AT, 1, False, DIE_AT - 1), (2, 1, False, 1), (9, 2, False, 7), (8, 1, True, 6)],
+    ids=["after-checkpoints", "before-any-checkpoint", "every-2-steps", "copies-overlapping-the-next-step"],
 )
 def test_a_restart_resumes_from_the_last_step_its_ranks_finished(
-    reference: Path, tmp_path: Path, socket_dir: Path, die_at: int, every: int, kept: int
+    reference: Path, tmp_path: Path, socket_dir: Path, die_at: int, every: int, overlap: bool, kept: int
 ):
     """Before any checkpoint, the first snapshot holds every row and the dense optimizer has not
     stepped yet in the restart (TorchRec's lazy state): restored all the same. With a snapshot every
-    2 steps, the one after step 7 carries step 6's rows too, and step 8 is lost."""
+    2 steps, the one after step 7 carries step 6's rows too, and step 8 is lost. With the copies
+    overlapping the next step, each made to take 0.3 s, and a death before step 8 that does not wait
+    for step 7's copy: the restart resumes from step 6's snapshot, whose copy overlapped step 7. Step
+    7's table update and dense optimizer step waited for it, or the restored state would hold values
+    of step 7."""
     keeper = f"unix:{socket_dir / 'node.sock'}"
     args = ["--keeper", keeper, "--die-at", str(die_at), "--snapshot-every", str(every)]
+    args += ["--overlap", "--slow-copies"] * overlap
     done = torchrun(tmp_path, tmp_path / "ckpt", *args, restarts=1)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "exitcode: 17" in done.stderr  # attempt 0 really died
@@ -89,6 +94,7 @@ def test_a_restart_resumes_from_the_last_step_its_ranks_finished(
     for rank in (0, 1):
         assert rep[(rank, 1)]["snapshot"] == [kept, "keeper"]
         assert rep[(rank, 1)]["resumed"] == kept
+        assert rep[(rank, 0)]["overlap"] is overlap
     for rank in (0, 1):
         resumed, uninterrupted = final_state(tmp_path, rank), final_state(reference, rank)
         assert resumed.keys() == uninterrupted.keys()

@@ -275,6 +275,7 @@ class Trainer:
             job=self._job_id(),
             rank=self.rank,
             world=self.world_size,
+            overlap=True,  # this loop changes the state only through its optimizers between steps
         )
         restored = self.snapshots.restore(self.resumed_from, step=None if plan is None else plan[0])
         if restored is None and plan is not None:

@@ -39,6 +39,8 @@ _COMPACT_AFTER = 64
 """Lookups recorded between two snapshots before they are merged into one set of rows."""
 CONNECT_WAIT_S = 30.0
 """How long a rank's first snapshot waits (on the sending thread) for the node's keeper to come up."""
+_COPY_WAIT_S = 60.0
+"""Longest a guard waits for an overlapped copy (memory to memory) before snapshots turn off."""
 _KEEP_BUFFER = 256 << 20
 """A snapshot buffer larger than this (a full snapshot of large tables) is freed once sent."""
 _ROW_BUFFERS = ("weights_", "momentum1_", "momentum2_", "lxu_", "prev_iter_", "row_counter_")
@@ -89,6 +91,12 @@ class StepSnapshots:
         secret: the job's key, as the keepers' (:func:`~warmstart.checkpoint.keeper.keeper_secret`).
         extra: more state to snapshot whole (``state_dict`` / ``load_state_dict``), e.g. the loader.
         max_pending: snapshots waiting to be sent before a new one is skipped.
+        overlap: copy the bulk of a snapshot (the touched rows, this rank's share of the replicated
+            state) on a thread of its own, while the next step runs: the training thread then waits
+            for it only if the next step reaches the fused update of the tables or the dense
+            optimizer's step first. Only for loops that change that state through those two alone
+            between ``capture`` and the next step's update (no in-place edits of the parameters or
+            the optimizer state in between); without hooks to wait on, copies stay on the step.
         every: take a snapshot after every this many steps (the same on every rank); the steps in
             between only record the rows they touch, which the next snapshot carries. A failure
             then loses up to ``every`` steps, and a step costs about 1/``every`` of a snapshot.
@@ -108,11 +116,13 @@ class StepSnapshots:
         extra: Mapping[str, Any] | None = None,
         max_pending: int = 2,
         every: int = 1,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every={every!r}: expected a whole number of steps, 1 or more")
         self.every = every
         self.model, self.dense_optimizer = model, dense_optimizer
+        self._owner = threading.get_ident()
         self.keeper, self.buddy, self.secret = keeper, buddy, secret
         self.job, self.rank, self.world = job, rank, world
         self.extra = dict(extra or {})
@@ -148,6 +158,17 @@ class StepSnapshots:
         ]
         self._thread = threading.Thread(target=self._send_loop, name="warmstart-snapshots", daemon=True)
         self._thread.start()
+        # overlap: the deferred part of each copy, on its own thread; the guards wait for it before
+        # anything can change what it reads (the tables' fused update, the dense optimizer's step)
+        self._copied = threading.Event()
+        self._copied.set()
+        self._copies: queue.Queue = queue.Queue()
+        optimizers = _hookable_optimizers(dense_optimizer) if overlap and not self.off else []
+        self.overlap = bool(optimizers)
+        if self.overlap:
+            self._hooks += [o.register_step_pre_hook(lambda *_: self._wait_copied()) for o in optimizers]
+            self._hooks += [k.module.register_forward_hook(self._guard_update) for k in self._kernels]
+            threading.Thread(target=self._copy_loop, name="warmstart-snapshot-copies", daemon=True).start()
 
     # -- taking ------------------------------------------------------------------------------------
 
@@ -177,12 +198,15 @@ class StepSnapshots:
         """Hand off the state after ``step`` (call it after the optimizer's step). Never waits: when
         the previous snapshots are still being sent, this one is skipped (the next carries its rows)."""
         if self.off or (step + 1) % self.every:  # the steps in between: their rows wait for the next
+            if self.off and self._hooks:  # turned off on another thread
+                self._remove_hooks()
             return
         t0 = time.perf_counter()
         unsupported = next((k.unsupported for k in self._kernels if k.unsupported), None)
         if unsupported:
             self._turn_off(unsupported)
             return
+        self._wait_copied()  # (the copying thread has one snapshot at a time)
         with self._buffers_lock:
             buffers = self._buffers.pop() if self._buffers and not self._pending.full() else None
         if buffers is None:
@@ -236,19 +260,25 @@ class StepSnapshots:
             "rng": RNGState().state_dict(),
             "extra": {key: obj.state_dict() for key, obj in self.extra.items()},
         }
-        # the only copy of the state made on this thread: straight into buffers kept from earlier steps
+        # the only copy of the state: straight into buffers kept from earlier steps (with overlap, of
+        # what only the guarded updates change, on the copying thread)
+        deferred = {id(p) for p in whole["share"]["pieces"]} if self.overlap else set()
         try:
             plans = [packing.layout(rows), packing.layout(whole, {id(t): j for j, t in enumerate(shared)})]
             for i, plan in enumerate(plans):
                 buffer = buffers[i] = packing.buffer_for(plan, buffers[i])
-                packing.copy_into(plan, buffer)
+                packing.copy_into(plan, buffer, select=_now(deferred, self.overlap))
         except Exception as exc:  # noqa: BLE001 - a state that cannot be packed ends the snapshots, not the job
             self._turn_off(f"the state could not be packed ({type(exc).__name__}: {exc})")
             return
         header = {"op": "put", "job": self.job, "rank": self.rank, "world": self.world, "step": step}
         header.update(base=self.base, since=self.base if self._since is None else self._since, full=full)
         # (a newer base in the header tells the keeper the checkpoint is durable: no message of its own)
-        self._pending.put_nowait((header, plans, buffers))
+        if self.overlap:
+            self._copied.clear()
+            self._copies.put((header, plans, buffers, deferred))
+        else:
+            self._pending.put_nowait((header, plans, buffers))
         self._since = step
         self._taken += 1
         self._rows += touched_rows
@@ -267,16 +297,15 @@ class StepSnapshots:
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every snapshot taken so far was sent (or dropped); whether that happened in time."""
         deadline = time.monotonic() + timeout_s
-        while self._pending.unfinished_tasks and time.monotonic() < deadline:
+        while (self._copies.unfinished_tasks or self._pending.unfinished_tasks) and time.monotonic() < deadline:
             time.sleep(0.005)
-        return not self._pending.unfinished_tasks
+        return not (self._copies.unfinished_tasks or self._pending.unfinished_tasks)
 
     def close(self) -> None:
         """Stop recording and sending, after what is queued (for 10 s at most)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self._remove_hooks()
         self.flush(timeout_s=10.0)
+        self._copies.put(None)
         with contextlib.suppress(queue.Full):
             self._pending.put_nowait(None)
         self._thread.join(timeout=5.0)
@@ -290,6 +319,39 @@ class StepSnapshots:
             return
         with contextlib.suppress(KeeperError):
             KeeperClient(self.keeper, secret=self.secret, timeout_s=5.0).request({"op": "end", "job": self.job})
+
+    # -- overlapped copies ---------------------------------------------------------------------------
+
+    def _copy_loop(self) -> None:
+        while True:
+            item = self._copies.get()
+            try:
+                if item is None:
+                    return
+                header, plans, buffers, deferred = item
+                try:
+                    for plan, buffer in zip(plans, buffers, strict=True):
+                        packing.copy_into(plan, buffer, select=_later(deferred))
+                except Exception as exc:  # noqa: BLE001 - as on the training thread: snapshots off, job on
+                    self._turn_off(f"the state could not be packed ({type(exc).__name__}: {exc})")
+                    with self._buffers_lock:
+                        self._buffers.append(buffers)
+                    continue
+                finally:
+                    self._copied.set()
+                self._pending.put((header, plans, buffers))  # (the buffers bound what is in flight)
+            finally:
+                self._copies.task_done()
+
+    def _wait_copied(self) -> None:
+        if not self._copied.wait(_COPY_WAIT_S):  # a memory copy: this is a broken thread, not a slow one
+            self._turn_off(f"a snapshot's copy did not finish within {_COPY_WAIT_S:g} s")
+
+    def _guard_update(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A table kernel's output: its gradient reaches the kernel's backward, which applies the fused
+        update to the rows, only after the pending copy read them."""
+        if self.overlap and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self._wait_copied())
 
     # -- sending -------------------------------------------------------------------------------------
 
@@ -521,10 +583,14 @@ class StepSnapshots:
 
     def _turn_off(self, why: str) -> None:
         self.off = why
+        if threading.get_ident() == self._owner:  # (the hooks are the training thread's to remove)
+            self._remove_hooks()
+        self._warn("off", f"warmstart: per-step snapshots off: {why}; restarts resume from checkpoints")
+
+    def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self._warn("off", f"warmstart: per-step snapshots off: {why}; restarts resume from checkpoints")
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -665,6 +731,32 @@ def _find_kernels(model: nn.Module) -> list[_Kernel]:
             kernel.joined = None if any(j is None for j in joined) else joined  # type: ignore[assignment]
         found.append(kernel)
     return found
+
+
+def _hookable_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers whose ``step`` runs step pre-hooks, inside ``optimizer`` (itself, a
+    TorchRec wrapper's ``_optimizer``, a combined optimizer's parts); none when any part has none."""
+    if isinstance(optimizer, torch.optim.Optimizer) and getattr(type(optimizer).step, "hooked", False):
+        return [optimizer]
+    inner = getattr(optimizer, "_optimizer", None)
+    if inner is not None:
+        return _hookable_optimizers(inner)
+    parts = getattr(optimizer, "optimizers", None)
+    if isinstance(parts, (list, tuple)) and parts:
+        found = [_hookable_optimizers(p[1] if isinstance(p, tuple) else p) for p in parts]
+        return [o for f in found for o in f] if all(found) else []
+    return []
+
+
+def _now(deferred: set[int], overlap: bool) -> Any:
+    """Which sources the training thread copies: all, or (overlap) all but the rows and the share."""
+    if not overlap:
+        return None
+    return lambda source: not isinstance(source, packing.Rows) and id(source) not in deferred
+
+
+def _later(deferred: set[int]) -> Any:
+    return lambda source: isinstance(source, packing.Rows) or id(source) in deferred
 
 
 def _unique_rows(lookups: list[torch.Tensor], rows: int) -> torch.Tensor:
