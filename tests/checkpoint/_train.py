@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,6 +137,51 @@ class Tripwire:
         return (Tripwire, (False,))
 
 
+def slow_down_copies() -> None:
+    """Every overlapped copy of a snapshot takes 0.3 s more."""
+    import warmstart.checkpoint.snapshot as snapshot_module
+
+    copy_into = snapshot_module.packing.copy_into
+
+    def slow_copy_into(*a, **kw):
+        if threading.current_thread().name == "warmstart-snapshot-copies":
+            time.sleep(0.3)
+        return copy_into(*a, **kw)
+
+    snapshot_module.packing.copy_into = slow_copy_into
+
+
+def die(args: argparse.Namespace, snaps: Any, secret: bytes | None, rank: int, world: int, step: int) -> None:
+    """Attempt 0's ranks all exit (status 17) at the start of ``step``, as the options say."""
+    if snaps is not None and not args.slow_copies:
+        snaps.flush()
+    elif snaps is not None:  # the keeper has the step before last; the last is still being copied
+        from warmstart.checkpoint.keeper import KeeperClient
+
+        client, deadline = KeeperClient(args.keeper, secret=secret), time.monotonic() + 30
+        while time.monotonic() < deadline:
+            mine = client.request({"op": "status", "job": "ckpt-test"})[0]["ranks"].get(str(rank), {})
+            if step - 2 in mine.get("restorable", []):
+                break
+            time.sleep(0.01)
+    dist.barrier()
+    if args.lose_node and rank == 0:
+        from warmstart.checkpoint.keeper import KeeperClient
+
+        if args.buddy:  # the node goes after the buddy got what the keeper got: both ranks' last step
+            buddy = KeeperClient(args.buddy, secret=secret)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                ranks = buddy.request({"op": "status", "job": "ckpt-test"})[0]["ranks"]
+                if all(step - 1 in ranks.get(str(r), {}).get("restorable", []) for r in range(world)):
+                    break
+                time.sleep(0.01)
+        pid = KeeperClient(args.keeper, secret=secret).request({"op": "ping"})[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        os.unlink(args.keeper.removeprefix("unix:"))
+    os._exit(17)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", type=Path, required=True)
@@ -196,7 +242,7 @@ def main() -> None:
 
     ckpt = Checkpointer(args.dir, mode=args.mode, keep=args.keep, on_error=args.on_error)
     resumed = ckpt.load_latest(state)
-    snaps = None
+    snaps, secret = None, None
     if args.keeper:
         from warmstart.checkpoint.keeper import keeper_secret, start_keeper
         from warmstart.checkpoint.snapshot import StepSnapshots
@@ -205,16 +251,7 @@ def main() -> None:
         secret = keeper_secret(Settings.from_env())
         args.keeper = args.keeper.replace("{attempt}", str(attempt))
         if args.slow_copies:  # the next step reaches the updates long before a copy is done
-            import warmstart.checkpoint.snapshot as snapshot_module
-
-            copy_into = snapshot_module.packing.copy_into
-
-            def slow_copy_into(*a, **kw):
-                if threading.current_thread().name == "warmstart-snapshot-copies":
-                    time.sleep(0.3)
-                return copy_into(*a, **kw)
-
-            snapshot_module.packing.copy_into = slow_copy_into
+            slow_down_copies()
         if int(os.environ["LOCAL_RANK"]) == 0:
             start_keeper(args.keeper, buddy=args.buddy, secret=secret)
         dist.barrier()
@@ -251,33 +288,7 @@ def main() -> None:
 
     for step in range(0 if resumed is None else resumed + 1, args.steps):
         if step == args.die_at and attempt == 0:
-            if snaps is not None and not args.slow_copies:
-                snaps.flush()
-            elif snaps is not None:  # the keeper has the step before last; the last is still being copied
-                from warmstart.checkpoint.keeper import KeeperClient
-
-                client, deadline = KeeperClient(args.keeper, secret=secret), time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    mine = client.request({"op": "status", "job": "ckpt-test"})[0]["ranks"].get(str(rank), {})
-                    if step - 2 in mine.get("restorable", []):
-                        break
-                    time.sleep(0.01)
-            dist.barrier()
-            if args.lose_node and rank == 0:
-                from warmstart.checkpoint.keeper import KeeperClient
-
-                if args.buddy:  # the node goes after the buddy got what the keeper got: both ranks' last step
-                    buddy = KeeperClient(args.buddy, secret=secret)
-                    deadline = time.monotonic() + 30
-                    while time.monotonic() < deadline:
-                        ranks = buddy.request({"op": "status", "job": "ckpt-test"})[0]["ranks"]
-                        if all(step - 1 in ranks.get(str(r), {}).get("restorable", []) for r in range(world)):
-                            break
-                        time.sleep(0.01)
-                pid = KeeperClient(args.keeper, secret=secret).request({"op": "ping"})[0]["pid"]
-                os.kill(pid, signal.SIGKILL)
-                os.unlink(args.keeper.removeprefix("unix:"))
-            os._exit(17)
+            die(args, snaps, secret, rank, world, step)
         kjt, dense, label = loader.next()
         loss = dmp(kjt, dense, label)
         loss.backward()
