@@ -250,6 +250,22 @@ def test_start_keeper_outlives_its_starter_and_keeps_away_from_its_output(short_
         os.kill(pid, 9)
 
 
+def test_start_keeper_without_waiting_returns_the_pid_that_answers_soon_after(short_dir):
+    address = f"unix:{short_dir / 'w.sock'}"
+    pid = start_keeper(address, wait=False)
+    try:
+
+        def answers() -> bool:
+            try:
+                return KeeperClient(address, timeout_s=1.0).request({"op": "ping"})[0]["pid"] == pid
+            except KeeperError:
+                return False
+
+        until(answers, timeout=30)
+    finally:
+        os.kill(pid, 9)
+
+
 @pytest.mark.parametrize("how", ["job-ended", "no-request"])
 def test_a_keeper_process_goes_when_its_job_ends_or_nobody_asks_any_more(short_dir, how):
     """A keeper lives in a session of its own: nothing else stops it. It exits 2 s after its last job

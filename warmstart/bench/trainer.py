@@ -248,7 +248,8 @@ class Trainer:
         self._secret = keeper_secret(Settings.from_env())
         if self.local_rank == 0:
             try:
-                start_keeper(self._keeper, buddy=self._buddy, secret=self._secret)
+                # not waited for: a new node's keeper is empty, and the snapshots wait for it themselves
+                start_keeper(self._keeper, buddy=self._buddy, secret=self._secret, wait=False)
             except KeeperError as exc:  # the job goes on; its snapshots warn once and stop
                 print(f"warmstart: no snapshot keeper on this node ({exc})", file=sys.stderr, flush=True)
         return newest_restorable(

@@ -614,16 +614,19 @@ def start_keeper(
     timeout_s: float = 10.0,
     environ: dict[str, str] | None = None,
     log_path: Path | None = None,
+    wait: bool = True,
 ) -> int | None:
     """Start a keeper process listening on ``address`` in a session of its own (so that it outlives
     its starter and the starter's launcher), unless one answers there already. Returns the new
     process's pid, or ``None`` when one was running. The keeper takes its secret from ``environ``
     (default this process's), as every warmstart process does (:func:`keeper_secret`); ``secret`` must
     be the same key. Its output goes to ``log_path`` (default ``<socket>.log``; a TCP keeper's
-    nowhere), never to the starter's.
+    nowhere), never to the starter's. ``wait=False`` returns once the process is started, before it
+    answers (a rank's first snapshot waits for it on its sending thread): a restart does not spend
+    the keeper's start-up on its way to its first step.
 
     Raises:
-        KeeperError: it did not answer within ``timeout_s``.
+        KeeperError: it did not answer within ``timeout_s`` (with ``wait``).
     """
     try:
         KeeperClient(address, secret=secret, timeout_s=1.0).request({"op": "ping"})
@@ -655,6 +658,8 @@ def start_keeper(
             start_new_session=True,
             close_fds=True,
         )
+    if not wait:
+        return proc.pid
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
