@@ -361,9 +361,6 @@ class StepSnapshots:
             try:
                 if item is None:
                     return
-                if item[0] == "request":
-                    self._request(item[1])
-                    continue
                 header, plans, buffers = item
                 try:
                     self._send(header, plans, buffers)
