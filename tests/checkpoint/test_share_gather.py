@@ -56,3 +56,24 @@ def test_shares_gathered_over_gloo(case):
 def test_a_spacing_that_is_not_a_whole_number_of_steps_is_refused(every):
     with pytest.raises(ValueError, match=r"every=.*expected a whole number of steps, 1 or more"):
         StepSnapshots(torch.nn.Linear(2, 2), None, keeper="unix:/nonexistent", job="j", rank=0, world=1, every=every)
+
+
+def test_a_copy_that_never_finishes_costs_one_bounded_wait_then_snapshots_turn_off(monkeypatch):
+    """A stalled overlapped copy (its thread never signals): the dense optimizer's step waits once,
+    for the bound, then snapshots are off and later steps do not wait at all."""
+    import time
+
+    import warmstart.checkpoint.snapshot as snapshot_module
+
+    monkeypatch.setattr(snapshot_module, "_COPY_WAIT_S", 0.3)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    snaps = StepSnapshots(model, optimizer, keeper="unix:/nonexistent", job="j", rank=0, world=1, overlap=True)
+    assert snaps.overlap  # the optimizer's step hook is the guard
+    snaps._copied.clear()  # a copy in flight that never ends
+    started = time.monotonic()
+    for _ in range(5):
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+    assert time.monotonic() - started < 1.2  # one 0.3 s wait, not five (1.5 s)
+    assert snaps.off and "did not finish within 0.3 s" in snaps.off

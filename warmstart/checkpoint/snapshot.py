@@ -346,6 +346,7 @@ class StepSnapshots:
     def _wait_copied(self) -> None:
         if not self._copied.wait(_COPY_WAIT_S):  # a memory copy: this is a broken thread, not a slow one
             self._turn_off(f"a snapshot's copy did not finish within {_COPY_WAIT_S:g} s")
+            self._copied.set()  # once: no later guard waits for it again
 
     def _guard_update(self, module: nn.Module, args: Any, output: Any) -> None:
         """A table kernel's output: its gradient reaches the kernel's backward, which applies the fused
