@@ -90,6 +90,7 @@ def _snapshot_figures(run_dir: Path) -> dict[str, float]:
         "rows_per_step": sum(r["rows_per_step"] * r["taken"] for r in reports) / taken,
         "bytes_per_step": sum(r["bytes_per_step"] * r["taken"] for r in reports) / taken,
         "capture_ms_per_step": 1000 * sum(r["capture_s"] for r in reports) / taken,
+        "copy_wait_ms_per_step": 1000 * sum(r.get("wait_s", 0.0) for r in reports) / taken,
         "skipped": sum(r["skipped"] for r in reports),
     }
 
@@ -137,11 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     where = "node keeper only" if args.no_buddy else "node keeper and a buddy keeper on TCP"
     print(f"\nsnapshot overhead (reference job, 2 ranks, {args.steps} steps, {args.rounds} rounds, {where})")
     head = f"{'tables':>7} {'off ms/step':>12} {'on ms/step':>11} {'on/off':>7} {'rows/step':>10} {'MB/step':>8}"
-    print(f"{head} {'capture ms':>11}")
+    print(f"{head} {'capture ms':>11} {'copy wait ms':>13}")
     for row in results:
         print(
             f"{row['tables_scale']:>6}x {row['step_ms_off']:>12.1f} {row['step_ms_on']:>11.1f} {row['ratio']:>7.3f} "
             f"{row['rows_per_step']:>10.0f} {row['bytes_per_step'] / 1e6:>8.2f} {row['capture_ms_per_step']:>11.1f}"
+            f" {row['copy_wait_ms_per_step']:>13.1f}"
         )
     if args.json:
         args.json.write_text(

@@ -18,7 +18,18 @@ from pathlib import Path
 import pytest
 from _wait import until
 
-from warmstart.checkpoint.keeper import Keeper, KeeperClient, KeeperError, _BuddyLink, check_address, start_keeper
+from warmstart.checkpoint.keeper import (
+    Keeper,
+    KeeperClient,
+    KeeperError,
+    SharedPayload,
+    _BuddyLink,
+    _recv_frame,
+    _send_frame,
+    check_address,
+    shared_memory,
+    start_keeper,
+)
 
 SECRET = b"keeper-test"
 _BUDDY_RETRY_S = _BuddyLink.RETRY_S + 0.2
@@ -110,7 +121,7 @@ def test_a_torn_frame_is_dropped_whole_and_the_keeper_goes_on(keeper, caplog):
     raw = socket.socket(socket.AF_UNIX)
     raw.connect(path)
     header = b'{"op":"put","job":"j","rank":0,"world":1,"step":6,"since":5,"base":5,"sizes":[1000,1000]}'
-    raw.sendall(struct.pack(">4sI", b"WSK2", len(header)) + header + b"x" * 500)
+    raw.sendall(struct.pack(">4sI", b"WSK3", len(header)) + header + b"x" * 500)
     raw.close()  # the sender died half-way through its rows
     with caplog.at_level(logging.WARNING, logger="warmstart.checkpoint"):
         c = _client(keeper)
@@ -118,6 +129,82 @@ def test_a_torn_frame_is_dropped_whole_and_the_keeper_goes_on(keeper, caplog):
         # the torn connection is read on a thread of its own: wait for its verdict (a hang guard)
         until(lambda: any("torn frame" in r.getMessage() for r in caplog.records), timeout=30)
     assert c.request({"op": "status", "job": "j"})[0]["ranks"]["0"]["restorable"] == []  # 6 never arrived
+
+
+def _get(c: KeeperClient, step: int, rank: int = 0) -> list[bytes]:
+    return [bytes(p) for p in c.request({"op": "get", "job": "j", "rank": rank, "step": step})[1]]
+
+
+def test_memory_files_handed_over_hold_what_they_had_when_the_answer_came(keeper):
+    """A rank's buffers go to the keeper as memory files; it reuses them once answered."""
+    c = _client(keeper)
+    fd, memory = shared_memory(4096)
+    try:
+        memory[:100] = b"a" * 100
+        header = {"op": "put", "job": "j", "rank": 0, "world": 1, "step": 6, "since": 5, "base": 5}
+        c.request(header, [SharedPayload(fd, 60), b"whole"])
+        memory[:100] = b"b" * 100  # the next snapshot, in the same memory
+        c.request({**header, "step": 7, "since": 6}, [SharedPayload(fd, 70), SharedPayload(fd, 10)])
+    finally:
+        memory.close()
+        os.close(fd)
+    assert _get(c, 6) == [b"a" * 60, b"whole"]
+    assert _get(c, 7) == [b"a" * 60, b"b" * 70, b"b" * 10]
+
+
+def test_a_handed_over_file_that_could_shrink_or_is_not_memory_is_refused(keeper, short_dir):
+    path = keeper.addresses[0][5:]
+    plain = os.memfd_create("unsealed")  # no seal: the sender could cut it under the keeper's copy
+    os.ftruncate(plain, 100)
+    disk = os.open(short_dir / "f", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(disk, 100)
+    small, memory = shared_memory(10)
+    header = {"op": "put", "job": "j", "rank": 0, "world": 1, "step": 6, "since": 5, "base": 5}
+    try:
+        for fd in (plain, disk, small):  # (the last one sealed, but smaller than it is said to be)
+            with socket.socket(socket.AF_UNIX) as raw:
+                raw.connect(path)
+                _send_frame(raw, header, [SharedPayload(fd, 50)], None)
+                assert _recv_frame(raw, None) is None  # dropped whole: the connection ends
+    finally:
+        memory.close()
+        for fd in (plain, disk, small):
+            os.close(fd)
+    c = _client(keeper)
+    _put(c, 7, 6, base=5)  # the keeper goes on
+    assert _restorable(c) == []  # step 6 was never held
+
+
+def test_a_payload_whose_sender_let_go_before_the_copy_is_dropped():
+    """The sender gave up waiting and reuses its memory: what the keeper copied may be torn."""
+    fd, memory = shared_memory(100)
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    try:
+        _send_frame(ours, {"op": "put"}, [SharedPayload(fd, 100)], None)
+        ours.close()  # (a timed-out request closes its connection before it reuses the buffer)
+        with pytest.raises(KeeperError, match="let go of a handed-over payload"):
+            _recv_frame(theirs, None)
+        # the same frame from a sender still waiting is read whole
+        ours, theirs = socket.socketpair(socket.AF_UNIX)
+        memory[:] = b"s" * 100
+        _send_frame(ours, {"op": "put"}, [SharedPayload(fd, 100)], None)
+        frame = _recv_frame(theirs, None)
+        assert frame is not None and frame[1] == [b"s" * 100]
+    finally:
+        ours.close()
+        theirs.close()
+        memory.close()
+        os.close(fd)
+
+
+def test_memory_files_are_not_sent_where_they_cannot_be_handed_over():
+    fd, memory = shared_memory(10)
+    try:
+        with socket.socket() as tcp, pytest.raises(KeeperError, match="Unix socket only"):
+            _send_frame(tcp, {"op": "put"}, [SharedPayload(fd, 10)], SECRET)
+    finally:
+        memory.close()
+        os.close(fd)
 
 
 def test_a_frame_without_the_job_secret_is_refused_on_tcp(caplog):
@@ -246,6 +333,33 @@ def test_start_keeper_outlives_its_starter_and_keeps_away_from_its_output(short_
     try:
         assert KeeperClient(address, timeout_s=5.0).request({"op": "ping"})[0]["pid"] == pid
         assert start_keeper(address) is None  # one answers there already
+    finally:
+        os.kill(pid, 9)
+
+
+def _policies(pid: int) -> list[tuple[int, int]]:
+    """(scheduling policy, nice) of each thread of ``pid``, as ``ps -L -o policy,nice`` shows them."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rpartition(")")[2].split()
+        out.append((int(fields[38]), int(fields[16])))
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_a_keeper_takes_in_snapshots_on_idle_cpu_and_answers_questions_at_its_priority(short_dir):
+    """Puts are served by threads a rank never outranks; a starting rank's status is not (the whole
+    keeper at SCHED_IDLE would answer it only when the node's other work leaves a core idle)."""
+    address = f"unix:{short_dir / 'p.sock'}"
+    pid = start_keeper(address)
+    assert pid is not None
+    try:
+        stream, asker = KeeperClient(address, timeout_s=5.0), KeeperClient(address, timeout_s=5.0)
+        _put(stream, 6, 5, base=5)
+        assert _restorable(asker) == [6]
+        policies = _policies(pid)
+        assert policies.count((os.SCHED_IDLE, 10)) == 1  # the thread serving the stream of puts
+        assert all(p == (os.SCHED_OTHER, 10) for p in policies if p[0] != os.SCHED_IDLE)
     finally:
         os.kill(pid, 9)
 

@@ -392,6 +392,7 @@ def _snapshot_figures(run_dir: Path) -> dict[str, Any] | None:
         "rows_per_step": sum(r["rows_per_step"] * r["taken"] for r in reports) / taken,
         "bytes_per_step": sum(r["bytes_per_step"] * r["taken"] for r in reports) / taken,
         "capture_ms_per_step": 1000 * sum(r["capture_s"] for r in reports) / taken,
+        "copy_wait_ms_per_step": 1000 * sum(r.get("wait_s", 0.0) for r in reports) / taken,
     }
 
 

@@ -97,12 +97,16 @@ def layout(state: Any, shared: Mapping[int, int] | None = None) -> Layout:
     return Layout(skeleton, sources, specs, end)
 
 
-def buffer_for(plan: Layout, current: torch.Tensor | None) -> torch.Tensor:
-    """``current`` when it holds ``plan``'s tensors and a skeleton, else a new, larger buffer."""
+def buffer_for(
+    plan: Layout, current: torch.Tensor | None, new: Callable[[int], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """``current`` when it holds ``plan``'s tensors and a skeleton, else a new, larger buffer (of
+    ``new(nbytes)``, a 1-D ``uint8`` tensor; default ``torch.empty``)."""
     need = plan.data_bytes + SKELETON_ROOM
     if current is not None and current.numel() >= need:
         return current
-    return torch.empty(need + need // 4, dtype=torch.uint8)
+    nbytes = need + need // 4
+    return torch.empty(nbytes, dtype=torch.uint8) if new is None else new(nbytes)
 
 
 def copy_into(plan: Layout, buffer: torch.Tensor, select: Callable[[Any], bool] | None = None) -> None:
@@ -125,7 +129,9 @@ def copy_into(plan: Layout, buffer: torch.Tensor, select: Callable[[Any], bool] 
 
 
 def seal(plan: Layout, buffer: torch.Tensor) -> memoryview:
-    """The packed blob: ``buffer``'s tensor bytes (after :func:`copy_into`) and the skeleton."""
+    """The packed blob: ``buffer``'s tensor bytes (after :func:`copy_into`) and the skeleton; a view
+    of the buffer's first bytes when the skeleton fits in the room kept for it, else a copy (whose
+    ``obj`` is ``bytes``)."""
     out = io.BytesIO()
     torch.save({"skeleton": plan.skeleton, "tensors": plan.specs}, out)
     tail = out.getvalue() + _TRAILER.pack(len(out.getvalue()), _MAGIC)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from warmstart.checkpoint import packing
-from warmstart.checkpoint.keeper import KeeperClient, KeeperError
+from warmstart.checkpoint.keeper import KeeperClient, KeeperError, SharedPayload, shared_memory
 from warmstart.checkpoint.state import RNGState, prepare_for_load
 
 log = logging.getLogger("warmstart.checkpoint")
@@ -76,6 +77,8 @@ class SnapshotStats:
     bytes_per_step: float
     capture_s: float
     """Seconds spent in :meth:`StepSnapshots.capture` on the training thread, in total."""
+    wait_s: float = 0.0
+    """Seconds the training thread waited for overlapped copies (``overlap=True``), in total."""
 
 
 class StepSnapshots:
@@ -143,6 +146,10 @@ class StepSnapshots:
         # cost page faults on the step thread): one per snapshot queued or being sent, rows and whole
         self._buffers: list[list[torch.Tensor | None]] = [[None, None] for _ in range(max_pending + 1)]
         self._buffers_lock = threading.Lock()
+        # on the node's Unix socket, the buffers are memory files the keeper copies out of: no bytes
+        # through the socket (their descriptors, by the buffer's address)
+        self._files: dict[int, int] = {}
+        self._use_files = keeper.startswith("unix:")
         self._client: KeeperClient | None = None
         self._warned: set[str] = set()
         self._rows = 0
@@ -150,6 +157,7 @@ class StepSnapshots:
         self._taken = 0
         self._skipped = 0
         self._capture_s = 0.0
+        self._wait_s = 0.0
         self.off: str | None = next((k.unsupported for k in self._kernels if k.unsupported), None)
         if self.off:
             self._warn("off", f"warmstart: per-step snapshots off: {self.off}; restarts resume from checkpoints")
@@ -266,7 +274,10 @@ class StepSnapshots:
         try:
             plans = [packing.layout(rows), packing.layout(whole, {id(t): j for j, t in enumerate(shared)})]
             for i, plan in enumerate(plans):
-                buffer = buffers[i] = packing.buffer_for(plan, buffers[i])
+                old, buffer = buffers[i], packing.buffer_for(plan, buffers[i], self._new_buffer)
+                if old is not None and buffer is not old:
+                    self._release(old)
+                buffers[i] = buffer
                 packing.copy_into(plan, buffer, select=_now(deferred, self.overlap))
         except Exception as exc:  # noqa: BLE001 - a state that cannot be packed ends the snapshots, not the job
             self._turn_off(f"the state could not be packed ({type(exc).__name__}: {exc})")
@@ -292,7 +303,7 @@ class StepSnapshots:
 
     def stats(self) -> SnapshotStats:
         n = max(self._taken, 1)
-        return SnapshotStats(self._taken, self._skipped, self._rows / n, self._bytes / n, self._capture_s)
+        return SnapshotStats(self._taken, self._skipped, self._rows / n, self._bytes / n, self._capture_s, self._wait_s)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every snapshot taken so far was sent (or dropped); whether that happened in time."""
@@ -311,6 +322,11 @@ class StepSnapshots:
         self._thread.join(timeout=5.0)
         if self._client is not None:
             self._client.close()
+        with self._buffers_lock:
+            for buffers in self._buffers:
+                for buffer in buffers:
+                    if buffer is not None:
+                        self._release(buffer)
 
     def end_job(self) -> None:
         """The job is over on every rank (call it once per node, after a barrier): the node's keeper
@@ -344,7 +360,12 @@ class StepSnapshots:
                 self._copies.task_done()
 
     def _wait_copied(self) -> None:
-        if not self._copied.wait(_COPY_WAIT_S):  # a memory copy: this is a broken thread, not a slow one
+        if self._copied.is_set():
+            return
+        t0 = time.perf_counter()
+        copied = self._copied.wait(_COPY_WAIT_S)
+        self._wait_s += time.perf_counter() - t0
+        if not copied:  # a memory copy: this is a broken thread, not a slow one
             self._turn_off(f"a snapshot's copy did not finish within {_COPY_WAIT_S:g} s")
             self._copied.set()  # once: no later guard waits for it again
 
@@ -366,6 +387,9 @@ class StepSnapshots:
                 try:
                     self._send(header, plans, buffers)
                 finally:
+                    for b in buffers:
+                        if b is not None and b.numel() > _KEEP_BUFFER:
+                            self._release(b)
                     with self._buffers_lock:
                         # a full snapshot's buffer (every row) is not kept for the small ones after it
                         self._buffers.append([b if b.numel() <= _KEEP_BUFFER else None for b in buffers])
@@ -374,12 +398,35 @@ class StepSnapshots:
 
     def _send(self, header: dict[str, Any], plans: list[packing.Layout], buffers: list[torch.Tensor]) -> None:
         try:
-            payloads = [packing.seal(plan, buffer) for plan, buffer in zip(plans, buffers, strict=True)]
+            payloads: list[Any] = [packing.seal(plan, buffer) for plan, buffer in zip(plans, buffers, strict=True)]
         except Exception as exc:  # noqa: BLE001 - a state that cannot be packed ends the snapshots, not the job
             self._turn_off(f"the state could not be packed ({type(exc).__name__}: {exc})")
             return
+        if self._files:  # handed over as memory files where they are (not a copy of the skeleton's)
+            for i, (payload, buffer) in enumerate(zip(payloads, buffers, strict=True)):
+                fd = self._files.get(buffer.data_ptr())
+                if fd is not None and not isinstance(payload.obj, bytes):
+                    payloads[i] = SharedPayload(fd, len(payload))
         self._bytes += sum(map(len, payloads))
         self._request(header, payloads)
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._use_files:
+            try:
+                fd, memory = shared_memory(nbytes)
+            except OSError:
+                self._use_files = False  # (no memory files here: the bytes go through the socket)
+            else:
+                buffer = torch.frombuffer(memory, dtype=torch.uint8)
+                self._files[buffer.data_ptr()] = fd
+                return buffer
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        """A buffer is dropped: its memory file's descriptor goes (its map with the last view of it)."""
+        fd = self._files.pop(buffer.data_ptr(), None)
+        if fd is not None:
+            os.close(fd)
 
     def _request(self, header: dict[str, Any], payloads: list[Any] = ()) -> None:  # type: ignore[assignment]
         try:
