@@ -95,6 +95,8 @@ def test_a_restart_resumes_from_the_last_step_its_ranks_finished(
         assert rep[(rank, 1)]["snapshot"] == [kept, "keeper"]
         assert rep[(rank, 1)]["resumed"] == kept
         assert rep[(rank, 0)]["overlap"] is overlap
+        # the training thread's waits for the slowed copies are counted (without overlap: none)
+        assert (rep[(rank, 1)]["snapshot_stats"]["wait_s"] > 0) is overlap
     for rank in (0, 1):
         resumed, uninterrupted = final_state(tmp_path, rank), final_state(reference, rank)
         assert resumed.keys() == uninterrupted.keys()
