@@ -184,8 +184,9 @@ def test_a_payload_whose_sender_let_go_before_the_copy_is_dropped():
         ours.close()  # (a timed-out request closes its connection before it reuses the buffer)
         with pytest.raises(KeeperError, match="let go of a handed-over payload"):
             _recv_frame(theirs, None)
-        # the same frame from a sender still waiting is read whole
+        # the same frame from a sender still waiting is read whole (at once, whatever the timeout)
         ours, theirs = socket.socketpair(socket.AF_UNIX)
+        theirs.settimeout(30.0)
         memory[:] = b"s" * 100
         _send_frame(ours, {"op": "put"}, [SharedPayload(fd, 100)], None)
         frame = _recv_frame(theirs, None)

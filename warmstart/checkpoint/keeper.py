@@ -163,12 +163,16 @@ def _recv_frame(sock: socket.socket, secret: bytes | None) -> tuple[dict[str, An
 
 
 def _still_connected(sock: socket.socket) -> bool:
+    timeout = sock.gettimeout()
+    sock.setblocking(False)  # (a socket with a timeout would first wait that long for a byte)
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        return sock.recv(1, socket.MSG_PEEK) != b""
     except BlockingIOError:
         return True
     except OSError:
         return False
+    finally:
+        sock.settimeout(timeout)
 
 
 def _read_shared(fd: int, size: int) -> bytes:
