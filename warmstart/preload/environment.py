@@ -33,6 +33,7 @@ IMPORT_TIME_NAMES = (
     "XDG_CACHE_HOME",  # Triton's and torch's default cache directories
     "LD_LIBRARY_PATH",
     "LD_PRELOAD",  # which shared libraries torch and its extensions loaded
+    "PATH",  # a CUDA build's torch.utils.cpp_extension finds CUDA_HOME from nvcc on it, at import
     "CXX",  # torch._inductor.config's C++ compiler, read when it is imported
     "KINETO_LOG_LEVEL",
     "KINETO_USE_DAEMON",  # libkineto, loaded with torch
